@@ -1,0 +1,126 @@
+"""The `bigfit` command: `bigfit train` and `bigfit consolidate`.
+
+Settings come from the TrainConfig defaults, then a --config file, then flags actually given on
+the command line, in that order. User mistakes exit with status 2 and one line, no traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+from pathlib import Path
+
+from .config import PRECISIONS, STRATEGIES, TrainConfig, load_config_file, validate
+from .errors import BigfitError
+
+
+def _flag_type(f: dataclasses.Field):
+    hint = str(f.type)
+    if "int" in hint:
+        return int
+    if "float" in hint:
+        return float
+    return str
+
+
+def _field_help() -> dict[str, str]:
+    """The trailing comment of each field in config.py is its help text."""
+    import inspect
+
+    from . import config
+
+    helps = {}
+    for line in inspect.getsource(config.TrainConfig).splitlines():
+        name, _, rest = line.strip().partition(":")
+        if "#" in rest:
+            helps[name] = rest.split("#", 1)[1].strip()
+    return helps
+
+
+def _train_parser(sub) -> None:
+    p = sub.add_parser("train", help="train or fine-tune a model", argument_default=argparse.SUPPRESS)
+    p.add_argument("--config", help="YAML or JSON file of settings (any of the flags below)")
+    helps = _field_help()
+    for f in dataclasses.fields(TrainConfig):
+        if f.name in ("extra", "resume", "consolidate"):
+            continue
+        kw = dict(help=helps.get(f.name, ""), type=_flag_type(f))
+        if f.name == "strategy":
+            kw["help"] += f" ({', '.join(STRATEGIES)})"
+        if f.name == "precision":
+            kw["help"] += f" ({', '.join(PRECISIONS)})"
+        p.add_argument("--" + f.name.replace("_", "-"), dest=f.name, **kw)
+    p.add_argument("--resume", nargs="?", const="latest", help=helps["resume"])
+    p.add_argument("--no-consolidate", dest="consolidate", action="store_false",
+                   help="skip writing OUTPUT/model at the end")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="bigfit", description="Train models that do not fit on one device.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _train_parser(sub)
+    c = sub.add_parser("consolidate", help="sharded checkpoint -> one Hugging Face model directory")
+    c.add_argument("checkpoint", help="a checkpoint directory (OUTPUT/checkpoints/step-N)")
+    c.add_argument("out", help="the model directory to write")
+    return parser.parse_args(argv)
+
+
+def config_from_args(ns: argparse.Namespace) -> TrainConfig:
+    values = load_config_file(ns.config) if getattr(ns, "config", None) else {}
+    values.update({k: v for k, v in vars(ns).items() if k not in ("command", "config")})
+    cfg = TrainConfig(**values)
+    validate(cfg)
+    return cfg
+
+
+def _default_nproc(cfg: TrainConfig) -> int:
+    if cfg.strategy == "single":
+        return 1
+    import torch
+
+    return torch.cuda.device_count() or 2
+
+
+def train_command(argv: list[str], ns: argparse.Namespace) -> int:
+    from .distributed import launched_by_torchrun_env
+    from .launch import launch_local, write_error
+
+    cfg = config_from_args(ns)
+    if launched_by_torchrun_env():  # a worker: of bigfit's launcher or of torchrun
+        from .train.loop import train
+
+        try:
+            train(cfg)
+        except Exception as e:
+            if not os.environ.get("BIGFIT_ERROR_FILE"):
+                raise  # under torchrun: its own error handling shows it
+            write_error(e)  # bigfit's launcher shows the first failure, once
+            return 1
+        return 0
+    nproc = cfg.nproc or _default_nproc(cfg)
+    from .train.job import prepare
+
+    prepare(cfg, nproc)  # every check that needs no process, before any process starts
+    if nproc == 1:
+        from .train.loop import train
+
+        train(cfg)
+        return 0
+    return launch_local(argv, nproc, Path(cfg.output_dir) / "logs")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    ns = parse_args(argv)
+    try:
+        if ns.command == "train":
+            return train_command(argv, ns)
+        from .train.consolidate import consolidate
+
+        print(f"wrote {consolidate(ns.checkpoint, ns.out)}")
+        return 0
+    except BigfitError as e:
+        if os.environ.get("RANK", "0") == "0":  # under torchrun every rank finds the same mistake
+            print(f"error: {e}", file=sys.stderr)
+        return 2

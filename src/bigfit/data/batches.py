@@ -1,0 +1,49 @@
+"""The order of samples, fixed by (seed, step) alone, and padding into tensors.
+
+The global batch of step s is positions [s*B, (s+1)*B) of an endless stream of seeded epoch
+permutations. Rank r takes its contiguous share and cuts it into micro-batches. Changing the
+number of processes or the micro-batch size therefore changes only who computes which sample,
+never which samples make a step, and resuming at step s needs no saved data-loader state.
+"""
+from __future__ import annotations
+
+import torch
+
+from .tokenize import IGNORE
+
+
+class Batcher:
+    def __init__(self, n_samples: int, batch_size: int, seed: int):
+        self.n, self.batch_size, self.seed = n_samples, batch_size, seed
+        self._perms: dict[int, list[int]] = {}
+
+    def _perm(self, epoch: int) -> list[int]:
+        if epoch not in self._perms:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._perms = {epoch: torch.randperm(self.n, generator=g).tolist()}  # keep one epoch
+        return self._perms[epoch]
+
+    def global_batch(self, step: int) -> list[int]:
+        start = step * self.batch_size
+        return [self._perm(pos // self.n)[pos % self.n] for pos in range(start, start + self.batch_size)]
+
+    def micro_batches(self, step: int, rank: int, world: int, micro: int) -> list[list[int]]:
+        """This rank's micro-batches of the step, as sample indices."""
+        per_rank = self.batch_size // world
+        mine = self.global_batch(step)[rank * per_rank:(rank + 1) * per_rank]
+        return [mine[i:i + micro] for i in range(0, per_rank, micro)]
+
+
+def collate(samples: list[dict], pad_id: int, device=None) -> dict[str, torch.Tensor]:
+    """Right-pad `input_ids` (with pad_id) and `labels` (with -100) to the longest sample."""
+    width = max(len(s["input_ids"]) for s in samples)
+    lab_width = max(len(s["labels"]) for s in samples)
+    ids = torch.full((len(samples), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(samples), width), dtype=torch.long)
+    labels = torch.full((len(samples), lab_width), IGNORE, dtype=torch.long)
+    for i, s in enumerate(samples):
+        ids[i, :len(s["input_ids"])] = torch.tensor(s["input_ids"])
+        mask[i, :len(s["input_ids"])] = 1
+        labels[i, :len(s["labels"])] = torch.tensor(s["labels"])
+    out = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    return {k: v.to(device) for k, v in out.items()} if device is not None else out

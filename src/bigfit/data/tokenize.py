@@ -1,0 +1,71 @@
+"""Turning examples into token samples, and holding out the evaluation split.
+
+A sample is a dict of `input_ids` and `labels` (token id lists; -100 marks positions without loss)
+plus, for source/target pairs, the raw strings that evaluation compares generations with.
+Encoder-decoder: input = source, labels = target. Decoder-only: input = source + target with the
+source masked out of the loss, or a block of `max_source_len` tokens of running text.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from ..errors import BigfitError
+
+IGNORE = -100
+
+
+@dataclass
+class Dataset:
+    train: list[dict]
+    eval: list[dict]
+    pad_id: int
+
+
+def _ids(tok, text: str) -> list[int]:
+    ids = tok(text, add_special_tokens=True)["input_ids"]
+    if tok.eos_token_id is not None and (not ids or ids[-1] != tok.eos_token_id):
+        ids = ids + [tok.eos_token_id]  # GPT-2-style tokenizers add no end marker themselves
+    return ids
+
+
+def _pair_sample(tok, ex: dict, seq2seq: bool, max_src: int, max_tgt: int) -> dict:
+    src, tgt = _ids(tok, ex["source"])[:max_src], _ids(tok, ex["target"])[:max_tgt]
+    if seq2seq:
+        return {"input_ids": src, "labels": tgt, "source": ex["source"], "target": ex["target"]}
+    if tok.eos_token_id is not None and src and src[-1] == tok.eos_token_id:
+        src = src[:-1]  # the prompt runs straight into its answer
+    return {"input_ids": src + tgt, "labels": [IGNORE] * len(src) + tgt,
+            "source": ex["source"], "target": ex["target"], "prompt_len": len(src)}
+
+
+def _text_blocks(tok, examples: list[dict], block: int) -> list[dict]:
+    stream: list[int] = []
+    for ex in examples:
+        stream += _ids(tok, ex["text"])
+    blocks = [stream[i:i + block] for i in range(0, len(stream) - block + 1, block)]
+    return [{"input_ids": b, "labels": list(b)} for b in blocks]
+
+
+def build_dataset(examples: list[dict], tok, seq2seq: bool, *, max_source_len: int, max_target_len: int,
+                  eval_samples: int, seed: int, min_train: int) -> Dataset:
+    """Tokenize, then hold out `eval_samples` samples chosen by `seed` (the same on every rank)."""
+    is_text = "text" in examples[0]
+    if is_text and seq2seq:
+        raise BigfitError("this model is an encoder-decoder and needs source/target data, but --data holds "
+                          "'text' records; give JSONL/CSV with source and target, or a decoder-only model")
+    if is_text:
+        samples = _text_blocks(tok, examples, max_source_len)
+    else:
+        samples = [_pair_sample(tok, ex, seq2seq, max_source_len, max_target_len) for ex in examples]
+    order = list(range(len(samples)))
+    random.Random(seed).shuffle(order)
+    n_eval = min(eval_samples, len(samples) // 10) if eval_samples else 0
+    held = set(order[:n_eval])
+    train = [s for i, s in enumerate(samples) if i not in held]
+    if len(train) < min_train:
+        raise BigfitError(f"--data gives {len(train)} training samples after holding out {n_eval} for evaluation "
+                          f"(blocks of {max_source_len} tokens for text); one global batch needs {min_train}: "
+                          "give more data or a smaller --batch-size")
+    pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+    return Dataset(train=train, eval=[samples[i] for i in order[:n_eval]], pad_id=pad)

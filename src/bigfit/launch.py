@@ -1,0 +1,101 @@
+"""Starting local workers: `bigfit train --nproc N` runs N copies of itself with the torchrun
+environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), so a worker
+cannot tell bigfit's launcher from torchrun's, and no script ever needs a --local_rank argument.
+
+Fail fast: the first worker that exits non-zero brings the others down (SIGTERM, then SIGKILL),
+and its error is printed once. Workers report errors through a JSON file each (the path is in
+BIGFIT_ERROR_FILE), the same way torchelastic's error files work.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+from .errors import BigfitError
+
+GRACE_S = 5.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_error(exc: BaseException) -> None:
+    """Called by a failing worker: leave its error for the launcher (when there is one)."""
+    path = os.environ.get("BIGFIT_ERROR_FILE")
+    if not path:
+        return
+    user = isinstance(exc, BigfitError)
+    Path(path).write_text(json.dumps({
+        "rank": int(os.environ.get("RANK", 0)), "time": time.time(), "user_error": user,
+        "message": str(exc) if user else f"{type(exc).__name__}: {exc}",
+        "traceback": "" if user else "".join(traceback.format_exception(exc))}))
+
+
+def _stop(procs: dict[int, subprocess.Popen]) -> None:
+    for p in procs.values():
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + GRACE_S
+    for p in procs.values():
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def _report(failed_rank: int, code: int, err_dir: Path, log_dir: Path) -> str:
+    errors = [json.loads(f.read_text()) for f in err_dir.glob("rank-*.json")]
+    if errors:
+        first = min(errors, key=lambda e: e["time"])  # later ones are usually "peer went away"
+        if first["user_error"]:
+            return f"error: {first['message']}"
+        return (f"worker rank {first['rank']} failed: {first['message']}\n{first['traceback']}"
+                f"(logs of the other ranks: {log_dir})")
+    how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
+    return f"worker rank {failed_rank} {how} (logs of the other ranks: {log_dir})"
+
+
+def launch_local(argv: list[str], nproc: int, log_dir: Path) -> int:
+    """Run `python -m bigfit <argv>` as `nproc` workers on this machine; returns the exit status."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="bigfit-errors-") as tmp:
+        err_dir, procs = Path(tmp), {}
+        for rank in range(nproc):
+            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
+                       LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                       BIGFIT_ERROR_FILE=str(err_dir / f"rank-{rank}.json"), PYTHONUNBUFFERED="1")
+            # rank 0 talks to the terminal; the others write logs, read only when something fails
+            out = None if rank == 0 else open(log_dir / f"rank-{rank}.log", "w")
+            procs[rank] = subprocess.Popen([sys.executable, "-m", "bigfit", *argv], env=env,
+                                           stdout=out, stderr=subprocess.STDOUT if out else None)
+        by_pid = {p.pid: r for r, p in procs.items()}
+        try:
+            while by_pid:
+                pid, status = os.wait()
+                rank = by_pid.pop(pid, None)
+                if rank is None:
+                    continue
+                code = os.waitstatus_to_exitcode(status)
+                procs[rank].returncode = code
+                if code != 0:
+                    _stop(procs)
+                    print(_report(rank, code, err_dir, log_dir), file=sys.stderr)
+                    return code if code > 0 else 1
+        except KeyboardInterrupt:
+            _stop(procs)
+            print("interrupted: all workers stopped", file=sys.stderr)
+            return 130
+    return 0

@@ -1,0 +1,122 @@
+"""Finding, building and describing the model and its tokenizer.
+
+`--model` may be a hub name, a local directory with weights, or a directory holding only
+config.json (random init). With no `--model`, the embedded default is a tiny T5 built from config:
+unequal encoder/decoder depth and tied embeddings, the shape that breaks naive model parallelism.
+When no tokenizer files come with the model, a byte-level tokenizer (ByT5's, which needs no
+files) is used, so nothing is ever downloaded for the default job or the tests.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer, ByT5Tokenizer
+
+from .errors import BigfitError
+
+BYTE_VOCAB = 384  # ByT5: 3 specials + 256 bytes + 125 sentinel ids
+
+# The embedded default: about 0.9M parameters, learns the embedded task in a few hundred steps on a CPU.
+DEFAULT_T5 = dict(
+    model_type="t5", vocab_size=BYTE_VOCAB, d_model=128, d_kv=32, d_ff=256, num_layers=2,
+    num_decoder_layers=3, num_heads=4, dropout_rate=0.0, tie_word_embeddings=True,
+    feed_forward_proj="relu", decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "spiece.model", "tokenizer.model")
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where the model comes from. `kind` is default | config (random init) | weights | hub."""
+
+    kind: str
+    name: str | None
+
+
+def locate(model: str | None) -> ModelSource:
+    """Classify `--model` without loading anything heavy; raises BigfitError for a bad local path."""
+    if model is None:
+        return ModelSource("default", None)
+    p = Path(model).expanduser()
+    if p.exists():
+        if not (p / "config.json").is_file():
+            raise BigfitError(f"--model {model!r} is a path but holds no config.json; give a Hugging Face "
+                              "model directory (config.json, optionally weights) or a hub name")
+        has_weights = any((p / f).exists() for f in WEIGHT_FILES)
+        return ModelSource("weights" if has_weights else "config", str(p))
+    if model.startswith((".", "/", "~")) or model.count("/") > 1 or os.sep + os.sep in model:
+        raise BigfitError(f"--model {model!r} does not exist; give a local model directory or a hub name "
+                          "like 'google-t5/t5-small'")
+    return ModelSource("hub", model)
+
+
+def load_config(src: ModelSource):
+    if src.kind == "default":
+        cfg = dict(DEFAULT_T5)
+        return AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    try:
+        return AutoConfig.from_pretrained(src.name)
+    except (OSError, ValueError) as e:
+        raise BigfitError(f"--model {src.name!r} could not be loaded: {str(e).splitlines()[0]}") from None
+
+
+def is_seq2seq(config) -> bool:
+    return bool(getattr(config, "is_encoder_decoder", False))
+
+
+def load_tokenizer(src: ModelSource, config):
+    """The model's own tokenizer when one ships with it, else the file-free byte-level one."""
+    has_files = src.kind == "hub" or (src.name and any((Path(src.name) / f).exists() for f in TOKENIZER_FILES))
+    if has_files:
+        try:
+            return AutoTokenizer.from_pretrained(src.name)
+        except (OSError, ValueError) as e:
+            if src.kind == "hub":
+                raise BigfitError(f"tokenizer of --model {src.name!r} could not be loaded: {e}") from None
+    tok = ByT5Tokenizer()
+    vocab = getattr(config, "vocab_size", 0)
+    if vocab < len(tok):
+        raise BigfitError(f"--model {src.name!r} ships no tokenizer and its vocab_size {vocab} is smaller than "
+                          f"the byte-level tokenizer's {len(tok)}; add tokenizer files or raise vocab_size")
+    return tok
+
+
+def build_model(src: ModelSource, config, seed: int) -> torch.nn.Module:
+    """The model in fp32 on the CPU: pretrained weights, or random init from `seed` (the same on
+    every rank, so that sharding starts from the same weights the single-process run has)."""
+    auto = AutoModelForSeq2SeqLM if is_seq2seq(config) else AutoModelForCausalLM
+    torch.manual_seed(seed)
+    if src.kind in ("weights", "hub"):
+        try:
+            model = auto.from_pretrained(src.name, dtype=torch.float32)
+        except (OSError, ValueError) as e:
+            raise BigfitError(f"weights of --model {src.name!r} could not be loaded: {e}") from None
+    else:
+        model = auto.from_config(config, dtype=torch.float32)
+    model.config.use_cache = False  # training never needs the KV cache; evaluation asks for it itself
+    return model
+
+
+def block_lists(model: torch.nn.Module) -> list[tuple[str, torch.nn.ModuleList]]:
+    """The transformer block stacks: under each top-level child, the longest ModuleList whose items
+    all share one class (encoder.block and decoder.block for T5, transformer.h for GPT-2, model.layers
+    for Llama). Sharding, checkpointing and splitting all work per block."""
+    found = []
+    for top_name, top in model.named_children():
+        best = None
+        for name, mod in top.named_modules():
+            if isinstance(mod, torch.nn.ModuleList) and len(mod) and len({type(m) for m in mod}) == 1:
+                if best is None or len(mod) > len(best[1]):
+                    best = (f"{top_name}.{name}" if name else top_name, mod)
+        if best:
+            found.append(best)
+    return found
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

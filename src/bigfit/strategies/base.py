@@ -1,0 +1,32 @@
+"""What applying a strategy returns: the callable model plus the few hooks the loop needs."""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Applied:
+    model: torch.nn.Module  # what the training loop calls (a DDP wrapper, an FSDP2 module, or the model)
+    module: torch.nn.Module  # the Hugging Face model itself: config, generate(), state dict names
+    strategy: str
+    autocast: torch.dtype | None = None  # autocast dtype for forward passes (mixed precision without FSDP)
+
+    def forward_context(self):
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        device = next(self.module.parameters()).device.type
+        return torch.autocast(device, dtype=self.autocast)
+
+    def accumulation_context(self, sync: bool):
+        """Skip the gradient all-reduce on accumulation micro-batches (DDP); a no-op elsewhere."""
+        if sync or not hasattr(self.model, "no_sync"):
+            return contextlib.nullcontext()
+        return self.model.no_sync()
+
+    def generation_context(self):
+        """generate() calls the encoder and the embeddings directly, not through the root forward, so
+        parameters that FSDP2 keeps in the root group must be gathered for the whole call."""
+        return contextlib.nullcontext()

@@ -1,0 +1,113 @@
+"""Checkpoints with torch.distributed.checkpoint (DCP), written atomically.
+
+Layout: OUTPUT/checkpoints/step-00000100/ holds the DCP files of the model and optimizer (each rank
+writes its own shards), rank-N.pt (that rank's RNG state), trainer.json (step, config), the model's
+config.json and tokenizer files (so that `bigfit consolidate` needs nothing else), and last of all
+the marker COMPLETE. Everything is written under a hidden `.step-N.partial` name first and renamed
+once every rank has finished, so a crash mid-save never leaves a directory that looks complete; a
+leftover `.partial` is ignored and cleared by the next save of that step.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from ..distributed import Runtime, barrier
+from ..errors import BigfitError
+from ..faults import maybe_die
+
+MARKER = "COMPLETE"
+NAME = re.compile(r"^step-(\d+)$")
+
+
+def is_checkpoint(path: Path) -> bool:
+    return path.is_dir() and NAME.match(path.name) is not None and (path / MARKER).is_file()
+
+
+def latest(root: Path) -> Path | None:
+    done = [p for p in root.glob("step-*") if is_checkpoint(p)] if root.is_dir() else []
+    return max(done, key=lambda p: int(NAME.match(p.name).group(1)), default=None)
+
+
+def resolve_resume(arg: str, output_dir: str) -> Path:
+    """`--resume latest` or a path: the checkpoint directory to load, or a BigfitError."""
+    if arg == "latest":
+        root = Path(output_dir) / "checkpoints"
+        found = latest(root)
+        if found is None:
+            raise BigfitError(f"--resume: no complete checkpoint in {str(root)!r}; train without --resume "
+                              "first, or give a checkpoint directory")
+        return found
+    p = Path(arg).expanduser()
+    if not is_checkpoint(p):
+        raise BigfitError(f"--resume {arg!r} is not a complete bigfit checkpoint (a step-N directory holding "
+                          f"a {MARKER} marker, made by --save-every)")
+    return p
+
+
+def _sync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save(root: Path, step: int, model, optimizer, rt: Runtime, trainer_state: dict, write_assets) -> Path:
+    """Collective: every rank calls it. `write_assets(dir)` runs on rank 0 (config, tokenizer)."""
+    final, tmp = root / f"step-{step:08d}", root / f".step-{step:08d}.partial"
+    if rt.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier(rt)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+    torch.save(_rng_state(), tmp / f"rank-{rt.rank}.pt")
+    if rt.is_main:
+        write_assets(tmp)
+        (tmp / "trainer.json").write_text(json.dumps(trainer_state, indent=1))
+    barrier(rt)
+    maybe_die("save", step, rt)
+    if rt.is_main:
+        (tmp / MARKER).write_text(json.dumps({"step": step, "world_size": rt.world_size, "time": time.time()}))
+        _sync_dir(tmp)
+        if final.exists():  # an earlier run's checkpoint of this step: replaced whole
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _sync_dir(root)
+    barrier(rt)
+    return final
+
+
+def load(path: Path, model, optimizer, rt: Runtime) -> dict:
+    """Restore model, optimizer and this rank's RNG in place; returns trainer.json."""
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    trainer = json.loads((path / "trainer.json").read_text())
+    rng_file = path / f"rank-{rt.rank}.pt"
+    if trainer.get("world_size") == rt.world_size and rng_file.is_file():
+        _set_rng_state(torch.load(rng_file, weights_only=False))
+    return trainer
+
+
+def _rng_state() -> dict:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])

@@ -1,0 +1,85 @@
+"""Evaluation: held-out loss for every model; for encoder-decoders also generate() with beam search,
+scored with BLEU (sacrebleu's corpus BLEU, 0-100) and exact match (share of outputs equal to the
+reference after whitespace normalisation).
+
+Every rank runs the same number of forward passes (sharded strategies gather parameters inside each
+forward, a collective): a rank whose share of the last batch is empty repeats a sample and drops its
+result, and generate() runs with synced_gpus so that ranks whose beams finish early keep stepping.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from ..data import collate
+from ..distributed import Runtime, all_reduce_sum, gather_objects
+from ..strategies import Applied
+from .step import loss_sum
+
+
+def shard_batches(items: list, rt: Runtime, batch_size: int) -> list[tuple[list, int]]:
+    """This rank's evaluation batches as (items, n_real): equal batch counts on every rank."""
+    out, span = [], batch_size * rt.world_size
+    for start in range(0, len(items), span):
+        chunk = items[start:start + span]
+        mine = chunk[rt.rank * batch_size:(rt.rank + 1) * batch_size]
+        out.append((mine or chunk[:1], len(mine)))
+    return out
+
+
+@torch.no_grad()
+def evaluate(applied: Applied, samples: list[dict], *, tokenizer, pad_id: int, seq2seq: bool, rt: Runtime,
+             batch_size: int, num_beams: int, max_new_tokens: int) -> dict:
+    if not samples:
+        return {}
+    model = applied.model
+    was_training = model.training
+    model.eval()
+    loss, tokens, pairs = 0.0, 0, []
+    try:
+        for items, n_real in shard_batches(samples, rt, batch_size):
+            batch = collate(items, pad_id, rt.device)
+            l, n = loss_sum(applied, batch, seq2seq)
+            if n_real:
+                loss, tokens = loss + l.item(), tokens + n
+            if seq2seq:
+                texts = _generate(applied, batch, tokenizer, num_beams, max_new_tokens, rt)
+                pairs += [(t, s["target"]) for t, s in zip(texts[:n_real], items[:n_real])]
+    finally:
+        model.train(was_training)
+    loss, tokens = all_reduce_sum([loss, tokens], rt)
+    out = {"eval_loss": loss / max(tokens, 1.0)}
+    out["eval_ppl"] = float(torch.tensor(out["eval_loss"]).exp())
+    if seq2seq:
+        gathered = gather_objects(pairs, rt)
+        if rt.is_main:
+            out.update(score([p for part in gathered for p in part]))
+    return out
+
+
+def _generate(applied: Applied, batch: dict, tokenizer, num_beams: int, max_new_tokens: int, rt: Runtime) -> list[str]:
+    from transformers.cache_utils import DynamicCache, EncoderDecoderCache
+
+    # A cache that grows one layer at a time: transformers sizes the default one by the encoder's
+    # depth, which breaks models whose decoder is deeper (unequal T5 stacks).
+    cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
+    with applied.generation_context(), applied.forward_context(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # newer transformers call past_key_values `cache`
+        out = applied.module.generate(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], num_beams=num_beams,
+            max_new_tokens=max_new_tokens, do_sample=False, use_cache=True, past_key_values=cache,
+            synced_gpus=rt.distributed)
+    return tokenizer.batch_decode(out, skip_special_tokens=True)
+
+
+def score(pairs: list[tuple[str, str]]) -> dict:
+    import sacrebleu
+
+    if not pairs:
+        return {}
+    hyps = [" ".join(h.split()) for h, _ in pairs]
+    refs = [" ".join(r.split()) for _, r in pairs]
+    bleu = sacrebleu.corpus_bleu(hyps, [refs]).score
+    exact = sum(h == r for h, r in zip(hyps, refs)) / len(pairs)
+    return {"eval_bleu": bleu, "eval_exact_match": exact, "eval_example": {"output": hyps[0], "reference": refs[0]}}

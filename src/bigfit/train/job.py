@@ -1,0 +1,63 @@
+"""Everything about a job that can be checked before any process starts or any weight is read:
+flags, model source and config, tokenizer, data, resume path. The launcher runs `prepare` once
+before spawning workers (so a user mistake is reported once, before any work), and every worker
+runs it again to get the same resolved job."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..config import TrainConfig, resolve
+from ..data import Dataset, build_dataset, digits_task, read_examples
+from ..models import ModelSource, is_seq2seq, load_config, load_tokenizer, locate
+from . import checkpoint
+
+EMBEDDED_TRAIN_SAMPLES = 4000
+
+
+@dataclass
+class Job:
+    cfg: TrainConfig  # resolved for the world size
+    source: ModelSource
+    model_config: object
+    tokenizer: object
+    seq2seq: bool
+    dataset: Dataset
+    resume_from: Path | None
+
+
+def prepare(cfg: TrainConfig, world_size: int) -> Job:
+    cfg = resolve(cfg, world_size)
+    source = locate(cfg.model)
+    model_config = load_config(source)
+    tokenizer = load_tokenizer(source, model_config)
+    seq2seq = is_seq2seq(model_config)
+    resume_from = checkpoint.resolve_resume(cfg.resume, cfg.output_dir) if cfg.resume else None
+    if cfg.data:
+        examples = read_examples(cfg.data)
+    else:
+        examples = digits_task(EMBEDDED_TRAIN_SAMPLES + cfg.eval_samples, seed=1234)
+    dataset = build_dataset(examples, tokenizer, seq2seq, max_source_len=cfg.max_source_len,
+                            max_target_len=cfg.max_target_len, eval_samples=cfg.eval_samples,
+                            seed=cfg.seed, min_train=cfg.batch_size)
+    return Job(cfg, source, model_config, tokenizer, seq2seq, dataset, resume_from)
+
+
+def describe(job: Job, n_params: int, device) -> list[tuple[str, object]]:
+    """The resolved configuration, as rows for the start-of-run table."""
+    c, x = job.cfg, job.cfg.extra
+    model = c.model or "embedded tiny T5 (2 encoder + 3 decoder blocks, tied embeddings)"
+    data = c.data or "embedded task: number words -> digits"
+    return [
+        ("model", f"{model} [{job.source.kind}], {n_params / 1e6:.2f}M parameters"),
+        ("data", f"{data}: {len(job.dataset.train)} train / {len(job.dataset.eval)} eval samples"),
+        ("strategy", f"{c.strategy}, precision {c.precision}, on {x['world_size']} x {device}"),
+        ("batch", f"global {c.batch_size} = {x['world_size']} processes x {x['grad_accum']} accumulation "
+                  f"x micro-batch {c.micro_batch_size}"),
+        ("schedule", f"{c.max_steps} steps, AdamW lr {c.lr:g} (warm-up {c.warmup_steps}, linear decay), "
+                     f"clip {c.max_grad_norm:g}, seed {c.seed}"),
+        ("eval", f"every {c.eval_every or 'end'}: loss" + (f", beam-{c.num_beams} generate, BLEU and exact match"
+                                                           if job.seq2seq else ", perplexity")),
+        ("checkpoints", f"every {c.save_every or 'end'} steps in {Path(c.output_dir) / 'checkpoints'}"
+                        + (f"; resuming from {job.resume_from}" if job.resume_from else "")),
+    ]

@@ -1,0 +1,127 @@
+"""The one training loop, the same for every strategy and process count."""
+from __future__ import annotations
+
+import copy
+import time
+from pathlib import Path
+
+import torch
+
+from .. import faults
+from ..config import TrainConfig
+from ..data import Batcher
+from ..distributed import Runtime, init_runtime, shutdown
+from ..models import build_model, count_parameters
+from ..strategies import apply_strategy
+from . import checkpoint
+from .consolidate import consolidate
+from .evaluate import evaluate
+from .job import Job, describe, prepare
+from .metrics import MetricsLog, StepProgress, console, table
+from .step import lr_at, train_step
+
+
+def train(cfg: TrainConfig) -> dict:
+    """Run the job on this process (one rank of it). Returns the final metrics and output paths."""
+    rt = init_runtime(cfg.timeout_s)
+    try:
+        return _train(prepare(cfg, rt.world_size), rt)
+    finally:
+        shutdown(rt)
+
+
+def _assets_writer(job: Job, module):
+    def write(directory: Path) -> None:
+        config = copy.deepcopy(module.config)
+        config.use_cache = True  # off only while training
+        config.save_pretrained(directory)
+        if getattr(module, "generation_config", None) is not None:
+            module.generation_config.save_pretrained(directory)
+        job.tokenizer.save_pretrained(directory)
+    return write
+
+
+def _train(job: Job, rt: Runtime) -> dict:
+    cfg, ds = job.cfg, job.dataset
+    out_dir = Path(cfg.output_dir)
+    ckpt_root = out_dir / "checkpoints"
+    model = build_model(job.source, job.model_config, cfg.seed)
+    n_params = count_parameters(model)
+    applied = apply_strategy(model, cfg.strategy, cfg.precision, rt)
+    optimizer = torch.optim.AdamW(applied.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    step = 0
+    if job.resume_from:
+        step = checkpoint.load(job.resume_from, applied.model, optimizer, rt)["step"]
+    if rt.is_main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        console.print(table("bigfit train", describe(job, n_params, rt.device)))
+    resumed_at = step if job.resume_from else None
+    metrics = MetricsLog(out_dir / "metrics.jsonl", resumed_at) if rt.is_main else None
+    evals = MetricsLog(out_dir / "eval.jsonl", resumed_at) if rt.is_main else None
+    batcher = Batcher(len(ds.train), cfg.batch_size, cfg.seed)
+    write_assets = _assets_writer(job, applied.module)
+
+    def run_eval() -> dict:
+        return evaluate(applied, ds.eval, tokenizer=job.tokenizer, pad_id=ds.pad_id, seq2seq=job.seq2seq, rt=rt,
+                        batch_size=cfg.micro_batch_size, num_beams=cfg.num_beams, max_new_tokens=cfg.max_new_tokens)
+
+    first_eval = {} if step else run_eval()
+    if first_eval and rt.is_main:
+        evals.write({"step": 0, **first_eval})
+        console.print(f"eval at step 0: {_eval_text(first_eval)}")
+    progress = StepProgress(step, cfg.max_steps) if rt.is_main else None
+    last_eval, last_ckpt, t_start = first_eval, None, time.perf_counter()
+    while step < cfg.max_steps:
+        t0 = time.perf_counter()
+        micro = batcher.micro_batches(step, rt.rank, rt.world_size, cfg.micro_batch_size)
+        record = train_step(applied, optimizer, [[ds.train[i] for i in mb] for mb in micro], pad_id=ds.pad_id,
+                            seq2seq=job.seq2seq, rt=rt, lr=lr_at(step, cfg.lr, cfg.warmup_steps, cfg.max_steps),
+                            max_grad_norm=cfg.max_grad_norm)
+        step += 1
+        record = {"step": step, **record, "tokens_per_s": record["tokens"] / (time.perf_counter() - t0)}
+        if step == cfg.max_steps or (cfg.eval_every and step % cfg.eval_every == 0):
+            last_eval = run_eval()
+            record.update(last_eval)
+        if rt.is_main:
+            metrics.write(record)
+            progress.update(step, record["loss"], record["tokens_per_s"])
+            if "eval_loss" in record:
+                evals.write({"step": step, **last_eval})
+                progress.print(f"eval at step {step}: {_eval_text(record)}")
+        faults.maybe_die("step", step, rt)
+        if step == cfg.max_steps or (cfg.save_every and step % cfg.save_every == 0):
+            last_ckpt = checkpoint.save(ckpt_root, step, applied.model, optimizer, rt,
+                                        {"step": step, "world_size": rt.world_size, "config": cfg.to_dict()},
+                                        write_assets)
+    summary = {"steps": step, "first_eval": first_eval, "last_eval": last_eval, "checkpoint": last_ckpt,
+               "metrics": out_dir / "metrics.jsonl", "evals": out_dir / "eval.jsonl", "train_time_s": time.perf_counter() - t_start}
+    if rt.is_main:
+        progress.close()
+        metrics.close()
+        evals.close()
+        if cfg.consolidate and last_ckpt is not None:
+            summary["model_dir"] = consolidate(last_ckpt, out_dir / "model")
+        _print_summary(summary)
+    return summary
+
+
+def _eval_text(r: dict) -> str:
+    parts = [f"loss {r['eval_loss']:.4f}"]
+    if "eval_bleu" in r:
+        parts += [f"BLEU {r['eval_bleu']:.1f}", f"exact match {r['eval_exact_match']:.1%}",
+                  f"e.g. {r['eval_example']['output']!r} (reference {r['eval_example']['reference']!r})"]
+    else:
+        parts.append(f"perplexity {r['eval_ppl']:.2f}")
+    return ", ".join(parts)
+
+
+def _print_summary(s: dict) -> None:
+    rows = [("steps", f"{s['steps']} in {s['train_time_s']:.1f}s"), ("metrics", s["metrics"]),
+            ("evaluations", s["evals"])]
+    if s["first_eval"] and "eval_bleu" in s["first_eval"] and s["last_eval"]:
+        rows.append(("BLEU", f"{s['first_eval']['eval_bleu']:.1f} -> {s['last_eval']['eval_bleu']:.1f}"))
+    if s["checkpoint"]:
+        rows.append(("last checkpoint", s["checkpoint"]))
+    if s.get("model_dir"):
+        rows.append(("model (Hugging Face)", s["model_dir"]))
+    console.print(table("done", rows))

@@ -1,0 +1,77 @@
+"""What the user sees and keeps: metrics.jsonl (one object per step), a progress bar with loss and
+throughput, and tables. Only rank 0 writes or prints."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+console = Console(highlight=False)
+
+
+class MetricsLog:
+    """A JSONL log: OUTPUT/metrics.jsonl (one record per step: loss, lr, grad norm, tokens/s, and the
+    evaluation at steps that have one) or OUTPUT/eval.jsonl (every evaluation, step 0's too). On resume from step s, records after s are dropped first (they belong to
+    the interrupted run and are about to be logged again)."""
+
+    def __init__(self, path: Path, resume_step: int | None):
+        self.path = path
+        kept = []
+        if resume_step is not None and path.is_file():
+            kept = [line for line in path.read_text().splitlines()
+                    if line.strip() and json.loads(line)["step"] <= resume_step]
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        tmp.replace(path)
+        self._f = path.open("a")
+
+    def write(self, record: dict) -> None:
+        self._f.write(json.dumps(record) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+class StepProgress:
+    """A live bar on a terminal; on a pipe (CI, logs) a plain line every tenth of the run instead."""
+
+    def __init__(self, start: int, total: int):
+        self.total, self.live = total, console.is_terminal
+        self.every = max(1, total // 10)
+        self.t0, self.start = time.perf_counter(), start
+        if self.live:
+            self.bar = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                                TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn(),
+                                console=console)
+            self.task = self.bar.add_task("train", total=total, completed=start, info="")
+            self.bar.start()
+
+    def update(self, step: int, loss: float, tokens_per_s: float) -> None:
+        info = f"loss {loss:.4f}  {tokens_per_s:,.0f} tok/s"
+        if self.live:
+            self.bar.update(self.task, completed=step, info=info)
+        elif step % self.every == 0 or step == self.total:
+            console.print(f"step {step}/{self.total}  {info}  {time.perf_counter() - self.t0:.1f}s")
+            sys.stdout.flush()
+
+    def print(self, text: str) -> None:
+        (self.bar.console if self.live else console).print(text)
+
+    def close(self) -> None:
+        if self.live:
+            self.bar.stop()
+
+
+def table(title: str, rows: list[tuple[str, object]]) -> Table:
+    t = Table(title=title, show_header=False, title_justify="left")
+    t.add_column(style="bold")
+    t.add_column()
+    for k, v in rows:
+        t.add_row(k, str(v))
+    return t

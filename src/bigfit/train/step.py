@@ -1,0 +1,80 @@
+"""One optimizer step over a rank's micro-batches, normalised so that the result does not depend on
+how the global batch was split.
+
+Each micro-batch contributes its summed token loss divided by the token count of the WHOLE global
+batch (all ranks), times the world size because DDP and FSDP average gradients over ranks. The
+gradients are then exactly those of the token-mean loss of the global batch, whatever the number
+of processes or micro-batches, and so is the logged loss.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ..data import collate
+from ..distributed import Runtime, all_reduce_sum
+from ..data.tokenize import IGNORE
+from ..strategies import Applied
+
+
+def loss_sum(applied: Applied, batch: dict, seq2seq: bool) -> tuple[torch.Tensor, int]:
+    """Summed token cross-entropy (fp32, from the logits: some models compute their own loss in
+    the low-precision compute dtype) and the number of tokens it covers."""
+    labels = batch["labels"]
+    with applied.forward_context():
+        if seq2seq:
+            dec_in = applied.module.prepare_decoder_input_ids_from_labels(labels=labels)
+            logits = applied.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                   decoder_input_ids=dec_in).logits
+        else:
+            logits = applied.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            logits, labels = logits[:, :-1], labels[:, 1:]
+    loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum")
+    return loss, int((labels != IGNORE).sum())
+
+
+def target_tokens(labels: torch.Tensor, seq2seq: bool) -> int:
+    """Tokens that carry loss: a decoder-only model predicts position t+1 from t, so its first label
+    is never a target."""
+    return int(((labels if seq2seq else labels[:, 1:]) != IGNORE).sum())
+
+
+def lr_at(step: int, peak: float, warmup: int, total: int) -> float:
+    """Linear warm-up to `peak`, then linear decay to 0 at `total`: a pure function of the step, so
+    resuming needs no scheduler state."""
+    if warmup and step < warmup:
+        return peak * (step + 1) / warmup
+    return peak * max(0.0, (total - step) / max(1, total - warmup))
+
+
+def train_step(applied: Applied, optimizer, micro_batches: list[list[dict]], *, pad_id: int, seq2seq: bool,
+               rt: Runtime, lr: float, max_grad_norm: float) -> dict:
+    """Forward/backward every micro-batch, clip, step. Returns the global-batch loss and counts."""
+    batches = [collate(mb, pad_id, rt.device) for mb in micro_batches]
+    local_tokens = sum(target_tokens(b["labels"], seq2seq) for b in batches)
+    total_tokens, = all_reduce_sum([local_tokens], rt)
+    scale = rt.world_size / max(total_tokens, 1.0)
+    local_loss = 0.0
+    for i, batch in enumerate(batches):
+        with applied.accumulation_context(sync=i == len(batches) - 1):
+            loss, _ = loss_sum(applied, batch, seq2seq)
+            (loss * scale).backward()
+        local_loss += loss.item()
+    grad_norm = _clip(applied, max_grad_norm)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    total_loss, = all_reduce_sum([local_loss], rt)
+    return {"loss": total_loss / max(total_tokens, 1.0), "tokens": int(total_tokens), "grad_norm": grad_norm,
+            "lr": lr}
+
+
+def _clip(applied: Applied, max_norm: float) -> float:
+    params = [p for p in applied.model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf)
+    if hasattr(norm, "full_tensor"):  # a DTensor under FSDP2
+        norm = norm.full_tensor()
+    return float(norm)
