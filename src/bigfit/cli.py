@@ -82,6 +82,15 @@ def _default_nproc(cfg: TrainConfig) -> int:
     return torch.cuda.device_count() or 2
 
 
+def _check_gpus(nproc: int) -> None:
+    import torch
+
+    gpus = torch.cuda.device_count()
+    if gpus and nproc > gpus:
+        raise BigfitError(f"--nproc {nproc} needs one GPU per process, but {gpus} are visible; use --nproc {gpus} "
+                          "or fewer (or CUDA_VISIBLE_DEVICES= to run on the CPU)")
+
+
 def train_command(argv: list[str], ns: argparse.Namespace) -> int:
     from .distributed import launched_by_torchrun_env
     from .launch import launch_local, write_error
@@ -99,6 +108,7 @@ def train_command(argv: list[str], ns: argparse.Namespace) -> int:
             return 1
         return 0
     nproc = cfg.nproc or _default_nproc(cfg)
+    _check_gpus(nproc)
     from .train.job import prepare
 
     prepare(cfg, nproc)  # every check that needs no process, before any process starts

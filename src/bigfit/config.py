@@ -23,7 +23,7 @@ class TrainConfig:
     model: str | None = None  # hub name, local dir with weights, or dir with only config.json; None: embedded tiny T5
     data: str | None = None  # JSONL (source/target or text), CSV (source,target) or .txt; None: embedded task
     output_dir: str = "bigfit-out"  # checkpoints, metrics.jsonl, consolidated model
-    max_steps: int = 300  # optimizer steps
+    max_steps: int = 600  # optimizer steps
     batch_size: int = 32  # GLOBAL batch: samples per optimizer step, over all processes and micro-batches
     micro_batch_size: int | None = None  # samples per forward/backward on one process; None: batch_size / nproc
     seed: int = 0  # weights, data order and dropout
@@ -36,8 +36,8 @@ class TrainConfig:
     max_grad_norm: float = 1.0  # clip the global gradient norm; 0 disables
     max_source_len: int = 128  # tokens kept per source / text sample
     max_target_len: int = 128  # tokens kept per target (encoder-decoder models)
-    save_every: int = 100  # save a checkpoint every N steps (and always at the end); 0: only at the end
-    eval_every: int = 100  # evaluate every N steps (and at step 0 and at the end); 0: only at the end
+    save_every: int = 200  # save a checkpoint every N steps (and always at the end); 0: only at the end
+    eval_every: int = 200  # evaluate every N steps (and at step 0 and at the end); 0: only at the end
     eval_samples: int = 64  # held-out samples used for evaluation
     num_beams: int = 4  # beam width for generate() during evaluation
     max_new_tokens: int = 32  # generation length limit during evaluation

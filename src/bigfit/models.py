@@ -21,8 +21,8 @@ BYTE_VOCAB = 384  # ByT5: 3 specials + 256 bytes + 125 sentinel ids
 
 # The embedded default: about 0.9M parameters, learns the embedded task in a few hundred steps on a CPU.
 DEFAULT_T5 = dict(
-    model_type="t5", vocab_size=BYTE_VOCAB, d_model=128, d_kv=32, d_ff=256, num_layers=2,
-    num_decoder_layers=3, num_heads=4, dropout_rate=0.0, tie_word_embeddings=True,
+    model_type="t5", vocab_size=BYTE_VOCAB, d_model=128, d_kv=32, d_ff=256, num_layers=3,
+    num_decoder_layers=2, num_heads=4, dropout_rate=0.0, tie_word_embeddings=True,
     feed_forward_proj="relu", decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "spiece.model", "tokenizer.model")

@@ -11,7 +11,7 @@ import random
 WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 
 
-def digits_task(n: int, seed: int, min_len: int = 3, max_len: int = 7) -> list[dict]:
+def digits_task(n: int, seed: int, min_len: int = 2, max_len: int = 5) -> list[dict]:
     rng = random.Random(seed)
     out = []
     for _ in range(n):

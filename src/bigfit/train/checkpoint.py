@@ -9,11 +9,13 @@ leftover `.partial` is ignored and cleared by the next save of that step.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -69,7 +71,8 @@ def save(root: Path, step: int, model, optimizer, rt: Runtime, trainer_state: di
         tmp.mkdir(parents=True)
     barrier(rt)
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+    with _one_process_quiet(rt):
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
     torch.save(_rng_state(), tmp / f"rank-{rt.rank}.pt")
     if rt.is_main:
         write_assets(tmp)
@@ -91,13 +94,23 @@ def load(path: Path, model, optimizer, rt: Runtime) -> dict:
     """Restore model, optimizer and this rank's RNG in place; returns trainer.json."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=str(path))
+    with _one_process_quiet(rt):
+        dcp.load(state, checkpoint_id=str(path))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     trainer = json.loads((path / "trainer.json").read_text())
     rng_file = path / f"rank-{rt.rank}.pt"
     if trainer.get("world_size") == rt.world_size and rng_file.is_file():
         _set_rng_state(torch.load(rng_file, weights_only=False))
     return trainer
+
+
+@contextlib.contextmanager
+def _one_process_quiet(rt: Runtime):
+    """DCP warns that it runs without a process group; for one process that is the intent."""
+    with warnings.catch_warnings():
+        if not rt.distributed:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def _rng_state() -> dict:

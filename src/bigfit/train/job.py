@@ -46,7 +46,7 @@ def prepare(cfg: TrainConfig, world_size: int) -> Job:
 def describe(job: Job, n_params: int, device) -> list[tuple[str, object]]:
     """The resolved configuration, as rows for the start-of-run table."""
     c, x = job.cfg, job.cfg.extra
-    model = c.model or "embedded tiny T5 (2 encoder + 3 decoder blocks, tied embeddings)"
+    model = c.model or "embedded tiny T5 (3 encoder + 2 decoder blocks, tied embeddings)"
     data = c.data or "embedded task: number words -> digits"
     return [
         ("model", f"{model} [{job.source.kind}], {n_params / 1e6:.2f}M parameters"),
