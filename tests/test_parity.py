@@ -1,4 +1,4 @@
-"""Parity: ZeRO-3 (FSDP2) on 2 gloo ranks against the single-process reference, on T5, GPT-2 and a
+"""Parity: DDP and ZeRO-3 (FSDP2) on 2 gloo ranks against the single-process reference, on T5, GPT-2 and a
 Llama-style model, through the real training loop: same global batch, same data, same seed.
 
 Tolerances: the two runs differ only in summation order (per-rank partial sums, reduce-scatter),
@@ -17,6 +17,7 @@ from dist import run_ranks
 
 LOSS_RTOL = 1e-6
 PARAM_ATOL = 2e-5
+DISTRIBUTED = ("ddp", "zero3")
 
 
 def job(model_dir, data, out, strategy: str):
@@ -34,17 +35,23 @@ def train_families(model_dirs, data, root, strategy):
         train(job(model_dirs[family], data, root / f"{family}-{strategy}", strategy))
 
 
+def train_strategies(model_dirs, data, root, strategies):
+    for strategy in strategies:
+        train_families(model_dirs, data, root, strategy)
+
+
 @pytest.fixture(scope="module")
 def runs(model_dirs, pairs_file, tmp_path_factory):
     root = tmp_path_factory.mktemp("parity")
-    run_ranks(train_families, 2, model_dirs, pairs_file, root, "zero3")
+    run_ranks(train_strategies, 2, model_dirs, pairs_file, root, DISTRIBUTED)  # one launch for all cases
     train_families(model_dirs, pairs_file, root, "single")
     return root
 
 
+@pytest.mark.parametrize("strategy", DISTRIBUTED)
 @pytest.mark.parametrize("family", FAMILIES)
-def test_zero3_matches_single_process(runs, family):
-    ref, got = runs / f"{family}-single", runs / f"{family}-zero3"
+def test_matches_single_process(runs, family, strategy):
+    ref, got = runs / f"{family}-single", runs / f"{family}-{strategy}"
     ref_losses = [r["loss"] for r in read_jsonl(ref / "metrics.jsonl")]
     got_losses = [r["loss"] for r in read_jsonl(got / "metrics.jsonl")]
     assert len(ref_losses) == 4
@@ -53,7 +60,7 @@ def test_zero3_matches_single_process(runs, family):
     ref_params, got_params = load_file(ref / "model" / "model.safetensors"), load_file(got / "model" / "model.safetensors")
     assert ref_params.keys() == got_params.keys()
     worst = max((ref_params[k] - got_params[k]).abs().max().item() for k in ref_params)
-    print(f"{family}: max loss rel diff {max(abs(a - b) / a for a, b in zip(ref_losses, got_losses)):.1e}, "
+    print(f"{family} {strategy}: max loss rel diff {max(abs(a - b) / a for a, b in zip(ref_losses, got_losses)):.1e}, "
           f"max param diff {worst:.1e}")
     assert worst <= PARAM_ATOL, f"largest parameter difference {worst:.2e}"
     # the evaluation (loss over held-out samples, sharded over ranks) agrees as well
