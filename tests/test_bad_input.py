@@ -25,7 +25,8 @@ def bad_files(tmp_path):
 
 
 CASES = [
-    (["--strategy", "zero9"], "strategy 'zero9' is not valid; choose one of: single, ddp, zero3"),
+    (["--strategy", "zero9"], "strategy 'zero9' is not valid; choose one of: single, ddp, zero1, zero2, zero3"),
+    (["--precision", "fp8"], "precision 'fp8' is not valid; choose one of: fp32, bf16, fp16, auto"),
     (["--nproc", "0"], "--nproc must be at least 1, got 0"),
     (["--max-steps", "-1"], "--max-steps must be a positive integer, got -1"),
     (["--model", "./no/such/model"], "--model './no/such/model' does not exist"),

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -38,7 +39,8 @@ def test_resolve_splits_global_batch():
 @pytest.mark.parametrize("kw,world,needle", [
     (dict(batch_size=30), 4, "--batch-size 30 is not divisible by the 4 processes"),
     (dict(batch_size=32, micro_batch_size=5), 2, "valid: 1, 2, 4, 8, 16"),
-    (dict(strategy="zero9"), 1, "'zero9' is not valid; choose one of: single, ddp, zero3"),
+    (dict(strategy="zero9"), 1, "'zero9' is not valid; choose one of: single, ddp, zero1, zero2, zero3, "
+                                "zero2-offload, zero3-offload"),
     (dict(max_steps=-3), 1, "--max-steps must be a positive integer, got -3"),
     (dict(nproc=0), 1, "--nproc must be at least 1, got 0"),
     (dict(precision="fp8"), 1, "'fp8'"),
@@ -48,10 +50,42 @@ def test_resolve_errors_name_the_value(kw, world, needle):
         resolve(TrainConfig(**kw), world)
 
 
-def test_lr_schedule_warms_up_then_decays_to_zero():
-    lrs = [lr_at(s, 1.0, warmup=4, total=12) for s in range(12)]
+def test_lr_schedules():
+    cfg = TrainConfig(lr=1.0, warmup_steps=4, max_steps=12)
+    lrs = [lr_at(s, cfg) for s in range(12)]
     assert lrs[:4] == [0.25, 0.5, 0.75, 1.0]
     assert lrs[4] == 1.0 and lrs[-1] == pytest.approx(1 / 8) and all(a >= b for a, b in zip(lrs[3:], lrs[4:]))
+    cos = [lr_at(s, TrainConfig(lr=1.0, warmup_steps=4, max_steps=12, lr_schedule="cosine")) for s in range(12)]
+    assert cos[4] == 1.0 and cos[8] == pytest.approx(0.5) and cos[-1] == pytest.approx(0.5 * (1 + math.cos(math.pi * 7 / 8)))
+    # DeepSpeed WarmupLR: log warm-up from warmup_min_lr, then constant
+    ds = TrainConfig(lr=1.0, warmup_steps=9, warmup_type="log", warmup_min_lr=0.1, lr_schedule="constant")
+    assert lr_at(0, ds) == 0.1 and lr_at(2, ds) == pytest.approx(0.1 + 0.9 * math.log(3) / math.log(9))
+    assert lr_at(8, ds) == pytest.approx(1.0) and lr_at(500, ds) == 1.0
+
+
+def test_loss_scaler_follows_deepspeed():
+    from bigfit.precision import LossScaler
+
+    s = LossScaler.from_config(TrainConfig(precision="fp16", initial_scale_power=4, loss_scale_window=3,
+                                           hysteresis=2, min_loss_scale=2))
+    assert s.scale == 16
+    s.update(True)  # first overflow is tolerated (hysteresis 2)
+    assert (s.scale, s.overflows) == (16, 1)
+    s.update(True)  # second halves
+    assert s.scale == 8
+    s.update(True)  # hysteresis is used up until the scale grows again
+    assert s.scale == 4
+    for _ in range(3):
+        s.update(False)
+    assert s.scale == 8  # a window of good steps doubles it and restores the hysteresis
+    s.update(True)
+    assert s.scale == 8
+    for _ in range(6):
+        s.update(True)
+    assert s.scale == 2 and s.alarm  # floored at min_loss_scale, and the loop raises the alarm
+    static = LossScaler.from_config(TrainConfig(precision="fp16", loss_scale=128))
+    static.update(True)
+    assert (static.scale, static.overflows, static.dynamic) == (128, 1, False)
 
 
 def test_config_file_unknown_key(tmp_path):

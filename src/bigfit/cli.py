@@ -11,17 +11,17 @@ import os
 import sys
 from pathlib import Path
 
-from .config import PRECISIONS, STRATEGIES, TrainConfig, load_config_file, validate
+from .config import AUTO, PRECISIONS, STRATEGIES, TrainConfig, load_config_file, validate
 from .errors import BigfitError
 
 
 def _flag_type(f: dataclasses.Field):
+    """int / float / str from the annotation; fields that take "auto" accept it too."""
     hint = str(f.type)
-    if "int" in hint:
-        return int
-    if "float" in hint:
-        return float
-    return str
+    base = int if "int" in hint else float if "float" in hint else str
+    if f.name not in AUTO:
+        return base
+    return lambda text: None if text == "auto" else base(text)
 
 
 def _field_help() -> dict[str, str]:
@@ -41,9 +41,13 @@ def _field_help() -> dict[str, str]:
 def _train_parser(sub) -> None:
     p = sub.add_parser("train", help="train or fine-tune a model", argument_default=argparse.SUPPRESS)
     p.add_argument("--config", help="YAML or JSON file of settings (any of the flags below)")
+    p.add_argument("--deepspeed-config", help="a DeepSpeed JSON config: mapped onto bigfit's settings (flags win)")
     helps = _field_help()
     for f in dataclasses.fields(TrainConfig):
         if f.name in ("extra", "resume", "consolidate"):
+            continue
+        if f.type == "bool":
+            p.add_argument("--" + f.name.replace("_", "-"), dest=f.name, action="store_true", help=helps.get(f.name))
             continue
         kw = dict(help=helps.get(f.name, ""), type=_flag_type(f))
         if f.name == "strategy":
@@ -67,11 +71,34 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def config_from_args(ns: argparse.Namespace) -> TrainConfig:
+    """Defaults <- --config file <- --deepspeed-config <- flags given on the command line."""
+    flags = {k: v for k, v in vars(ns).items() if k not in ("command", "config", "deepspeed_config")}
     values = load_config_file(ns.config) if getattr(ns, "config", None) else {}
-    values.update({k: v for k, v in vars(ns).items() if k not in ("command", "config")})
+    if getattr(ns, "deepspeed_config", None):
+        values.update(_deepspeed(ns.deepspeed_config, {**values, **flags}))
+    values.update(flags)
     cfg = TrainConfig(**values)
     validate(cfg)
     return cfg
+
+
+def _deepspeed(path: str, so_far: dict) -> dict:
+    from .deepspeed_config import load_deepspeed_config
+
+    world = int(os.environ.get("WORLD_SIZE", 0)) or so_far.get("nproc") or _default_nproc(TrainConfig())
+    mapping = load_deepspeed_config(path, world)
+    if _speaks():
+        print(mapping.summary)
+        if mapping.ignored:
+            print(f"warning: DeepSpeed keys with no bigfit meaning, ignored: {', '.join(mapping.ignored)}")
+        if mapping.automatic:
+            print(f"note: handled by FSDP2 / bigfit themselves: {', '.join(mapping.automatic)}")
+    return mapping.values
+
+
+def _speaks() -> bool:
+    """Messages about the command line are printed once: by the launcher, or by torchrun's rank 0."""
+    return "BIGFIT_ERROR_FILE" not in os.environ and os.environ.get("RANK", "0") == "0"
 
 
 def _default_nproc(cfg: TrainConfig) -> int:

@@ -12,8 +12,15 @@ from pathlib import Path
 
 from .errors import BigfitError, one_of
 
-STRATEGIES = ("single", "ddp", "zero3")
-PRECISIONS = ("fp32", "bf16")
+# What each data-parallel strategy shards across ranks (DeepSpeed's ZeRO stages) and keeps in host RAM.
+STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3", "zero2-offload", "zero3-offload")
+PRECISIONS = ("fp32", "bf16", "fp16")
+OPTIMIZERS = ("adamw", "adam")
+SCHEDULES = ("linear", "cosine", "constant")
+WARMUPS = ("linear", "log")
+REDUCE_DTYPES = ("fp32", "bf16", "fp16")
+# Fields that take "auto" (stored as None until `resolve` fills them in).
+AUTO = ("micro_batch_size", "nproc", "precision")
 
 
 @dataclass
@@ -29,11 +36,26 @@ class TrainConfig:
     seed: int = 0  # weights, data order and dropout
     nproc: int | None = None  # local worker processes; None: one per GPU, or 2 on a CPU-only machine
     strategy: str = "zero3"  # one of STRATEGIES
-    precision: str = "fp32"  # one of PRECISIONS
-    lr: float = 1e-3  # peak learning rate (AdamW)
-    weight_decay: float = 0.0  # AdamW decoupled weight decay
-    warmup_steps: int = 20  # linear warm-up, then linear decay to 0 at max_steps
+    precision: str | None = "fp32"  # fp32, bf16 or fp16 (fp32 master weights either way); auto: bf16 where supported
+    reduce_dtype: str = "fp32"  # dtype gradients are reduced in under bf16/fp16
+    loss_scale: float = 0.0  # fp16: a static loss scale; 0 for dynamic scaling
+    initial_scale_power: int = 16  # fp16 dynamic scaling starts at 2**this
+    loss_scale_window: int = 1000  # fp16: steps without overflow before the scale doubles
+    hysteresis: int = 2  # fp16: overflows tolerated before the scale halves
+    min_loss_scale: float = 1.0  # fp16: the scale never drops below this
+    activation_checkpointing: bool = False  # recompute each block's activations in backward instead of storing them
+    optimizer: str = "adamw"  # adamw (decoupled weight decay) or adam (L2 weight decay)
+    lr: float = 1e-3  # peak learning rate
+    adam_beta1: float = 0.9  # Adam first-moment decay
+    adam_beta2: float = 0.999  # Adam second-moment decay
+    adam_eps: float = 1e-8  # Adam denominator epsilon
+    weight_decay: float = 0.0  # weight decay
+    lr_schedule: str = "linear"  # after warm-up: linear (to 0 at max_steps), cosine (to 0), constant
+    warmup_steps: int = 20  # warm-up steps from warmup_min_lr to lr
+    warmup_type: str = "linear"  # warm-up curve: linear or log (DeepSpeed WarmupLR's default)
+    warmup_min_lr: float = 0.0  # learning rate at the start of warm-up
     max_grad_norm: float = 1.0  # clip the global gradient norm; 0 disables
+    ddp_bucket_mb: float = 25.0  # gradient all-reduce bucket size (ddp, zero1)
     max_source_len: int = 128  # tokens kept per source / text sample
     max_target_len: int = 128  # tokens kept per target (encoder-decoder models)
     save_every: int = 200  # save a checkpoint every N steps (and always at the end); 0: only at the end
@@ -54,6 +76,20 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
 
+def normalise(values: dict, where: str) -> dict:
+    """Keys with dashes or underscores; "auto" -> None for the fields that take it."""
+    check_keys(values, where)
+    out = {}
+    for k, v in values.items():
+        k = k.replace("-", "_")
+        if v == "auto":
+            if k not in AUTO:
+                raise BigfitError(f"{where}: {k} cannot be 'auto'; settings that can: {', '.join(AUTO)}")
+            v = None
+        out[k] = v
+    return out
+
+
 def load_config_file(path: str) -> dict:
     """Read a YAML or JSON file of TrainConfig fields; unknown keys are an error naming them."""
     p = Path(path)
@@ -71,8 +107,7 @@ def load_config_file(path: str) -> dict:
         raise BigfitError(f"config file {path!r} is not valid {p.suffix[1:] or 'JSON'}: {e}") from None
     if not isinstance(values, dict):
         raise BigfitError(f"config file {path!r} must hold a mapping of settings, not {type(values).__name__}")
-    check_keys(values, f"config file {path!r}")
-    return {k.replace("-", "_"): v for k, v in values.items()}
+    return normalise(values, f"config file {path!r}")
 
 
 def check_keys(values: dict, where: str) -> None:
@@ -84,10 +119,16 @@ def check_keys(values: dict, where: str) -> None:
 
 def validate(cfg: TrainConfig) -> None:
     """Checks that need no model, data or processes. Raises BigfitError naming the bad value."""
-    if cfg.strategy not in STRATEGIES:
-        raise one_of("strategy", cfg.strategy, STRATEGIES)
-    if cfg.precision not in PRECISIONS:
-        raise one_of("precision", cfg.precision, PRECISIONS)
+    for name, valid in (("strategy", STRATEGIES), ("optimizer", OPTIMIZERS), ("lr_schedule", SCHEDULES),
+                        ("warmup_type", WARMUPS), ("reduce_dtype", REDUCE_DTYPES)):
+        if getattr(cfg, name) not in valid:
+            raise one_of(name.replace("_", "-"), getattr(cfg, name), valid)
+    if cfg.precision is not None and cfg.precision not in PRECISIONS:
+        raise one_of("precision", cfg.precision, (*PRECISIONS, "auto"))
+    if cfg.loss_scale < 0 or cfg.min_loss_scale <= 0 or cfg.loss_scale_window < 1 or cfg.hysteresis < 1:
+        raise BigfitError(f"fp16 loss scaling needs loss_scale >= 0 (0: dynamic), min_loss_scale > 0, "
+                          f"loss_scale_window >= 1 and hysteresis >= 1; got {cfg.loss_scale}, {cfg.min_loss_scale}, "
+                          f"{cfg.loss_scale_window}, {cfg.hysteresis}")
     for name in ("max_steps", "batch_size", "max_source_len", "max_target_len", "num_beams", "max_new_tokens"):
         if getattr(cfg, name) <= 0:
             raise BigfitError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(cfg, name)}")
@@ -119,6 +160,14 @@ def resolve(cfg: TrainConfig, world_size: int) -> TrainConfig:
             f"--micro-batch-size {micro} does not divide the per-process batch {per_rank} "
             f"(--batch-size {cfg.batch_size} / {world_size} processes); valid: "
             + ", ".join(str(d) for d in range(1, per_rank + 1) if per_rank % d == 0))
-    out = dataclasses.replace(cfg, micro_batch_size=micro, extra=dict(cfg.extra))
+    out = dataclasses.replace(cfg, micro_batch_size=micro, precision=cfg.precision or auto_precision(),
+                              extra=dict(cfg.extra))
     out.extra.update(world_size=world_size, per_rank_batch=per_rank, grad_accum=per_rank // micro)
     return out
+
+
+def auto_precision() -> str:
+    """bf16 where the accelerator computes it natively, else fp32."""
+    import torch
+
+    return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "fp32"

@@ -37,9 +37,11 @@ def launched_by_torchrun_env() -> bool:
     return "WORLD_SIZE" in os.environ and "RANK" in os.environ
 
 
-def init_runtime(timeout_s: float = 300.0) -> Runtime:
+def init_runtime(timeout_s: float = 300.0, group_for_one: bool = False) -> Runtime:
     """Join the job's process group (NCCL on GPUs, gloo on CPUs) with a collective timeout, so that
-    a dead or stuck peer fails this process instead of hanging it for the default 30 minutes."""
+    a dead or stuck peer fails this process instead of hanging it for the default 30 minutes.
+    One process gets a group only when asked (`group_for_one`: FSDP2 needs a mesh even for one rank,
+    to offload or to cast parameters); it lives in memory (HashStore), with no network."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -48,11 +50,12 @@ def init_runtime(timeout_s: float = 300.0) -> Runtime:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    owns = world > 1 and not dist.is_initialized()  # an embedding program may have joined already
+    owns = (world > 1 or group_for_one) and not dist.is_initialized()  # an embedding program may have joined
     if owns:
         backend = "nccl" if device.type == "cuda" else "gloo"
+        store = dist.HashStore() if world == 1 else None
         dist.init_process_group(
-            backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s),
+            backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s), store=store,
             device_id=device if device.type == "cuda" else None)
     return Runtime(rank=rank, world_size=world, local_rank=local_rank, device=device, owns_group=owns)
 

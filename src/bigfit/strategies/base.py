@@ -2,9 +2,14 @@
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor: the local shard of a DTensor, the tensor itself otherwise."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 @dataclass
@@ -13,6 +18,7 @@ class Applied:
     module: torch.nn.Module  # the Hugging Face model itself: config, generate(), state dict names
     strategy: str
     autocast: torch.dtype | None = None  # autocast dtype for forward passes (mixed precision without FSDP)
+    notes: list[str] = field(default_factory=list)  # what was applied, for the start-of-run table
 
     def forward_context(self):
         if self.autocast is None:
@@ -30,3 +36,9 @@ class Applied:
         """generate() calls the encoder and the embeddings directly, not through the root forward, so
         parameters that FSDP2 keeps in the root group must be gathered for the whole call."""
         return contextlib.nullcontext()
+
+    def reshard(self) -> None:
+        """Return parameters to their at-rest layout after forward passes without backward."""
+
+    def make_optimizer(self, cls, **kw) -> torch.optim.Optimizer:
+        return cls(self.model.parameters(), **kw)

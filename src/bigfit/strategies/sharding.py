@@ -1,5 +1,21 @@
-"""Data-parallel sharding: DDP (nothing sharded) and ZeRO-3 (parameters, gradients and optimizer
-states sharded) built on FSDP2 `fully_shard`, one unit per transformer block plus the root."""
+"""Data-parallel strategies, DeepSpeed's ZeRO stages on torch.distributed engines:
+
+| strategy      | engine                                   | sharded over ranks                 | in host RAM              |
+| ddp           | DDP                                      | nothing                            |                          |
+| zero1         | DDP + ZeroRedundancyOptimizer            | optimizer states                   |                          |
+| zero2         | FSDP2, reshard_after_forward=False       | optimizer states, gradients (*)    |                          |
+| zero3         | FSDP2                                    | + parameters, also between layers  |                          |
+| zero2-offload | FSDP2 (as zero2) + HostOffloadOptimizer  | as zero2                           | optimizer states + step  |
+| zero3-offload | FSDP2 + CPUOffloadPolicy                 | as zero3                           | + parameters, gradients  |
+
+(*) FSDP2 also keeps zero2's parameters sharded between steps; within a step they are gathered once
+for forward and kept until backward ends, so no layer is gathered twice: ZeRO-2's communication
+and peak, with ZeRO-3's memory at rest.
+FSDP2 units: one per transformer block, then the root (embeddings, final norms, head), so tied
+weights stay one parameter in the root's group. Mixed precision under FSDP2 is its
+MixedPrecisionPolicy (compute copies in bf16/fp16, fp32 sharded master weights, gradients reduced in
+`reduce_dtype`); under DDP it is autocast.
+"""
 from __future__ import annotations
 
 import contextlib
@@ -7,12 +23,14 @@ import warnings
 
 import torch
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from ..distributed import Runtime
 from ..models import block_lists
 from .base import Applied
+from .offload import HostOffloadOptimizer
 
 
 class FSDPApplied(Applied):
@@ -27,25 +45,59 @@ class FSDPApplied(Applied):
 
         return gathered()
 
+    def reshard(self) -> None:
+        # zero2 keeps parameters gathered from forward until backward; an evaluation has no backward
+        for unit in _units(self.model):
+            unit.reshard()
 
-def apply_fsdp(model: torch.nn.Module, rt: Runtime, param_dtype: torch.dtype | None = None) -> Applied:
-    """ZeRO-3: shard each block, then the root (embeddings, final norms, head; tied weights stay one
-    parameter in the root's group). With bf16 the sharded master weights stay fp32 and gradients
-    are reduced in fp32."""
+
+class HostOffloadApplied(FSDPApplied):
+    def make_optimizer(self, cls, **kw):
+        return HostOffloadOptimizer(self.model.named_parameters(), cls, **kw)
+
+
+def apply_fsdp(model: torch.nn.Module, strategy: str, rt: Runtime, compute: torch.dtype | None,
+               reduce: torch.dtype) -> Applied:
     # T5 blocks return their position bias as a view; it is only ever used out of place, which the
     # T5 parity test checks, so FSDP2's warning about in-place use of views is noise here.
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     mesh = init_device_mesh(rt.device.type, (rt.world_size,))
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
+    kw = dict(mesh=mesh, reshard_after_forward=strategy.startswith("zero3"),
+              mp_policy=MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=reduce if compute else None),
+              offload_policy=CPUOffloadPolicy(pin_memory=rt.device.type == "cuda")
+              if strategy == "zero3-offload" else OffloadPolicy())
     for _, blocks in block_lists(model):
         for block in blocks:
-            fully_shard(block, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+            fully_shard(block, **kw)
+    fully_shard(model, **kw)
     assert isinstance(model, FSDPModule)
-    return FSDPApplied(model=model, module=model, strategy="zero3")
+    cls = HostOffloadApplied if strategy == "zero2-offload" else FSDPApplied
+    return cls(model=model, module=model, strategy=strategy, notes=[f"FSDP2 over {len(list(_units(model)))} units"])
 
 
-def apply_ddp(model: torch.nn.Module, rt: Runtime, autocast: torch.dtype | None = None) -> Applied:
+def _units(model):
+    return (m for m in model.modules() if isinstance(m, FSDPModule))
+
+
+class ZeroOneApplied(Applied):
+    def make_optimizer(self, cls, **kw):
+        return ShardedStateOptimizer(self.model.parameters(), optimizer_class=cls, **kw)
+
+
+def apply_ddp(model: torch.nn.Module, strategy: str, rt: Runtime, autocast: torch.dtype | None,
+              bucket_mb: float) -> Applied:
     ids = [rt.device.index] if rt.device.type == "cuda" else None
-    wrapped = DistributedDataParallel(model, device_ids=ids)
-    return Applied(model=wrapped, module=model, strategy="ddp", autocast=autocast)
+    wrapped = DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=bucket_mb)
+    cls = ZeroOneApplied if strategy == "zero1" else Applied
+    return cls(model=wrapped, module=model, strategy=strategy, autocast=autocast)
+
+
+class ShardedStateOptimizer(ZeroRedundancyOptimizer):
+    """ZeRO-1: torch's ZeroRedundancyOptimizer (each rank keeps the states of, and updates, the
+    parameters it owns, then broadcasts them), plus a checkpoint format in which every parameter's
+    state is saved by its owner alone under the parameter's name (see train/checkpoint.py)."""
+
+    def owned(self):
+        """(parameter, its optimizer state) for the parameters this rank owns."""
+        mine = {id(p) for g in self.optim.param_groups for p in g["params"]}
+        return [(p, self.optim.state[p]) for p in self._all_params if id(p) in mine]

@@ -20,11 +20,14 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
+                                                     set_state_dict)
+from torch.distributed.tensor import DTensor
 
 from ..distributed import Runtime, barrier
 from ..errors import BigfitError
 from ..faults import maybe_die
+from ..strategies.offload import HostOffloadOptimizer
 
 MARKER = "COMPLETE"
 NAME = re.compile(r"^step-(\d+)$")
@@ -63,16 +66,51 @@ def _sync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def save(root: Path, step: int, model, optimizer, rt: Runtime, trainer_state: dict, write_assets) -> Path:
+def _state(applied, optimizer) -> dict:
+    """Model and optimizer state keyed by parameter names. torch optimizers over DDP / FSDP2 models
+    go through DCP's own get_state_dict; bigfit's ZeRO-1 and host-offload optimizers list the
+    states they own, sharded ones wrapped as DTensors like their parameters, so that DCP writes each
+    piece once and can load it at another world size."""
+    if not hasattr(optimizer, "owned"):
+        model_sd, optim_sd = get_state_dict(applied.model, optimizer)
+        return {"model": model_sd, "optim": optim_sd}
+    names = {id(p): n for n, p in applied.module.named_parameters()}
+    states = {names[id(p)]: {k: _like(v, p) for k, v in st.items()} for p, st in optimizer.owned()}
+    return {"model": get_model_state_dict(applied.model), "optim": {"state": states}}
+
+
+def _like(v: torch.Tensor, p) -> torch.Tensor:
+    if isinstance(p, DTensor) and v.dim() > 0:
+        return DTensor.from_local(v, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(), run_check=False)
+    return v
+
+
+@torch.no_grad()
+def _init_optimizer_state(optimizer) -> None:
+    """Create the (lazily built) optimizer states so that a checkpoint can be loaded into them: one
+    step on zero gradients with the learning rate at 0 changes no parameter."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    lrs = [g["lr"] for g in optimizer.param_groups]
+    for g in optimizer.param_groups:
+        g["lr"] = 0.0
+    # the host-offload optimizer steps from the device parameters' gradients
+    for p in optimizer.params if isinstance(optimizer, HostOffloadOptimizer) else params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    for g, lr in zip(optimizer.param_groups, lrs):
+        g["lr"] = lr
+
+
+def save(root: Path, step: int, applied, optimizer, rt: Runtime, trainer_state: dict, write_assets) -> Path:
     """Collective: every rank calls it. `write_assets(dir)` runs on rank 0 (config, tokenizer)."""
     final, tmp = root / f"step-{step:08d}", root / f".step-{step:08d}.partial"
     if rt.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier(rt)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
     with _one_process_quiet(rt):
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+        dcp.save(_state(applied, optimizer), checkpoint_id=str(tmp))
     torch.save(_rng_state(), tmp / f"rank-{rt.rank}.pt")
     if rt.is_main:
         write_assets(tmp)
@@ -90,13 +128,19 @@ def save(root: Path, step: int, model, optimizer, rt: Runtime, trainer_state: di
     return final
 
 
-def load(path: Path, model, optimizer, rt: Runtime) -> dict:
+def load(path: Path, applied, optimizer, rt: Runtime) -> dict:
     """Restore model, optimizer and this rank's RNG in place; returns trainer.json."""
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
+    if hasattr(optimizer, "owned"):
+        _init_optimizer_state(optimizer)
+    state = _state(applied, optimizer)
     with _one_process_quiet(rt):
         dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    if hasattr(optimizer, "owned"):  # states were loaded in place; the model goes through DCP's setter
+        set_model_state_dict(applied.model, state["model"])
+        if hasattr(optimizer, "reload_masters"):
+            optimizer.reload_masters()
+    else:
+        set_state_dict(applied.model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     trainer = json.loads((path / "trainer.json").read_text())
     rng_file = path / f"rank-{rt.rank}.pt"
     if trainer.get("world_size") == rt.world_size and rng_file.is_file():

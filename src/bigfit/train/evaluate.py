@@ -48,6 +48,7 @@ def evaluate(applied: Applied, samples: list[dict], *, tokenizer, pad_id: int, s
                 pairs += [(t, s["target"]) for t, s in zip(texts[:n_real], items[:n_real])]
     finally:
         model.train(was_training)
+        applied.reshard()
     loss, tokens = all_reduce_sum([loss, tokens], rt)
     out = {"eval_loss": loss / max(tokens, 1.0)}
     out["eval_ppl"] = float(torch.tensor(out["eval_loss"]).exp())

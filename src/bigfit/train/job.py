@@ -43,7 +43,7 @@ def prepare(cfg: TrainConfig, world_size: int) -> Job:
     return Job(cfg, source, model_config, tokenizer, seq2seq, dataset, resume_from)
 
 
-def describe(job: Job, n_params: int, device) -> list[tuple[str, object]]:
+def describe(job: Job, n_params: int, device, notes: list[str]) -> list[tuple[str, object]]:
     """The resolved configuration, as rows for the start-of-run table."""
     c, x = job.cfg, job.cfg.extra
     model = c.model or "embedded tiny T5 (3 encoder + 2 decoder blocks, tied embeddings)"
@@ -51,11 +51,12 @@ def describe(job: Job, n_params: int, device) -> list[tuple[str, object]]:
     return [
         ("model", f"{model} [{job.source.kind}], {n_params / 1e6:.2f}M parameters"),
         ("data", f"{data}: {len(job.dataset.train)} train / {len(job.dataset.eval)} eval samples"),
-        ("strategy", f"{c.strategy}, precision {c.precision}, on {x['world_size']} x {device}"),
+        ("strategy", f"{c.strategy}, precision {c.precision}, on {x['world_size']} x {device}"
+                     + "".join(f"; {n}" for n in notes)),
         ("batch", f"global {c.batch_size} = {x['world_size']} processes x {x['grad_accum']} accumulation "
                   f"x micro-batch {c.micro_batch_size}"),
-        ("schedule", f"{c.max_steps} steps, AdamW lr {c.lr:g} (warm-up {c.warmup_steps}, linear decay), "
-                     f"clip {c.max_grad_norm:g}, seed {c.seed}"),
+        ("schedule", f"{c.max_steps} steps, {c.optimizer} lr {c.lr:g} ({c.warmup_type} warm-up {c.warmup_steps}, "
+                     f"{c.lr_schedule} after), weight decay {c.weight_decay:g}, clip {c.max_grad_norm:g}, seed {c.seed}"),
         ("eval", f"every {c.eval_every or 'end'}: loss" + (f", beam-{c.num_beams} generate, BLEU and exact match"
                                                            if job.seq2seq else ", perplexity")),
         ("checkpoints", f"every {c.save_every or 'end'} steps in {Path(c.output_dir) / 'checkpoints'}"

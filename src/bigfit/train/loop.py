@@ -5,14 +5,13 @@ import copy
 import time
 from pathlib import Path
 
-import torch
-
 from .. import faults
 from ..config import TrainConfig
 from ..data import Batcher
 from ..distributed import Runtime, init_runtime, shutdown
 from ..models import build_model, count_parameters
-from ..strategies import apply_strategy
+from ..precision import LossScaler, fp16_warning
+from ..strategies import FSDP_STRATEGIES, apply_strategy, build_optimizer
 from . import checkpoint
 from .consolidate import consolidate
 from .evaluate import evaluate
@@ -23,7 +22,7 @@ from .step import lr_at, train_step
 
 def train(cfg: TrainConfig) -> dict:
     """Run the job on this process (one rank of it). Returns the final metrics and output paths."""
-    rt = init_runtime(cfg.timeout_s)
+    rt = init_runtime(cfg.timeout_s, group_for_one=cfg.strategy in FSDP_STRATEGIES)
     try:
         return _train(prepare(cfg, rt.world_size), rt)
     finally:
@@ -47,14 +46,20 @@ def _train(job: Job, rt: Runtime) -> dict:
     ckpt_root = out_dir / "checkpoints"
     model = build_model(job.source, job.model_config, cfg.seed)
     n_params = count_parameters(model)
-    applied = apply_strategy(model, cfg.strategy, cfg.precision, rt)
-    optimizer = torch.optim.AdamW(applied.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    applied = apply_strategy(model, cfg, rt)
+    optimizer = build_optimizer(applied, cfg)
+    scaler = LossScaler.from_config(cfg) if cfg.precision == "fp16" else None
     step = 0
     if job.resume_from:
-        step = checkpoint.load(job.resume_from, applied.model, optimizer, rt)["step"]
+        trainer = checkpoint.load(job.resume_from, applied, optimizer, rt)
+        step = trainer["step"]
+        if scaler and trainer.get("loss_scaler"):
+            scaler.load_state_dict(trainer["loss_scaler"])
     if rt.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
-        console.print(table("bigfit train", describe(job, n_params, rt.device)))
+        console.print(table("bigfit train", describe(job, n_params, rt.device, applied.notes)))
+        if warning := fp16_warning(job.model_config.model_type, cfg.precision):
+            console.print(f"[yellow]{warning}[/yellow]")
     resumed_at = step if job.resume_from else None
     metrics = MetricsLog(out_dir / "metrics.jsonl", resumed_at) if rt.is_main else None
     evals = MetricsLog(out_dir / "eval.jsonl", resumed_at) if rt.is_main else None
@@ -75,8 +80,8 @@ def _train(job: Job, rt: Runtime) -> dict:
         t0 = time.perf_counter()
         micro = batcher.micro_batches(step, rt.rank, rt.world_size, cfg.micro_batch_size)
         record = train_step(applied, optimizer, [[ds.train[i] for i in mb] for mb in micro], pad_id=ds.pad_id,
-                            seq2seq=job.seq2seq, rt=rt, lr=lr_at(step, cfg.lr, cfg.warmup_steps, cfg.max_steps),
-                            max_grad_norm=cfg.max_grad_norm)
+                            seq2seq=job.seq2seq, rt=rt, lr=lr_at(step, cfg), max_grad_norm=cfg.max_grad_norm,
+                            scaler=scaler)
         step += 1
         record = {"step": step, **record, "tokens_per_s": record["tokens"] / (time.perf_counter() - t0)}
         if step == cfg.max_steps or (cfg.eval_every and step % cfg.eval_every == 0):
@@ -88,11 +93,13 @@ def _train(job: Job, rt: Runtime) -> dict:
             if "eval_loss" in record:
                 evals.write({"step": step, **last_eval})
                 progress.print(f"eval at step {step}: {_eval_text(record)}")
+            if scaler and record["overflow"]:
+                progress.print(_overflow_text(step, record, scaler))
         faults.maybe_die("step", step, rt)
         if step == cfg.max_steps or (cfg.save_every and step % cfg.save_every == 0):
-            last_ckpt = checkpoint.save(ckpt_root, step, applied.model, optimizer, rt,
-                                        {"step": step, "world_size": rt.world_size, "config": cfg.to_dict()},
-                                        write_assets)
+            trainer = {"step": step, "world_size": rt.world_size, "config": cfg.to_dict(),
+                       "loss_scaler": scaler.state_dict() if scaler else None}
+            last_ckpt = checkpoint.save(ckpt_root, step, applied, optimizer, rt, trainer, write_assets)
     summary = {"steps": step, "first_eval": first_eval, "last_eval": last_eval, "checkpoint": last_ckpt,
                "metrics": out_dir / "metrics.jsonl", "evals": out_dir / "eval.jsonl", "train_time_s": time.perf_counter() - t_start}
     if rt.is_main:
@@ -103,6 +110,16 @@ def _train(job: Job, rt: Runtime) -> dict:
             summary["model_dir"] = consolidate(last_ckpt, out_dir / "model")
         _print_summary(summary)
     return summary
+
+
+def _overflow_text(step: int, record: dict, scaler: LossScaler) -> str:
+    text = (f"step {step}: fp16 gradients overflowed at loss scale {record['loss_scale']:g}; step skipped "
+            f"({scaler.overflows} so far), scale now {scaler.scale:g}")
+    if scaler.alarm:
+        text += (f"\n[red]the loss scale sits at its minimum ({scaler.min_scale:g}) and steps keep overflowing: "
+                 "this model overflows fp16 itself (common for models pretrained in bf16); use --precision bf16 "
+                 "or fp32[/red]")
+    return text
 
 
 def _eval_text(r: dict) -> str:

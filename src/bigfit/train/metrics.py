@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
@@ -73,5 +74,5 @@ def table(title: str, rows: list[tuple[str, object]]) -> Table:
     t.add_column(style="bold")
     t.add_column()
     for k, v in rows:
-        t.add_row(k, str(v))
+        t.add_row(k, escape(str(v)))  # values may hold brackets, which rich would read as markup
     return t

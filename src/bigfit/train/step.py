@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from ..data import collate
 from ..distributed import Runtime, all_reduce_sum
 from ..data.tokenize import IGNORE
+from ..precision import LossScaler
 from ..strategies import Applied
 
 
@@ -27,9 +28,10 @@ def loss_sum(applied: Applied, batch: dict, seq2seq: bool) -> tuple[torch.Tensor
         if seq2seq:
             dec_in = applied.module.prepare_decoder_input_ids_from_labels(labels=labels)
             logits = applied.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                                   decoder_input_ids=dec_in).logits
+                                   decoder_input_ids=dec_in, use_cache=False).logits
         else:
-            logits = applied.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            logits = applied.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                   use_cache=False).logits
             logits, labels = logits[:, :-1], labels[:, 1:]
     loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum")
     return loss, int((labels != IGNORE).sum())
@@ -41,39 +43,60 @@ def target_tokens(labels: torch.Tensor, seq2seq: bool) -> int:
     return int(((labels if seq2seq else labels[:, 1:]) != IGNORE).sum())
 
 
-def lr_at(step: int, peak: float, warmup: int, total: int) -> float:
-    """Linear warm-up to `peak`, then linear decay to 0 at `total`: a pure function of the step, so
-    resuming needs no scheduler state."""
-    if warmup and step < warmup:
-        return peak * (step + 1) / warmup
-    return peak * max(0.0, (total - step) / max(1, total - warmup))
+def lr_at(step: int, cfg) -> float:
+    """Warm-up from warmup_min_lr to lr (linear, or log as DeepSpeed's WarmupLR), then linear or
+    cosine decay to 0 at max_steps, or constant. A pure function of the step: resuming needs no
+    scheduler state."""
+    peak, warm, total = cfg.lr, cfg.warmup_steps, cfg.max_steps
+    if warm and step < warm:
+        if cfg.warmup_type == "log":  # DeepSpeed's: reaches the peak at the last warm-up step
+            frac = math.log(step + 1) / math.log(warm) if warm > 1 else 1.0
+        else:
+            frac = (step + 1) / warm
+        return cfg.warmup_min_lr + (peak - cfg.warmup_min_lr) * frac
+    if cfg.lr_schedule == "constant":
+        return peak
+    progress = (step - warm) / max(1, total - warm)
+    if cfg.lr_schedule == "cosine":
+        return peak * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return peak * max(0.0, 1 - progress)
 
 
 def train_step(applied: Applied, optimizer, micro_batches: list[list[dict]], *, pad_id: int, seq2seq: bool,
-               rt: Runtime, lr: float, max_grad_norm: float) -> dict:
-    """Forward/backward every micro-batch, clip, step. Returns the global-batch loss and counts."""
+               rt: Runtime, lr: float, max_grad_norm: float, scaler: LossScaler | None = None) -> dict:
+    """Forward/backward every micro-batch, unscale, clip, step (or skip an fp16 overflow).
+    Returns the global-batch loss and what happened."""
     batches = [collate(mb, pad_id, rt.device) for mb in micro_batches]
     local_tokens = sum(target_tokens(b["labels"], seq2seq) for b in batches)
     total_tokens, = all_reduce_sum([local_tokens], rt)
-    scale = rt.world_size / max(total_tokens, 1.0)
+    loss_scale = scaler.scale if scaler else 1.0
+    factor = loss_scale * rt.world_size / max(total_tokens, 1.0)
     local_loss = 0.0
     for i, batch in enumerate(batches):
         with applied.accumulation_context(sync=i == len(batches) - 1):
             loss, _ = loss_sum(applied, batch, seq2seq)
-            (loss * scale).backward()
+            (loss * factor).backward()
         local_loss += loss.item()
-    grad_norm = _clip(applied, max_grad_norm)
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-    optimizer.step()
+    params = [p for p in applied.model.parameters() if p.grad is not None]
+    if scaler:
+        for p in params:
+            p.grad.div_(loss_scale)
+    grad_norm = _clip(params, max_grad_norm)
+    overflow = not math.isfinite(grad_norm)  # the norm is global: every rank skips the same steps
+    if not overflow:
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     total_loss, = all_reduce_sum([local_loss], rt)
-    return {"loss": total_loss / max(total_tokens, 1.0), "tokens": int(total_tokens), "grad_norm": grad_norm,
-            "lr": lr}
+    out = {"loss": total_loss / max(total_tokens, 1.0), "tokens": int(total_tokens), "grad_norm": grad_norm, "lr": lr}
+    if scaler:
+        scaler.update(overflow)
+        out.update(loss_scale=loss_scale, overflow=overflow, skipped_steps=scaler.overflows)
+    return out
 
 
-def _clip(applied: Applied, max_norm: float) -> float:
-    params = [p for p in applied.model.parameters() if p.grad is not None]
+def _clip(params, max_norm: float) -> float:
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf)
     if hasattr(norm, "full_tensor"):  # a DTensor under FSDP2
         norm = norm.full_tensor()

@@ -1,0 +1,98 @@
+"""Peak memory and throughput of every bigfit strategy on one workload, next to its peers.
+
+The workload is ../shared/bench/peers.py's: a Llama-shaped decoder from config (random init, random
+tokens), bf16, AdamW, micro-batch x sequence tokens per step. Each strategy runs in its own process
+(clean peak-memory counters) through bigfit's own apply_strategy / build_optimizer / train_step.
+
+  python benchmarks/strategies.py --size 1b --mbs 4 --seq 2048 --out results.jsonl
+  python benchmarks/strategies.py one zero3 --size 1b ...        (one strategy, one JSON line)
+On one GPU, ddp and zero1 are the plain model (nothing to reduce or shard), so they are not repeated.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+STRATEGIES = ("single", "zero2", "zero3", "zero2-offload", "zero3-offload")
+SIZES = {"1b": (2048, 16, 32, 8, 8192, 128256), "3b": (3072, 28, 24, 8, 8192, 128256)}
+
+
+def run_one(strategy: str, size: str, mbs: int, seq: int, steps: int, warmup: int) -> dict:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from bigfit.config import TrainConfig, resolve
+    from bigfit.distributed import init_runtime
+    from bigfit.strategies import FSDP_STRATEGIES, apply_strategy, build_optimizer
+    from bigfit.train.step import train_step
+
+    h, layers, heads, kv, inter, vocab = SIZES[size]
+    mc = LlamaConfig(hidden_size=h, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
+                     intermediate_size=inter, vocab_size=vocab, max_position_embeddings=8192,
+                     attn_implementation="sdpa", tie_word_embeddings=False, use_cache=False)
+    cfg = resolve(TrainConfig(strategy=strategy, precision="bf16", batch_size=mbs, lr=1e-4), 1)
+    rt = init_runtime(group_for_one=strategy in FSDP_STRATEGIES)
+    with torch.device("cpu" if strategy == "zero3-offload" else rt.device):
+        model = LlamaForCausalLM(mc)
+    n = sum(p.numel() for p in model.parameters())
+    flops_per_token = 6 * (n - vocab * h) + 12 * layers * h * seq
+    applied = apply_strategy(model, cfg, rt)
+    optimizer = build_optimizer(applied, cfg)
+    g = torch.Generator().manual_seed(0)
+    times = []
+    torch.cuda.reset_peak_memory_stats()
+    for i in range(warmup + steps):
+        ids = torch.randint(0, vocab, (mbs, seq), generator=g).tolist()
+        samples = [{"input_ids": x, "labels": x} for x in ids]
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = train_step(applied, optimizer, [samples], pad_id=0, seq2seq=False, rt=rt, lr=1e-4, max_grad_norm=1.0)
+        torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    step_s = statistics.median(times)
+    tok_s = mbs * seq / step_s
+    return {"method": f"bigfit {strategy}", "params_b": round(n / 1e9, 3), "mbs": mbs, "seq": seq,
+            "step_s": round(step_s, 3), "tok_s": round(tok_s), "tflops": round(flops_per_token * tok_s / 1e12, 1),
+            "peak_alloc_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1),
+            "host_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 1),
+            "loss": round(out["loss"], 3)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode", nargs="?", default="all")
+    ap.add_argument("strategy", nargs="?")
+    ap.add_argument("--size", default="1b")
+    ap.add_argument("--mbs", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    if a.mode == "one":
+        try:
+            r = run_one(a.strategy, a.size, a.mbs, a.seq, a.steps, a.warmup)
+        except Exception as e:  # OOM and friends: one line, keep going
+            r = {"method": f"bigfit {a.strategy}", "error": f"{type(e).__name__}: {str(e)[:300]}"}
+        print("RESULT " + json.dumps(r), flush=True)
+        return
+    for s in STRATEGIES:
+        cmd = [sys.executable, __file__, "one", s, "--size", a.size, "--mbs", str(a.mbs), "--seq", str(a.seq),
+               "--steps", str(a.steps), "--warmup", str(a.warmup)]
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        lines = [l for l in (p.stdout + p.stderr).splitlines() if l.startswith("RESULT ")]
+        r = json.loads(lines[-1][7:]) if lines else {"method": f"bigfit {s}", "error": (p.stdout + p.stderr)[-500:]}
+        print(json.dumps(r), flush=True)
+        if a.out:
+            with open(a.out, "a") as f:
+                f.write(json.dumps(r) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""fp16 loss scaling in a real run, DeepSpeed-config and "auto" settings through the command line."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bigfit.cli import config_from_args, parse_args
+from conftest import read_jsonl
+
+
+def small(model_dir, data, out, **kw):
+    from bigfit.config import TrainConfig
+
+    settings = dict(strategy="single", max_steps=4, batch_size=4, eval_samples=0, save_every=0, consolidate=False)
+    return TrainConfig(model=str(model_dir), data=str(data), output_dir=str(out), **{**settings, **kw})
+
+
+def test_fp16_overflow_steps_are_skipped_counted_and_logged(model_dirs, pairs_file, tmp_path, capsys):
+    from bigfit.train.loop import train
+
+    # 2**120 overflows fp16 gradients on every step; the scale may not go lower, so every step is skipped
+    cfg = small(model_dirs["llama"], pairs_file, tmp_path, precision="fp16", initial_scale_power=120,
+                min_loss_scale=2.0 ** 120)
+    train(cfg)
+    records = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["overflow"] for r in records] == [True] * 4
+    assert [r["skipped_steps"] for r in records] == [1, 2, 3, 4]
+    assert all(r["loss_scale"] == 2.0 ** 120 for r in records)
+    out = " ".join(capsys.readouterr().out.split())  # rich wraps long lines
+    assert "fp16 gradients overflowed at loss scale" in out
+    assert "sits at its minimum" in out and "use --precision bf16" in out
+
+
+def test_fp16_dynamic_scale_backs_off_then_trains(model_dirs, pairs_file, tmp_path):
+    from bigfit.train.loop import train
+
+    train(small(model_dirs["gpt2"], pairs_file, tmp_path, precision="fp16", initial_scale_power=24, hysteresis=1,
+                max_steps=30))
+    records = read_jsonl(tmp_path / "metrics.jsonl")
+    scales = [r["loss_scale"] for r in records]
+    assert records[0]["overflow"] and scales[1] == scales[0] / 2  # halved after each overflow
+    assert not records[-1]["overflow"] and scales[-1] < 2.0 ** 24  # found a scale that fits
+    assert records[-1]["skipped_steps"] == sum(r["overflow"] for r in records)
+
+
+def test_fp16_on_t5_warns_before_training(model_dirs, pairs_file, tmp_path, capsys):
+    from bigfit.train.loop import train
+
+    train(small(model_dirs["t5"], pairs_file, tmp_path, precision="fp16", max_steps=1))
+    assert "t5 models are usually pretrained in bf16" in " ".join(capsys.readouterr().out.split())
+
+
+def test_deepspeed_config_on_the_command_line(tmp_path, capsys):
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({
+        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4, "train_batch_size": "auto",
+        "bf16": {"enabled": "auto"}, "fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 8},
+        "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"},
+                              "overlap_comm": True},
+        "optimizer": {"type": "Adam", "params": {"lr": "auto", "weight_decay": 0.1}},
+        "gradient_clipping": 0.5, "wall_clock_breakdown": False}))
+    cfg = config_from_args(parse_args(["train", "--deepspeed-config", str(ds), "--nproc", "2", "--lr", "0.01"]))
+    assert (cfg.strategy, cfg.precision, cfg.initial_scale_power, cfg.loss_scale) == ("zero3-offload", "fp16", 8, 0)
+    assert (cfg.batch_size, cfg.micro_batch_size, cfg.optimizer) == (16, 2, "adamw")  # DeepSpeed's Adam is AdamW
+    assert (cfg.weight_decay, cfg.max_grad_norm, cfg.lr) == (0.1, 0.5, 0.01)  # the flag wins over "auto"
+    out = capsys.readouterr().out
+    assert "-> strategy zero3-offload, precision fp16" in out
+    assert "ignored: wall_clock_breakdown" in out
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}))
+    from bigfit.errors import BigfitError
+
+    with pytest.raises(BigfitError, match="offload_param"):
+        config_from_args(parse_args(["train", "--deepspeed-config", str(bad)]))
+
+
+def test_auto_values_in_files_and_flags(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("micro_batch_size: auto\nprecision: auto\nnproc: auto\n")
+    cfg = config_from_args(parse_args(["train", "--config", str(f)]))
+    assert (cfg.micro_batch_size, cfg.precision, cfg.nproc) == (None, None, None)
+    cfg = config_from_args(parse_args(["train", "--micro-batch-size", "auto", "--precision", "auto"]))
+    from bigfit.config import resolve
+
+    resolved = resolve(cfg, 2)
+    assert resolved.micro_batch_size == 16 and resolved.precision == "fp32"  # no bf16-capable GPU here
+    f.write_text("max_steps: auto\n")
+    from bigfit.errors import BigfitError
+
+    with pytest.raises(BigfitError, match="max_steps cannot be 'auto'"):
+        config_from_args(parse_args(["train", "--config", str(f)]))
