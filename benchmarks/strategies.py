@@ -19,7 +19,8 @@ import sys
 import time
 
 STRATEGIES = ("single", "zero2", "zero3", "zero2-offload", "zero3-offload")
-SIZES = {"1b": (2048, 16, 32, 8, 8192, 128256), "3b": (3072, 28, 24, 8, 8192, 128256)}
+SIZES = {"tiny": (64, 2, 4, 2, 128, 384),  # a smoke test of this script on a CPU
+         "1b": (2048, 16, 32, 8, 8192, 128256), "3b": (3072, 28, 24, 8, 8192, 128256)}
 
 
 def run_one(strategy: str, size: str, mbs: int, seq: int, steps: int, warmup: int) -> dict:
@@ -37,6 +38,7 @@ def run_one(strategy: str, size: str, mbs: int, seq: int, steps: int, warmup: in
                      attn_implementation="sdpa", tie_word_embeddings=False, use_cache=False)
     cfg = resolve(TrainConfig(strategy=strategy, precision="bf16", batch_size=mbs, lr=1e-4), 1)
     rt = init_runtime(group_for_one=strategy in FSDP_STRATEGIES)
+    torch.manual_seed(0)
     with torch.device("cpu" if strategy == "zero3-offload" else rt.device):
         model = LlamaForCausalLM(mc)
     n = sum(p.numel() for p in model.parameters())
@@ -45,21 +47,24 @@ def run_one(strategy: str, size: str, mbs: int, seq: int, steps: int, warmup: in
     optimizer = build_optimizer(applied, cfg)
     g = torch.Generator().manual_seed(0)
     times = []
-    torch.cuda.reset_peak_memory_stats()
+    gpu = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if gpu else (lambda: None)
+    if gpu:
+        torch.cuda.reset_peak_memory_stats()
     for i in range(warmup + steps):
         ids = torch.randint(0, vocab, (mbs, seq), generator=g).tolist()
         samples = [{"input_ids": x, "labels": x} for x in ids]
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         out = train_step(applied, optimizer, [samples], pad_id=0, seq2seq=False, rt=rt, lr=1e-4, max_grad_norm=1.0)
-        torch.cuda.synchronize()
+        sync()
         if i >= warmup:
             times.append(time.perf_counter() - t0)
     step_s = statistics.median(times)
     tok_s = mbs * seq / step_s
     return {"method": f"bigfit {strategy}", "params_b": round(n / 1e9, 3), "mbs": mbs, "seq": seq,
             "step_s": round(step_s, 3), "tok_s": round(tok_s), "tflops": round(flops_per_token * tok_s / 1e12, 1),
-            "peak_alloc_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1),
+            "peak_alloc_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if gpu else None,
             "host_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 1),
             "loss": round(out["loss"], 3)}
 

@@ -52,7 +52,9 @@ def init_runtime(timeout_s: float = 300.0, group_for_one: bool = False) -> Runti
         device = torch.device("cpu")
     owns = (world > 1 or group_for_one) and not dist.is_initialized()  # an embedding program may have joined
     if owns:
-        backend = "nccl" if device.type == "cuda" else "gloo"
+        # On GPUs, gloo serves collectives on host tensors: zero3-offload's gradients live in host RAM,
+        # and clipping all-reduces their norm there (NCCL alone failed that on 2 H200s).
+        backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
         store = dist.HashStore() if world == 1 else None
         dist.init_process_group(
             backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s), store=store,

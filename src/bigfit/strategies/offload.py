@@ -22,7 +22,7 @@ class HostOffloadOptimizer:
             self.masters = [m.pin_memory() for m in self.masters]
         for m in self.masters:
             m.grad = torch.zeros_like(m, pin_memory=pin)
-        self.inner = cls(self.masters, fused=True, **kw)  # torch's fused CPU kernel: several times the loop's speed
+        self.inner = cls(self.masters, **kw)
         self.param_groups = self.inner.param_groups  # the loop sets the learning rate here
         self.state = self.inner.state
 

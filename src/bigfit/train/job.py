@@ -51,7 +51,7 @@ def describe(job: Job, n_params: int, device, notes: list[str]) -> list[tuple[st
     return [
         ("model", f"{model} [{job.source.kind}], {n_params / 1e6:.2f}M parameters"),
         ("data", f"{data}: {len(job.dataset.train)} train / {len(job.dataset.eval)} eval samples"),
-        ("strategy", f"{c.strategy}, precision {c.precision}, on {x['world_size']} x {device}"
+        ("strategy", f"{c.strategy}, precision {c.precision}, on {x['world_size']} x {device.type}"
                      + "".join(f"; {n}" for n in notes)),
         ("batch", f"global {c.batch_size} = {x['world_size']} processes x {x['grad_accum']} accumulation "
                   f"x micro-batch {c.micro_batch_size}"),
