@@ -60,10 +60,31 @@ def _train_parser(sub) -> None:
                    help="skip writing OUTPUT/model at the end")
 
 
+def _plan_parser(sub) -> None:
+    p = sub.add_parser("plan", help="predict every strategy's memory and speed before launch")
+    p.add_argument("--model", help="hub name or model directory (only config.json is read); default: the embedded T5")
+    p.add_argument("--gpus", help="e.g. 8x16GB or 24GB,8GB (mixed sizes); default: this machine's GPUs")
+    p.add_argument("--nodes", type=int, default=1, help="nodes, each with --gpus")
+    p.add_argument("--cpu-ram", default=None, help="host RAM per node, e.g. 256GB; default: this machine's")
+    p.add_argument("--nvme", default="0B", help="NVMe per node usable for offload, e.g. 1TB")
+    p.add_argument("--pcie-gbps", type=float, help="host <-> GPU bandwidth per GPU, GB/s")
+    p.add_argument("--intra-gbps", type=float, help="GPU <-> GPU bandwidth inside a node, GB/s")
+    p.add_argument("--inter-gbps", type=float, help="bandwidth between nodes, GB/s")
+    p.add_argument("--batch-size", type=int, default=32, help="global batch")
+    p.add_argument("--micro-batch-size", type=int, help="default: batch / GPUs")
+    p.add_argument("--seq-len", type=int, default=512, help="tokens per sample (source side)")
+    p.add_argument("--target-len", type=int, default=0, help="decoder tokens per sample (encoder-decoders)")
+    p.add_argument("--precision", default="bf16", choices=PRECISIONS)
+    p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    p.add_argument("--plot", help="write per-GPU memory bars to this PNG")
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="bigfit", description="Train models that do not fit on one device.")
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
+    _plan_parser(sub)
     c = sub.add_parser("consolidate", help="sharded checkpoint -> one Hugging Face model directory")
     c.add_argument("checkpoint", help="a checkpoint directory (OUTPUT/checkpoints/step-N)")
     c.add_argument("out", help="the model directory to write")
@@ -118,11 +139,39 @@ def _check_gpus(nproc: int) -> None:
                           "or fewer (or CUDA_VISIBLE_DEVICES= to run on the CPU)")
 
 
+def _auto_strategy(cfg: TrainConfig, world: int) -> str:
+    """Plan for this machine (its GPUs, or on a CPU-only machine its RAM split over the processes)
+    and take the recommendation."""
+    import torch
+
+    from .config import auto_precision
+    from .hardware import Hardware, detect, host_ram
+    from .models import load_config, locate
+    from .planning.search import Job, plan_for_config
+
+    hw = detect() if torch.cuda.is_available() else Hardware(gpu_bytes=(host_ram() // world,) * world)
+    hw = Hardware(**{**vars(hw), "gpu_bytes": hw.gpu_bytes[:world]})
+    config = load_config(locate(cfg.model))
+    job = Job(batch_size=cfg.batch_size, seq_len=cfg.max_source_len,
+              target_len=cfg.max_target_len if config.is_encoder_decoder else 0, micro_batch=cfg.micro_batch_size,
+              precision=cfg.precision or auto_precision(), checkpointing=cfg.activation_checkpointing)
+    p = plan_for_config(config, hw, job)
+    if p.recommended is None:
+        raise BigfitError(f"--strategy auto: {p.reason}")
+    if _speaks():
+        print(f"--strategy auto -> {p.recommended}: {p.reason}")
+    return p.recommended
+
+
 def train_command(argv: list[str], ns: argparse.Namespace) -> int:
     from .distributed import launched_by_torchrun_env
     from .launch import launch_local, write_error
 
     cfg = config_from_args(ns)
+    if cfg.strategy == "auto":
+        world = int(os.environ.get("WORLD_SIZE", 0)) or cfg.nproc or _default_nproc(cfg)
+        cfg = dataclasses.replace(cfg, strategy=_auto_strategy(cfg, world))
+        argv = [*argv, "--strategy", cfg.strategy]  # workers start from the decision, not from "auto"
     if launched_by_torchrun_env():  # a worker: of bigfit's launcher or of torchrun
         from .train.loop import train
 
@@ -153,6 +202,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if ns.command == "train":
             return train_command(argv, ns)
+        if ns.command == "plan":
+            from .planning.command import plan_command
+
+            return plan_command(ns)
         from .train.consolidate import consolidate
 
         print(f"wrote {consolidate(ns.checkpoint, ns.out)}")

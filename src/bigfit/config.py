@@ -35,7 +35,7 @@ class TrainConfig:
     micro_batch_size: int | None = None  # samples per forward/backward on one process; None: batch_size / nproc
     seed: int = 0  # weights, data order and dropout
     nproc: int | None = None  # local worker processes; None: one per GPU, or 2 on a CPU-only machine
-    strategy: str = "zero3"  # one of STRATEGIES
+    strategy: str = "zero3"  # one of STRATEGIES, or auto: the fastest that the planner predicts to fit
     precision: str | None = "fp32"  # fp32, bf16 or fp16 (fp32 master weights either way); auto: bf16 where supported
     reduce_dtype: str = "fp32"  # dtype gradients are reduced in under bf16/fp16
     loss_scale: float = 0.0  # fp16: a static loss scale; 0 for dynamic scaling
@@ -119,7 +119,7 @@ def check_keys(values: dict, where: str) -> None:
 
 def validate(cfg: TrainConfig) -> None:
     """Checks that need no model, data or processes. Raises BigfitError naming the bad value."""
-    for name, valid in (("strategy", STRATEGIES), ("optimizer", OPTIMIZERS), ("lr_schedule", SCHEDULES),
+    for name, valid in (("strategy", (*STRATEGIES, "auto")), ("optimizer", OPTIMIZERS), ("lr_schedule", SCHEDULES),
                         ("warmup_type", WARMUPS), ("reduce_dtype", REDUCE_DTYPES)):
         if getattr(cfg, name) not in valid:
             raise one_of(name.replace("_", "-"), getattr(cfg, name), valid)
@@ -149,6 +149,8 @@ def resolve(cfg: TrainConfig, world_size: int) -> TrainConfig:
     """Fill every derived value for `world_size` processes. The global batch never changes here:
     only how it is split into processes x gradient-accumulation steps x micro-batches."""
     validate(cfg)
+    if cfg.strategy == "auto":
+        raise BigfitError("strategy 'auto' must be planned before the job is resolved (bigfit train does this)")
     if cfg.batch_size % world_size:
         raise BigfitError(
             f"--batch-size {cfg.batch_size} is not divisible by the {world_size} processes; "

@@ -1,0 +1,87 @@
+"""Descriptions of the machines a job may run on: detected, or given as `--gpus 8x16GB`,
+`--gpus 24GB,8GB`, `--nodes 2`, `--cpu-ram 256GB`, `--nvme 1TB`. Pure data; `detect` is the one
+function that looks at the machine."""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+
+from .errors import BigfitError
+
+UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+         "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+# Defaults for what cannot be detected, from measurements on the lent H200 machine (NOTES-machines.md):
+# pinned PCIe ~55 GB/s each way, bf16 dense matmul ~760 TFLOP/s, fused CPU AdamW ~4 G params/s on 16 cores.
+DEFAULTS = dict(gpu_tflops=760.0, pcie_gbps=55.0, intra_gbps=300.0, inter_gbps=25.0, cpu_adam_params_per_s=4e9)
+
+
+def parse_size(text: str, what: str = "size") -> int:
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?I?B?)\s*", text.upper())
+    if not m or m.group(2) not in UNITS:
+        raise BigfitError(f"{what} {text!r} is not a size; write it like 24GB, 512MiB or 1TB")
+    return int(float(m.group(1)) * UNITS[m.group(2)])
+
+
+def parse_gpus(text: str) -> list[int]:
+    """'8x16GB' -> eight 16 GB devices; '24GB,8GB' -> two devices of different sizes."""
+    out = []
+    for part in text.split(","):
+        count, _, size = part.strip().rpartition("x")
+        n = int(count) if count.isdigit() else 1 if not count else None
+        if n is None or n < 1:
+            raise BigfitError(f"--gpus {text!r}: write a list like 8x16GB or 24GB,8GB")
+        out += [parse_size(size, "--gpus size")] * n
+    return out
+
+
+@dataclass(frozen=True)
+class Hardware:
+    gpu_bytes: tuple[int, ...]  # memory of each GPU of one node (mixed sizes allowed)
+    nodes: int = 1
+    cpu_ram: int = 64 * 10**9  # host RAM of one node
+    nvme: int = 0  # NVMe bytes of one node usable for offload
+    gpu_tflops: float = DEFAULTS["gpu_tflops"]  # dense bf16 peak of one GPU
+    pcie_gbps: float = DEFAULTS["pcie_gbps"]  # host <-> GPU, each way, per GPU
+    intra_gbps: float = DEFAULTS["intra_gbps"]  # GPU <-> GPU inside a node (bus bandwidth)
+    inter_gbps: float = DEFAULTS["inter_gbps"]  # between nodes, per node
+    cpu_adam_params_per_s: float = DEFAULTS["cpu_adam_params_per_s"]  # host optimizer speed, one node
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def __post_init__(self):
+        if not self.gpu_bytes:
+            raise BigfitError("no GPUs described; give --gpus like 8x16GB (or run on a machine with GPUs)")
+        if self.nodes < 1:
+            raise BigfitError(f"--nodes must be at least 1, got {self.nodes}")
+
+    @property
+    def gpus_per_node(self) -> int:
+        return len(self.gpu_bytes)
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    def describe(self) -> str:
+        sizes = sorted(set(self.gpu_bytes), reverse=True)
+        gpus = ", ".join(f"{self.gpu_bytes.count(s)}x{s / 1e9:.0f}GB" for s in sizes)
+        return (f"{self.nodes} node(s) x [{gpus}], host RAM {self.cpu_ram / 1e9:.0f} GB per node"
+                + (f", NVMe {self.nvme / 1e12:.1f} TB" if self.nvme else ""))
+
+
+def host_ram() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def detect() -> Hardware:
+    """This machine: its CUDA devices and host RAM (one node)."""
+    import torch
+
+    gpus = tuple(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count()))
+    if not gpus:
+        raise BigfitError("no GPU found on this machine; describe the target with --gpus (e.g. --gpus 8x16GB)")
+    return Hardware(gpu_bytes=gpus, cpu_ram=host_ram(), notes=(f"detected {os.cpu_count()} CPU cores",))

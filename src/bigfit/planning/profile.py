@@ -1,0 +1,114 @@
+"""What planning needs to know about a model, found without memory: the model is built under
+FakeTensorMode (shapes, no storage; transformers also takes its tracing-friendly code paths there)
+and one training forward is run at the job's batch and sequence lengths, recording every tensor
+autograd saves for backward. Those saved tensors ARE the activation memory, for any model family and
+the attention implementation that will run.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from ..models import block_lists, is_seq2seq
+from ..precision import DTYPES
+
+
+@dataclass
+class ModelProfile:
+    params: int  # parameters, tied ones once
+    embedding_params: int  # input embedding rows (no matmul): excluded from FLOPs
+    largest_unit_params: int  # the largest block (an FSDP unit / what ZeRO-3 gathers at once)
+    root_params: int  # parameters outside the blocks (embeddings, final norms, head)
+    n_blocks: int
+    block_saved: list[int]  # bytes autograd saves inside each block, per micro-batch
+    block_inputs: list[int]  # bytes of each block's tensor inputs: what activation checkpointing keeps
+    other_saved: int  # saved outside blocks: embeddings, final norm, head, loss
+    logits_bytes: int  # the head's output in the compute dtype
+    tokens: int  # tokens per micro-batch (encoder + decoder for encoder-decoders)
+    flops_per_token: float = 0.0  # 6 x non-embedding params + 12 x layers x hidden x seq (model FLOPs)
+    notes: list[str] = field(default_factory=list)
+
+    def activations(self, checkpointing: bool) -> int:
+        if not checkpointing:
+            return sum(self.block_saved) + self.other_saved
+        # checkpointed: block inputs stay; one block's activations exist again while it is recomputed
+        return sum(self.block_inputs) + self.other_saved + max(self.block_saved, default=0)
+
+
+def _storage_key(t: torch.Tensor):
+    return t.untyped_storage()._cdata
+
+
+def profile_model(config, micro_batch: int, seq_len: int, target_len: int, precision: str) -> ModelProfile:
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+    seq2seq = is_seq2seq(config)
+    dtype = DTYPES[precision]
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        auto = AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM
+        model = auto.from_config(config, dtype=dtype)
+        model.train()
+        return _trace(model, seq2seq, micro_batch, seq_len, target_len)
+
+
+def _trace(model, seq2seq: bool, b: int, t: int, tt: int) -> ModelProfile:
+    params = {_storage_key(p): p.numel() for p in model.parameters()}
+    stacks = block_lists(model)
+    blocks = [blk for _, s in stacks for blk in s]
+    in_block = {id(blk) for blk in blocks}
+    block_params = [sum(p.numel() for p in blk.parameters()) for blk in blocks]
+    saved: dict = {}  # storage -> (bytes, block index or -1)
+    inputs = [0] * len(blocks)
+    current = [-1]
+
+    def pack(x):
+        key = _storage_key(x)
+        if key not in params and key not in saved:
+            saved[key] = (x.untyped_storage().nbytes(), current[0])
+        return x
+
+    def pre(i):
+        def hook(_, args, kwargs):
+            current[0] = i
+            tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+            inputs[i] = sum(a.numel() * a.element_size() for a in tensors if a.is_floating_point())
+        return hook
+
+    def post(*_):
+        current[0] = -1
+
+    handles = [blk.register_forward_pre_hook(pre(i), with_kwargs=True) for i, blk in enumerate(blocks)]
+    handles += [blk.register_forward_hook(post, with_kwargs=True) for blk in blocks]
+    ids = torch.zeros(b, t, dtype=torch.long)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+            if seq2seq:
+                labels = torch.zeros(b, tt, dtype=torch.long)
+                logits = model(input_ids=ids, decoder_input_ids=labels, use_cache=False).logits
+            else:
+                logits, labels = model(input_ids=ids, use_cache=False).logits, ids
+            F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="sum")
+    finally:
+        for h in handles:
+            h.remove()
+    per_block = [0] * len(blocks)
+    other = 0
+    for nbytes, i in saved.values():
+        if i >= 0:
+            per_block[i] += nbytes
+        else:
+            other += nbytes
+    n = sum(params.values())
+    emb = model.get_input_embeddings().weight.numel()
+    cfg = model.config
+    hidden = getattr(cfg, "d_model", None) or getattr(cfg, "hidden_size", None) or cfg.n_embd
+    tokens = b * (t + (tt if seq2seq else 0))
+    seq = (t + tt) / 2 if seq2seq else t
+    flops = 6 * (n - emb) + 12 * len(blocks) * hidden * seq
+    return ModelProfile(params=n, embedding_params=emb, largest_unit_params=max(block_params, default=0),
+                        root_params=n - sum(block_params), n_blocks=len(blocks), block_saved=per_block,
+                        block_inputs=inputs, other_saved=other,
+                        logits_bytes=logits.numel() * logits.element_size(), tokens=tokens, flops_per_token=flops)
