@@ -106,8 +106,7 @@ def config_from_args(ns: argparse.Namespace) -> TrainConfig:
 def _deepspeed(path: str, so_far: dict) -> dict:
     from .deepspeed_config import load_deepspeed_config
 
-    world = int(os.environ.get("WORLD_SIZE", 0)) or so_far.get("nproc") or _default_nproc(TrainConfig())
-    mapping = load_deepspeed_config(path, world)
+    mapping = load_deepspeed_config(path, _world(so_far.get("nproc"), TrainConfig()))
     if _speaks():
         print(mapping.summary)
         if mapping.ignored:
@@ -120,6 +119,11 @@ def _deepspeed(path: str, so_far: dict) -> dict:
 def _speaks() -> bool:
     """Messages about the command line are printed once: by the launcher, or by torchrun's rank 0."""
     return "BIGFIT_ERROR_FILE" not in os.environ and os.environ.get("RANK", "0") == "0"
+
+
+def _world(nproc: int | None, cfg: TrainConfig) -> int:
+    """Processes in the job: torchrun's WORLD_SIZE, else --nproc, else the default for the strategy."""
+    return int(os.environ.get("WORLD_SIZE", 0)) or nproc or _default_nproc(cfg)
 
 
 def _default_nproc(cfg: TrainConfig) -> int:
@@ -139,39 +143,19 @@ def _check_gpus(nproc: int) -> None:
                           "or fewer (or CUDA_VISIBLE_DEVICES= to run on the CPU)")
 
 
-def _auto_strategy(cfg: TrainConfig, world: int) -> str:
-    """Plan for this machine (its GPUs, or on a CPU-only machine its RAM split over the processes)
-    and take the recommendation."""
-    import torch
-
-    from .config import auto_precision
-    from .hardware import Hardware, detect, host_ram
-    from .models import load_config, locate
-    from .planning.search import Job, plan_for_config
-
-    hw = detect() if torch.cuda.is_available() else Hardware(gpu_bytes=(host_ram() // world,) * world)
-    hw = Hardware(**{**vars(hw), "gpu_bytes": hw.gpu_bytes[:world]})
-    config = load_config(locate(cfg.model))
-    job = Job(batch_size=cfg.batch_size, seq_len=cfg.max_source_len,
-              target_len=cfg.max_target_len if config.is_encoder_decoder else 0, micro_batch=cfg.micro_batch_size,
-              precision=cfg.precision or auto_precision(), checkpointing=cfg.activation_checkpointing)
-    p = plan_for_config(config, hw, job)
-    if p.recommended is None:
-        raise BigfitError(f"--strategy auto: {p.reason}")
-    if _speaks():
-        print(f"--strategy auto -> {p.recommended}: {p.reason}")
-    return p.recommended
-
-
 def train_command(argv: list[str], ns: argparse.Namespace) -> int:
     from .distributed import launched_by_torchrun_env
     from .launch import launch_local, write_error
 
     cfg = config_from_args(ns)
     if cfg.strategy == "auto":
-        world = int(os.environ.get("WORLD_SIZE", 0)) or cfg.nproc or _default_nproc(cfg)
-        cfg = dataclasses.replace(cfg, strategy=_auto_strategy(cfg, world))
-        argv = [*argv, "--strategy", cfg.strategy]  # workers start from the decision, not from "auto"
+        from .planning.command import auto_strategy
+
+        name, reason = auto_strategy(cfg, _world(cfg.nproc, cfg))
+        if _speaks():
+            print(f"--strategy auto -> {name}: {reason}")
+        cfg = dataclasses.replace(cfg, strategy=name)
+        argv = [*argv, "--strategy", name]  # workers start from the decision, not from "auto"
     if launched_by_torchrun_env():  # a worker: of bigfit's launcher or of torchrun
         from .train.loop import train
 

@@ -54,3 +54,22 @@ def plan_command(ns) -> int:
         if not ns.json:
             print(f"wrote {ns.plot}")
     return 0
+
+
+def auto_strategy(cfg, world: int) -> tuple[str, str]:
+    """`--strategy auto`: plan for this machine (its GPUs, or on a CPU-only machine its RAM split over
+    the processes) and return the recommendation and why."""
+    import torch
+
+    from ..config import auto_precision
+
+    hw = detect() if torch.cuda.is_available() else Hardware(gpu_bytes=(host_ram() // world,) * world)
+    hw = Hardware(**{**vars(hw), "gpu_bytes": hw.gpu_bytes[:world]})
+    config = load_config(locate(cfg.model))
+    job = Job(batch_size=cfg.batch_size, seq_len=cfg.max_source_len,
+              target_len=cfg.max_target_len if config.is_encoder_decoder else 0, micro_batch=cfg.micro_batch_size,
+              precision=cfg.precision or auto_precision(), checkpointing=cfg.activation_checkpointing)
+    p = plan_for_config(config, hw, job)
+    if p.recommended is None:
+        raise BigfitError(f"--strategy auto: {p.reason}")
+    return p.recommended, p.reason
