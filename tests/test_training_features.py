@@ -6,6 +6,7 @@ import json
 import pytest
 
 from bigfit.cli import config_from_args, parse_args
+from bigfit.errors import BigfitError
 from conftest import read_jsonl
 
 
@@ -69,8 +70,6 @@ def test_deepspeed_config_on_the_command_line(tmp_path, capsys):
     assert "ignored: wall_clock_breakdown" in out
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}))
-    from bigfit.errors import BigfitError
-
     with pytest.raises(BigfitError, match="offload_param"):
         config_from_args(parse_args(["train", "--deepspeed-config", str(bad)]))
 
@@ -79,14 +78,40 @@ def test_auto_values_in_files_and_flags(tmp_path):
     f = tmp_path / "c.yaml"
     f.write_text("micro_batch_size: auto\nprecision: auto\nnproc: auto\n")
     cfg = config_from_args(parse_args(["train", "--config", str(f)]))
-    assert (cfg.micro_batch_size, cfg.precision, cfg.nproc) == (None, None, None)
-    cfg = config_from_args(parse_args(["train", "--micro-batch-size", "auto", "--precision", "auto"]))
+    assert (cfg.micro_batch_size, cfg.precision, cfg.nproc) == ("auto", None, None)  # planned vs derived
+    cfg = config_from_args(parse_args(["train", "--precision", "auto"]))
     from bigfit.config import resolve
 
     resolved = resolve(cfg, 2)
     assert resolved.micro_batch_size == 16 and resolved.precision == "fp32"  # no bf16-capable GPU here
+    with pytest.raises(BigfitError, match="planned before the job is resolved"):
+        resolve(config_from_args(parse_args(["train", "--micro-batch-size", "auto"])), 2)
     f.write_text("max_steps: auto\n")
-    from bigfit.errors import BigfitError
-
     with pytest.raises(BigfitError, match="max_steps cannot be 'auto'"):
         config_from_args(parse_args(["train", "--config", str(f)]))
+
+
+def test_strategy_auto_plans_then_trains(model_dirs, pairs_file, tmp_path, capsys):
+    from bigfit.cli import main
+
+    assert main(["train", "--strategy", "auto", "--nproc", "1", "--model", str(model_dirs["llama"]), "--data",
+                 str(pairs_file), "--max-steps", "2", "--batch-size", "4", "--eval-samples", "0",
+                 "--output-dir", str(tmp_path)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--strategy auto -> " in out and "is the fastest that fits" in out
+    assert len(read_jsonl(tmp_path / "metrics.jsonl")) == 2
+
+
+def test_micro_batch_auto_steps_down_after_out_of_memory(model_dirs, pairs_file, tmp_path):
+    from test_resume import bigfit
+
+    r = bigfit("train", "--model", str(model_dirs["gpt2"]), "--data", str(pairs_file), "--strategy", "single",
+               "--batch-size", "16", "--micro-batch-size", "auto", "--max-steps", "2", "--eval-samples", "0",
+               "--output-dir", str(tmp_path), fault="oom-above:4")
+    assert r.returncode == 0, r.stderr
+    assert "micro-batch 16: out of memory in the probe" in r.stdout
+    assert "micro-batch 8: out of memory in the probe" in r.stdout
+    out = " ".join(r.stdout.split())
+    assert "micro-batch auto -> 4: predicted 16 to fit" in out
+    assert "global 16 = 1 processes x 4 accumulation x micro-batch 4" in out
+    assert len(read_jsonl(tmp_path / "metrics.jsonl")) == 2

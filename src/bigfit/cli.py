@@ -11,7 +11,8 @@ import os
 import sys
 from pathlib import Path
 
-from .config import AUTO, PRECISIONS, STRATEGIES, TrainConfig, load_config_file, validate
+from .config import AUTO, PLANNED, PRECISIONS, STRATEGIES, TrainConfig, load_config_file, validate
+from .distributed import launched_by_torchrun_env
 from .errors import BigfitError
 
 
@@ -19,9 +20,11 @@ def _flag_type(f: dataclasses.Field):
     """int / float / str from the annotation; fields that take "auto" accept it too."""
     hint = str(f.type)
     base = int if "int" in hint else float if "float" in hint else str
-    if f.name not in AUTO:
-        return base
-    return lambda text: None if text == "auto" else base(text)
+    if f.name in AUTO:
+        return lambda text: None if text == "auto" else base(text)
+    if f.name in PLANNED:
+        return lambda text: text if text == "auto" else base(text)
+    return base
 
 
 def _field_help() -> dict[str, str]:
@@ -44,7 +47,7 @@ def _train_parser(sub) -> None:
     p.add_argument("--deepspeed-config", help="a DeepSpeed JSON config: mapped onto bigfit's settings (flags win)")
     helps = _field_help()
     for f in dataclasses.fields(TrainConfig):
-        if f.name in ("extra", "resume", "consolidate"):
+        if f.name in ("extra", "resume", "consolidate", "probe_only"):
             continue
         if f.type == "bool":
             p.add_argument("--" + f.name.replace("_", "-"), dest=f.name, action="store_true", help=helps.get(f.name))
@@ -56,6 +59,7 @@ def _train_parser(sub) -> None:
             kw["help"] += f" ({', '.join(PRECISIONS)})"
         p.add_argument("--" + f.name.replace("_", "-"), dest=f.name, **kw)
     p.add_argument("--resume", nargs="?", const="latest", help=helps["resume"])
+    p.add_argument("--probe-only", dest="probe_only", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--no-consolidate", dest="consolidate", action="store_false",
                    help="skip writing OUTPUT/model at the end")
 
@@ -121,6 +125,15 @@ def _speaks() -> bool:
     return "BIGFIT_ERROR_FILE" not in os.environ and os.environ.get("RANK", "0") == "0"
 
 
+OOM_EXIT = 3  # a worker's exit status for out-of-memory, which the micro-batch probe steps down from
+
+
+def _is_oom(e: BaseException) -> bool:
+    import torch
+
+    return isinstance(e, torch.OutOfMemoryError)
+
+
 def _world(nproc: int | None, cfg: TrainConfig) -> int:
     """Processes in the job: torchrun's WORLD_SIZE, else --nproc, else the default for the strategy."""
     return int(os.environ.get("WORLD_SIZE", 0)) or nproc or _default_nproc(cfg)
@@ -143,8 +156,37 @@ def _check_gpus(nproc: int) -> None:
                           "or fewer (or CUDA_VISIBLE_DEVICES= to run on the CPU)")
 
 
+def _auto_batch(argv: list[str], cfg: TrainConfig, world: int) -> tuple[int, int]:
+    """Plan the largest micro-batch predicted to fit, then confirm it with a probe job (one step on
+    the longest samples) in fresh processes, stepping down after an out-of-memory error: the probe's
+    processes and process group are thrown away, so an OOM never leaves this job's broken."""
+    from .launch import launch_local
+    from .planning.command import auto_micro_batch
+
+    from .train.job import prepare
+
+    prepare(dataclasses.replace(cfg, micro_batch_size=1, batch_size=world), world)  # user mistakes first
+    candidates = auto_micro_batch(cfg, world)
+    predicted = candidates[0]
+    if launched_by_torchrun_env():  # torchrun owns the processes: no probe, the prediction stands
+        if _speaks():
+            print(f"micro-batch auto -> {predicted[0]} (predicted {predicted[2] / 1e9:.2f} GB per GPU; "
+                  "not probed under torchrun)")
+        return predicted[0], predicted[1]
+    for micro, batch, need in candidates:
+        code = launch_local([*argv, "--micro-batch-size", str(micro), "--batch-size", str(batch), "--probe-only"],
+                            world, Path(cfg.output_dir) / "logs" / "probe", quiet=True)
+        if code == 0:
+            print(f"micro-batch auto -> {micro}: predicted {predicted[0]} to fit ({predicted[2] / 1e9:.2f} GB per "
+                  f"GPU), confirmed {micro} by a probe step ({need / 1e9:.2f} GB predicted for it)")
+            return micro, batch
+        if code != OOM_EXIT:
+            raise BigfitError(f"the micro-batch probe failed (exit status {code}); logs in {cfg.output_dir}/logs/probe")
+        print(f"micro-batch {micro}: out of memory in the probe; trying a smaller one")
+    raise BigfitError("--micro-batch-size auto: even micro-batch 1 ran out of memory in the probe")
+
+
 def train_command(argv: list[str], ns: argparse.Namespace) -> int:
-    from .distributed import launched_by_torchrun_env
     from .launch import launch_local, write_error
 
     cfg = config_from_args(ns)
@@ -156,6 +198,11 @@ def train_command(argv: list[str], ns: argparse.Namespace) -> int:
             print(f"--strategy auto -> {name}: {reason}")
         cfg = dataclasses.replace(cfg, strategy=name)
         argv = [*argv, "--strategy", name]  # workers start from the decision, not from "auto"
+    if "auto" in (cfg.batch_size, cfg.micro_batch_size):
+        _check_gpus(_world(cfg.nproc, cfg))
+        micro, batch = _auto_batch(argv, cfg, _world(cfg.nproc, cfg))
+        cfg = dataclasses.replace(cfg, micro_batch_size=micro, batch_size=batch)
+        argv = [*argv, "--micro-batch-size", str(micro), "--batch-size", str(batch)]
     if launched_by_torchrun_env():  # a worker: of bigfit's launcher or of torchrun
         from .train.loop import train
 
@@ -165,7 +212,7 @@ def train_command(argv: list[str], ns: argparse.Namespace) -> int:
             if not os.environ.get("BIGFIT_ERROR_FILE"):
                 raise  # under torchrun: its own error handling shows it
             write_error(e)  # bigfit's launcher shows the first failure, once
-            return 1
+            return OOM_EXIT if _is_oom(e) else 1
         return 0
     nproc = cfg.nproc or _default_nproc(cfg)
     _check_gpus(nproc)

@@ -19,8 +19,10 @@ OPTIMIZERS = ("adamw", "adam")
 SCHEDULES = ("linear", "cosine", "constant")
 WARMUPS = ("linear", "log")
 REDUCE_DTYPES = ("fp32", "bf16", "fp16")
-# Fields that take "auto" (stored as None until `resolve` fills them in).
-AUTO = ("micro_batch_size", "nproc", "precision")
+# Fields that take "auto": stored as None and derived in `resolve`...
+AUTO = ("nproc", "precision")
+# ...or kept as "auto" until planning (and a probe) picks the value: bigfit train does this first.
+PLANNED = ("strategy", "batch_size", "micro_batch_size")
 
 
 @dataclass
@@ -31,8 +33,10 @@ class TrainConfig:
     data: str | None = None  # JSONL (source/target or text), CSV (source,target) or .txt; None: embedded task
     output_dir: str = "bigfit-out"  # checkpoints, metrics.jsonl, consolidated model
     max_steps: int = 600  # optimizer steps
-    batch_size: int = 32  # GLOBAL batch: samples per optimizer step, over all processes and micro-batches
-    micro_batch_size: int | None = None  # samples per forward/backward on one process; None: batch_size / nproc
+    batch_size: int | str = 32  # GLOBAL batch: samples per optimizer step, over all processes and micro-batches
+    # samples per forward/backward on one process; None: batch_size / nproc; auto: the largest predicted
+    # to fit, confirmed by a probe run (with batch_size auto too: the global batch is nproc x that)
+    micro_batch_size: int | str | None = None
     seed: int = 0  # weights, data order and dropout
     nproc: int | None = None  # local worker processes; None: one per GPU, or 2 on a CPU-only machine
     strategy: str = "zero3"  # one of STRATEGIES, or auto: the fastest that the planner predicts to fit
@@ -66,6 +70,7 @@ class TrainConfig:
     resume: str | None = None  # "latest" (newest complete checkpoint in output_dir) or a checkpoint dir
     timeout_s: float = 300.0  # collective timeout: a stuck peer fails the job instead of hanging it
     consolidate: bool = True  # write output_dir/model (Hugging Face format) at the end
+    probe_only: bool = False  # internal: one step on the longest samples, then exit (micro-batch auto's probe)
     extra: dict = field(default_factory=dict)  # resolved values (grad accumulation), filled by resolve
 
     @staticmethod
@@ -82,9 +87,9 @@ def normalise(values: dict, where: str) -> dict:
     out = {}
     for k, v in values.items():
         k = k.replace("-", "_")
-        if v == "auto":
+        if v == "auto" and k not in PLANNED:
             if k not in AUTO:
-                raise BigfitError(f"{where}: {k} cannot be 'auto'; settings that can: {', '.join(AUTO)}")
+                raise BigfitError(f"{where}: {k} cannot be 'auto'; settings that can: {', '.join(AUTO + PLANNED)}")
             v = None
         out[k] = v
     return out
@@ -130,14 +135,14 @@ def validate(cfg: TrainConfig) -> None:
                           f"loss_scale_window >= 1 and hysteresis >= 1; got {cfg.loss_scale}, {cfg.min_loss_scale}, "
                           f"{cfg.loss_scale_window}, {cfg.hysteresis}")
     for name in ("max_steps", "batch_size", "max_source_len", "max_target_len", "num_beams", "max_new_tokens"):
-        if getattr(cfg, name) <= 0:
+        if getattr(cfg, name) != "auto" and getattr(cfg, name) <= 0:
             raise BigfitError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(cfg, name)}")
     for name in ("save_every", "eval_every", "warmup_steps", "eval_samples"):
         if getattr(cfg, name) < 0:
             raise BigfitError(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(cfg, name)}")
     if cfg.nproc is not None and cfg.nproc < 1:
         raise BigfitError(f"--nproc must be at least 1, got {cfg.nproc}")
-    if cfg.micro_batch_size is not None and cfg.micro_batch_size < 1:
+    if cfg.micro_batch_size not in (None, "auto") and cfg.micro_batch_size < 1:
         raise BigfitError(f"--micro-batch-size must be at least 1, got {cfg.micro_batch_size}")
     if cfg.lr <= 0 or cfg.timeout_s <= 0:
         raise BigfitError(f"--lr and --timeout-s must be positive, got {cfg.lr} and {cfg.timeout_s}")
@@ -149,8 +154,8 @@ def resolve(cfg: TrainConfig, world_size: int) -> TrainConfig:
     """Fill every derived value for `world_size` processes. The global batch never changes here:
     only how it is split into processes x gradient-accumulation steps x micro-batches."""
     validate(cfg)
-    if cfg.strategy == "auto":
-        raise BigfitError("strategy 'auto' must be planned before the job is resolved (bigfit train does this)")
+    if "auto" in (cfg.strategy, cfg.batch_size, cfg.micro_batch_size):
+        raise BigfitError("'auto' strategy and batch sizes are planned before the job is resolved (bigfit train does)")
     if cfg.batch_size % world_size:
         raise BigfitError(
             f"--batch-size {cfg.batch_size} is not divisible by the {world_size} processes; "

@@ -20,3 +20,12 @@ def maybe_die(point: str, step: int, rt) -> None:
         if action == "raise":
             raise RuntimeError(f"injected fault at {point} {step} on rank {rt.rank}")
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def maybe_oom(micro_batch: int) -> None:
+    """BIGFIT_FAULT=oom-above:<n>: micro-batches larger than n run out of memory (for the probe's test)."""
+    spec = os.environ.get("BIGFIT_FAULT", "")
+    if spec.startswith("oom-above:") and micro_batch > int(spec.split(":")[1]):
+        import torch
+
+        raise torch.OutOfMemoryError(f"injected: micro-batch {micro_batch} does not fit")

@@ -67,8 +67,9 @@ def _report(failed_rank: int, code: int, err_dir: Path, log_dir: Path) -> str:
     return f"worker rank {failed_rank} {how} (logs of the other ranks: {log_dir})"
 
 
-def launch_local(argv: list[str], nproc: int, log_dir: Path) -> int:
-    """Run `python -m bigfit <argv>` as `nproc` workers on this machine; returns the exit status."""
+def launch_local(argv: list[str], nproc: int, log_dir: Path, quiet: bool = False) -> int:
+    """Run `python -m bigfit <argv>` as `nproc` workers on this machine; returns the exit status.
+    `quiet`: rank 0 writes a log too, and a failure is left to the caller to report."""
     log_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="bigfit-errors-") as tmp:
@@ -78,7 +79,7 @@ def launch_local(argv: list[str], nproc: int, log_dir: Path) -> int:
                        LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                        BIGFIT_ERROR_FILE=str(err_dir / f"rank-{rank}.json"), PYTHONUNBUFFERED="1")
             # rank 0 talks to the terminal; the others write logs, read only when something fails
-            out = None if rank == 0 else open(log_dir / f"rank-{rank}.log", "w")
+            out = None if rank == 0 and not quiet else open(log_dir / f"rank-{rank}.log", "w")
             procs[rank] = subprocess.Popen([sys.executable, "-m", "bigfit", *argv], env=env,
                                            stdout=out, stderr=subprocess.STDOUT if out else None)
         by_pid = {p.pid: r for r, p in procs.items()}
@@ -92,7 +93,8 @@ def launch_local(argv: list[str], nproc: int, log_dir: Path) -> int:
                 procs[rank].returncode = code
                 if code != 0:
                     _stop(procs)
-                    print(_report(rank, code, err_dir, log_dir), file=sys.stderr)
+                    if not quiet:
+                        print(_report(rank, code, err_dir, log_dir), file=sys.stderr)
                     return code if code > 0 else 1
         except KeyboardInterrupt:
             _stop(procs)

@@ -56,20 +56,50 @@ def plan_command(ns) -> int:
     return 0
 
 
-def auto_strategy(cfg, world: int) -> tuple[str, str]:
-    """`--strategy auto`: plan for this machine (its GPUs, or on a CPU-only machine its RAM split over
-    the processes) and return the recommendation and why."""
+def _this_machine(world: int) -> Hardware:
+    """The GPUs a job of `world` local processes uses, or on a CPU-only machine its RAM split over them."""
     import torch
 
+    hw = detect() if torch.cuda.is_available() else Hardware(gpu_bytes=(host_ram() // world,) * world)
+    return Hardware(**{**vars(hw), "gpu_bytes": hw.gpu_bytes[:world]})
+
+
+def _job(cfg, config, batch: int, micro: int | None) -> Job:
     from ..config import auto_precision
 
-    hw = detect() if torch.cuda.is_available() else Hardware(gpu_bytes=(host_ram() // world,) * world)
-    hw = Hardware(**{**vars(hw), "gpu_bytes": hw.gpu_bytes[:world]})
+    return Job(batch_size=batch, seq_len=cfg.max_source_len,
+               target_len=cfg.max_target_len if config.is_encoder_decoder else 0, micro_batch=micro,
+               precision=cfg.precision or auto_precision(), checkpointing=cfg.activation_checkpointing)
+
+
+def auto_strategy(cfg, world: int) -> tuple[str, str]:
+    """`--strategy auto`: plan for this machine and return the recommendation and why."""
     config = load_config(locate(cfg.model))
-    job = Job(batch_size=cfg.batch_size, seq_len=cfg.max_source_len,
-              target_len=cfg.max_target_len if config.is_encoder_decoder else 0, micro_batch=cfg.micro_batch_size,
-              precision=cfg.precision or auto_precision(), checkpointing=cfg.activation_checkpointing)
-    p = plan_for_config(config, hw, job)
+    micro = cfg.micro_batch_size if isinstance(cfg.micro_batch_size, int) else None
+    batch = cfg.batch_size if isinstance(cfg.batch_size, int) else world
+    p = plan_for_config(config, _this_machine(world), _job(cfg, config, batch, micro))
     if p.recommended is None:
         raise BigfitError(f"--strategy auto: {p.reason}")
     return p.recommended, p.reason
+
+
+def auto_micro_batch(cfg, world: int) -> list[tuple[int, int, int]]:
+    """Candidates for `--micro-batch-size auto` (and `--batch-size auto`), largest first, as
+    (micro-batch, global batch, predicted per-GPU bytes), starting at the largest predicted to fit for
+    cfg.strategy: the probe walks down this list until one runs."""
+    config = load_config(locate(cfg.model))
+    hw = _this_machine(world)
+    if cfg.batch_size == "auto":  # no accumulation: powers of two per process
+        sizes = [(m, m * world) for m in (2 ** k for k in range(10, -1, -1))]
+    else:
+        per_rank = cfg.batch_size // world
+        sizes = [(m, cfg.batch_size) for m in range(per_rank, 0, -1) if per_rank % m == 0]
+    out = []
+    for m, batch in sizes:
+        c = plan_for_config(config, hw, _job(cfg, config, batch, m), strategies=(cfg.strategy,)).candidates[0]
+        if c.fits or out:
+            out.append((m, batch, c.estimate.per_gpu["total"]))
+    if not out:
+        raise BigfitError(f"--micro-batch-size auto: not even micro-batch 1 is predicted to fit with {cfg.strategy}; "
+                          "see `bigfit plan` for what would")
+    return out

@@ -49,6 +49,8 @@ def _train(job: Job, rt: Runtime) -> dict:
     applied = apply_strategy(model, cfg, rt)
     optimizer = build_optimizer(applied, cfg)
     scaler = LossScaler.from_config(cfg) if cfg.precision == "fp16" else None
+    if cfg.probe_only:
+        return _probe(job, applied, optimizer, scaler, rt)
     step = 0
     if job.resume_from:
         trainer = checkpoint.load(job.resume_from, applied, optimizer, rt)
@@ -110,6 +112,17 @@ def _train(job: Job, rt: Runtime) -> dict:
             summary["model_dir"] = consolidate(last_ckpt, out_dir / "model")
         _print_summary(summary)
     return summary
+
+
+def _probe(job: Job, applied, optimizer, scaler, rt: Runtime) -> dict:
+    """One full step (forward, backward, optimizer) on this rank's micro-batch of the longest samples:
+    the memory peak training will see. An out-of-memory error ends the process (see cli._auto_batch)."""
+    cfg, ds = job.cfg, job.dataset
+    faults.maybe_oom(cfg.micro_batch_size)
+    longest = sorted(ds.train, key=lambda s: len(s["input_ids"]) + len(s["labels"]), reverse=True)
+    mine = longest[rt.rank * cfg.micro_batch_size:(rt.rank + 1) * cfg.micro_batch_size]
+    return train_step(applied, optimizer, [mine], pad_id=ds.pad_id, seq2seq=job.seq2seq, rt=rt, lr=0.0,
+                      max_grad_norm=cfg.max_grad_norm, scaler=scaler)
 
 
 def _overflow_text(step: int, record: dict, scaler: LossScaler) -> str:
