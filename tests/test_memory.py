@@ -1,5 +1,6 @@
 """Memory honesty: the bytes each rank holds for parameters, gradients and optimizer states, counted
-from the actual tensors after one step on 2 ranks, against what each strategy promises."""
+from the actual tensors after one step on 2 ranks, against what each strategy promises. Rank 1
+starts from a weightless (meta) model, as in training: only rank 0 ever holds the whole model."""
 from __future__ import annotations
 
 import pytest
@@ -26,9 +27,11 @@ def measure(model_dir, data):
         cfg = TrainConfig(model=str(model_dir), data=str(data), strategy=strategy, batch_size=4, eval_samples=0)
         job = prepare(cfg, 2)
         rt = init_runtime()
-        model = build_model(job.source, job.model_config, seed=0)
+        model = build_model(job.source, job.model_config, seed=0, on_meta=rt.rank > 0)  # as the loop does
         n = count_parameters(model)
+        assert all(p.is_meta for p in model.parameters()) == (rt.rank > 0)
         applied = apply_strategy(model, job.cfg, rt)
+        assert not any(p.is_meta for p in applied.model.parameters())
         optimizer = build_optimizer(applied, job.cfg)
         batch = collate(job.dataset.train[rt.rank * 2:rt.rank * 2 + 2], job.dataset.pad_id)
         loss_sum(applied, batch, job.seq2seq)[0].backward()

@@ -86,12 +86,16 @@ def load_tokenizer(src: ModelSource, config):
     return tok
 
 
-def build_model(src: ModelSource, config, seed: int) -> torch.nn.Module:
-    """The model in fp32 on the CPU: pretrained weights, or random init from `seed` (the same on
-    every rank, so that sharding starts from the same weights the single-process run has)."""
+def build_model(src: ModelSource, config, seed: int, on_meta: bool = False) -> torch.nn.Module:
+    """The model in fp32 on the CPU: pretrained weights, or random init from `seed` (what the
+    single-process run has). `on_meta`: shapes only, no memory; the other ranks of a job build this
+    and receive rank 0's weights when the strategy is applied, so the whole model exists once."""
     auto = AutoModelForSeq2SeqLM if is_seq2seq(config) else AutoModelForCausalLM
     torch.manual_seed(seed)
-    if src.kind in ("weights", "hub"):
+    if on_meta:
+        with torch.device("meta"):
+            model = auto.from_config(config, dtype=torch.float32)
+    elif src.kind in ("weights", "hub"):
         try:
             model = auto.from_pretrained(src.name, dtype=torch.float32)
         except (OSError, ValueError) as e:

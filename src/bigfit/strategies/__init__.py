@@ -22,21 +22,64 @@ FSDP_STRATEGIES = ("zero2", "zero3", "zero2-offload", "zero3-offload")
 
 
 def apply_strategy(model: torch.nn.Module, cfg, rt: Runtime) -> Applied:
-    """Move, checkpoint and shard `model` as `cfg.strategy` / `cfg.precision` say."""
+    """Checkpoint, shard and place `model` as `cfg.strategy` / `cfg.precision` say. Rank 0 brings the
+    real weights; other ranks may bring a meta-device model, which gets rank 0's weights here."""
     compute = compute_dtype(cfg.precision)
-    if cfg.strategy != "zero3-offload":  # zero3-offload's parameters stay in host RAM; FSDP2 moves shards
-        model.to(rt.device)
     notes = []
     if cfg.activation_checkpointing:
         notes.append(f"activation checkpointing on {apply_activation_checkpointing(model)} blocks")
     if cfg.strategy in FSDP_STRATEGIES:
+        full = model.state_dict() if rt.is_main else {}  # references, not copies
         applied = apply_fsdp(model, cfg.strategy, rt, compute, DTYPES[cfg.reduce_dtype])
+        # zero3-offload's shards live in host RAM; FSDP2 copies them to the device for compute
+        materialise_from_rank0(model, full, rt, "cpu" if cfg.strategy == "zero3-offload" else rt.device)
     elif cfg.strategy in ("ddp", "zero1") and rt.distributed:
-        applied = apply_ddp(model, cfg.strategy, rt, compute, cfg.ddp_bucket_mb)
+        _to(model, rt.device)
+        applied = apply_ddp(model, cfg.strategy, rt, compute, cfg.ddp_bucket_mb)  # DDP broadcasts rank 0's
     else:  # one process, nothing to shard or reduce
-        applied = Applied(model=model, module=model, strategy=cfg.strategy, autocast=compute)
+        applied = Applied(model=model.to(rt.device), module=model, strategy=cfg.strategy, autocast=compute)
     applied.notes[:0] = notes
     return applied
+
+
+def _to(model: torch.nn.Module, device) -> None:
+    """Real tensors move; a meta model gets uninitialised storage, to be overwritten from rank 0."""
+    if any(p.is_meta for p in model.parameters()):
+        _to_empty(model, device)
+    else:
+        model.to(device)
+
+
+def _to_empty(model: torch.nn.Module, device) -> None:
+    """`to_empty`, keeping tied parameters tied (it gives each module its own new parameter)."""
+    owners: dict[int, list] = {}
+    for mod in model.modules():
+        for name, p in mod._parameters.items():
+            if p is not None:
+                owners.setdefault(id(p), []).append((mod, name))
+    model.to_empty(device=device)
+    for refs in owners.values():
+        first = refs[0][0]._parameters[refs[0][1]]
+        for mod, name in refs[1:]:
+            mod._parameters[name] = first
+
+
+def materialise_from_rank0(model: torch.nn.Module, full: dict, rt: Runtime, device) -> None:
+    """After sharding: ranks whose model was on meta allocate their shards, then every shard and
+    buffer is filled from rank 0's full state dict (one broadcast per tensor, each rank keeping its
+    shard), so no rank but 0 ever holds the whole model."""
+    if not rt.distributed:
+        return
+    from torch.distributed import broadcast
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    if any(p.is_meta for p in model.parameters()):
+        _to_empty(model, device)
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    for _, buf in model.named_buffers():  # non-persistent buffers (rotary tables) are in no state dict
+        local = buf.to(rt.device)
+        broadcast(local, src=0)
+        buf.copy_(local)
 
 
 def build_optimizer(applied: Applied, cfg) -> torch.optim.Optimizer:

@@ -44,7 +44,7 @@ def _train(job: Job, rt: Runtime) -> dict:
     cfg, ds = job.cfg, job.dataset
     out_dir = Path(cfg.output_dir)
     ckpt_root = out_dir / "checkpoints"
-    model = build_model(job.source, job.model_config, cfg.seed)
+    model = build_model(job.source, job.model_config, cfg.seed, on_meta=not rt.is_main and cfg.strategy != "single")
     n_params = count_parameters(model)
     applied = apply_strategy(model, cfg, rt)
     optimizer = build_optimizer(applied, cfg)
