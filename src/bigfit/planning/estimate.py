@@ -33,8 +33,10 @@ def _bytes(**kw) -> dict[str, int]:
 
 
 def memory(strategy: str, prof, hw, c: int, checkpointing: bool) -> tuple[dict, dict]:
-    """(per-GPU bytes, per-host bytes) for one rank's GPU and one node's host RAM."""
+    """(per-GPU bytes, per-host bytes) for one rank's GPU and one node's host RAM. The host always
+    holds rank 0's full fp32 model while it is sharded (a transient, counted under buffers)."""
     n, w, u, r = prof.params, hw.world_size, prof.largest_unit_params, prof.root_params
+    init = 4 * n
     act = prof.activations(checkpointing)
     # the loss's gradient w.r.t. the fp32 logits, plus its cast back to the compute dtype (none in fp32,
     # where .float() is the same tensor)
@@ -44,16 +46,17 @@ def memory(strategy: str, prof, hw, c: int, checkpointing: bool) -> tuple[dict, 
         optim = 8 * n / w if strategy == "zero1" and w > 1 else 8 * n
         gpu = _bytes(params=4 * n, grads=4 * n, optimizer=optim, activations=act,
                      buffers=logits_grad + (c * n if mixed else 0))
-        return gpu, _bytes()
+        return gpu, _bytes(buffers=init)
     shard = 4 * n / w  # fp32 master shard, FSDP2 pads each parameter to a multiple of W (ignored)
     gathered = c * n if strategy.startswith("zero2") else c * (r + 2 * u)  # zero2 holds all; zero3 two units
     buffers = gathered + 4 * u + logits_grad  # + the unsharded fp32 gradients of the unit being reduced
     if strategy in ("zero2", "zero3"):
-        return _bytes(params=shard, grads=shard, optimizer=2 * shard, activations=act, buffers=buffers), _bytes()
+        return _bytes(params=shard, grads=shard, optimizer=2 * shard, activations=act, buffers=buffers), _bytes(buffers=init)
     g = hw.gpus_per_node
     host = _bytes(params=shard * g if strategy == "zero3-offload" else 0,
                   grads=shard * g,  # host gradient copies
-                  optimizer=(2 * shard + (shard if strategy == "zero2-offload" else 0)) * g)  # moments (+ masters)
+                  optimizer=(2 * shard + (shard if strategy == "zero2-offload" else 0)) * g,  # moments (+ masters)
+                  buffers=init)
     if strategy == "zero2-offload":
         return _bytes(params=shard, grads=shard, activations=act, buffers=buffers), host
     return _bytes(activations=act, buffers=buffers), host  # zero3-offload
