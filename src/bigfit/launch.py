@@ -55,16 +55,21 @@ def _stop(procs: dict[int, subprocess.Popen]) -> None:
             p.wait()
 
 
-def _report(failed_rank: int, code: int, err_dir: Path, log_dir: Path) -> str:
+def _report(exits: dict[int, int], err_dir: Path, log_dir: Path) -> str:
+    """The one message for a failed job. `exits`: the exit codes of the workers that had ended
+    before the others were stopped. A user mistake wins; then a worker killed by a signal (the OOM
+    killer, a fault: the others' errors are only "peer went away"); then the earliest error."""
     errors = [json.loads(f.read_text()) for f in err_dir.glob("rank-*.json")]
+    where = f"(logs of the other ranks: {log_dir})"
+    if user := [e for e in errors if e["user_error"]]:
+        return f"error: {user[0]['message']}"
+    if killed := sorted(r for r, c in exits.items() if c < 0):
+        return f"worker rank {killed[0]} was killed by {signal.Signals(-exits[killed[0]]).name} {where}"
     if errors:
-        first = min(errors, key=lambda e: e["time"])  # later ones are usually "peer went away"
-        if first["user_error"]:
-            return f"error: {first['message']}"
-        return (f"worker rank {first['rank']} failed: {first['message']}\n{first['traceback']}"
-                f"(logs of the other ranks: {log_dir})")
-    how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
-    return f"worker rank {failed_rank} {how} (logs of the other ranks: {log_dir})"
+        first = min(errors, key=lambda e: e["time"])
+        return f"worker rank {first['rank']} failed: {first['message']}\n{first['traceback']}{where}"
+    rank, code = min(exits.items())
+    return f"worker rank {rank} exited with status {code} {where}"
 
 
 def launch_local(argv: list[str], nproc: int, log_dir: Path, quiet: bool = False) -> int:
@@ -92,9 +97,12 @@ def launch_local(argv: list[str], nproc: int, log_dir: Path, quiet: bool = False
                 code = os.waitstatus_to_exitcode(status)
                 procs[rank].returncode = code
                 if code != 0:
+                    # who else had already ended, before this launcher stops the rest
+                    exits = {r: p.poll() for r, p in procs.items() if r != rank}
+                    exits = {r: c for r, c in exits.items() if c is not None and c != 0} | {rank: code}
                     _stop(procs)
                     if not quiet:
-                        print(_report(rank, code, err_dir, log_dir), file=sys.stderr)
+                        print(_report(exits, err_dir, log_dir), file=sys.stderr)
                     return code if code > 0 else 1
         except KeyboardInterrupt:
             _stop(procs)
