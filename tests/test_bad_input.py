@@ -37,6 +37,7 @@ CASES = [
     (["--config", "{d}/conf.yaml"], "unknown setting(s) 'batchsize'"),
     (["--batch-size", "7", "--nproc", "2"], "--batch-size 7 is not divisible by the 2 processes"),
     (["--model", "{d}"], "holds no config.json"),
+    (["--model", "nobody/no-such-model"], "--model 'nobody/no-such-model' could not be loaded"),  # offline hub
 ]
 
 

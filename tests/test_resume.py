@@ -36,7 +36,8 @@ def runs(model_dirs, pairs_file, tmp_path_factory):
     ckpts = sorted(p.name for p in (root / "killed" / "checkpoints").iterdir())
     killed_metrics = read_jsonl(root / "killed" / "metrics.jsonl")
     resumed = bigfit("train", *common, "--output-dir", str(root / "killed"), "--resume")
-    return dict(root=root, whole=whole, killed=killed, ckpts=ckpts, killed_metrics=killed_metrics, resumed=resumed)
+    return dict(root=root, whole=whole, killed=killed, ckpts=ckpts, killed_metrics=killed_metrics, resumed=resumed,
+                data=pairs_file)
 
 
 def test_kill_during_save_is_reported_once_and_leaves_no_complete_checkpoint(runs):
@@ -75,3 +76,16 @@ def test_consolidate_writes_a_loadable_model_equal_to_the_checkpoint(runs, tmp_p
     # the end-of-run model directory is the same consolidation
     end = AutoModelForSeq2SeqLM.from_pretrained(runs["root"] / "whole" / "model").state_dict()
     assert all(torch.equal(end[k], v) for k, v in state.items())
+
+
+def test_fine_tune_from_a_saved_model_directory(runs, tmp_path):
+    """--model pointing at a directory with weights (here: the consolidated output) loads them."""
+    model_dir = runs["root"] / "whole" / "model"
+    r = bigfit("train", "--model", str(model_dir), "--data", str(runs["data"]), "--strategy", "single",
+               "--max-steps", "1", "--batch-size", "8", "--eval-samples", "8", "--num-beams", "2", "--lr", "1e-9",
+               "--output-dir", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert "[weights]" in r.stdout
+    trained = read_jsonl(runs["root"] / "whole" / "eval.jsonl")[-1]["eval_loss"]
+    again = read_jsonl(tmp_path / "eval.jsonl")[0]["eval_loss"]  # before any step: the loaded weights
+    assert again == pytest.approx(trained, rel=1e-5)
