@@ -37,7 +37,7 @@ def launched_by_torchrun_env() -> bool:
     return "WORLD_SIZE" in os.environ and "RANK" in os.environ
 
 
-def init_runtime(timeout_s: float = 300.0, group_for_one: bool = False) -> Runtime:
+def init_runtime(timeout_s: float = 300.0, group_for_one: bool = False, host_collectives: bool = False) -> Runtime:
     """Join the job's process group (NCCL on GPUs, gloo on CPUs) with a collective timeout, so that
     a dead or stuck peer fails this process instead of hanging it for the default 30 minutes.
     One process gets a group only when asked (`group_for_one`: FSDP2 needs a mesh even for one rank,
@@ -52,9 +52,7 @@ def init_runtime(timeout_s: float = 300.0, group_for_one: bool = False) -> Runti
         device = torch.device("cpu")
     owns = (world > 1 or group_for_one) and not dist.is_initialized()  # an embedding program may have joined
     if owns:
-        # On GPUs, gloo serves collectives on host tensors: zero3-offload's gradients live in host RAM,
-        # and clipping all-reduces their norm there (NCCL alone failed that on 2 H200s).
-        backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+        backend = "gloo" if device.type != "cuda" else "cpu:gloo,cuda:nccl" if host_collectives else "nccl"
         store = dist.HashStore() if world == 1 else None
         dist.init_process_group(
             backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s), store=store,

@@ -22,7 +22,8 @@ from .step import lr_at, train_step
 
 def train(cfg: TrainConfig) -> dict:
     """Run the job on this process (one rank of it). Returns the final metrics and output paths."""
-    rt = init_runtime(cfg.timeout_s, group_for_one=cfg.strategy in FSDP_STRATEGIES)
+    rt = init_runtime(cfg.timeout_s, group_for_one=cfg.strategy in FSDP_STRATEGIES,
+                      host_collectives=cfg.strategy == "zero3-offload")
     try:
         return _train(prepare(cfg, rt.world_size), rt)
     finally:
