@@ -115,3 +115,11 @@ def test_micro_batch_auto_steps_down_after_out_of_memory(model_dirs, pairs_file,
     assert "micro-batch auto -> 4: predicted 16 to fit" in out
     assert "global 16 = 1 processes x 4 accumulation x micro-batch 4" in out
     assert len(read_jsonl(tmp_path / "metrics.jsonl")) == 2
+
+
+def test_keep_checkpoints_rotates_the_oldest(model_dirs, pairs_file, tmp_path):
+    from bigfit.train.loop import train
+
+    train(small(model_dirs["llama"], pairs_file, tmp_path, max_steps=6, save_every=2, keep_checkpoints=2))
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == ["step-00000004", "step-00000006"]

@@ -63,6 +63,7 @@ class TrainConfig:
     max_source_len: int = 128  # tokens kept per source / text sample
     max_target_len: int = 128  # tokens kept per target (encoder-decoder models)
     save_every: int = 200  # save a checkpoint every N steps (and always at the end); 0: only at the end
+    keep_checkpoints: int = 0  # keep only the newest N complete checkpoints; 0 keeps all
     eval_every: int = 200  # evaluate every N steps (and at step 0 and at the end); 0: only at the end
     eval_samples: int = 64  # held-out samples used for evaluation
     num_beams: int = 4  # beam width for generate() during evaluation
@@ -137,7 +138,7 @@ def validate(cfg: TrainConfig) -> None:
     for name in ("max_steps", "batch_size", "max_source_len", "max_target_len", "num_beams", "max_new_tokens"):
         if getattr(cfg, name) != "auto" and getattr(cfg, name) <= 0:
             raise BigfitError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(cfg, name)}")
-    for name in ("save_every", "eval_every", "warmup_steps", "eval_samples"):
+    for name in ("save_every", "eval_every", "warmup_steps", "eval_samples", "keep_checkpoints"):
         if getattr(cfg, name) < 0:
             raise BigfitError(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(cfg, name)}")
     if cfg.nproc is not None and cfg.nproc < 1:

@@ -102,8 +102,10 @@ def _init_optimizer_state(optimizer) -> None:
         g["lr"] = lr
 
 
-def save(root: Path, step: int, applied, optimizer, rt: Runtime, trainer_state: dict, write_assets) -> Path:
-    """Collective: every rank calls it. `write_assets(dir)` runs on rank 0 (config, tokenizer)."""
+def save(root: Path, step: int, applied, optimizer, rt: Runtime, trainer_state: dict, write_assets,
+         keep: int = 0) -> Path:
+    """Collective: every rank calls it. `write_assets(dir)` runs on rank 0 (config, tokenizer).
+    `keep` > 0: older complete checkpoints beyond the newest `keep` are deleted once this one is."""
     final, tmp = root / f"step-{step:08d}", root / f".step-{step:08d}.partial"
     if rt.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -124,6 +126,10 @@ def save(root: Path, step: int, applied, optimizer, rt: Runtime, trainer_state: 
             shutil.rmtree(final)
         os.replace(tmp, final)
         _sync_dir(root)
+        if keep:
+            done = sorted((p for p in root.glob("step-*") if is_checkpoint(p)), key=lambda p: int(p.name[5:]))
+            for old in done[:-keep]:
+                shutil.rmtree(old)
     barrier(rt)
     return final
 

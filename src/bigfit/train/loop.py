@@ -102,7 +102,8 @@ def _train(job: Job, rt: Runtime) -> dict:
         if step == cfg.max_steps or (cfg.save_every and step % cfg.save_every == 0):
             trainer = {"step": step, "world_size": rt.world_size, "config": cfg.to_dict(),
                        "loss_scaler": scaler.state_dict() if scaler else None}
-            last_ckpt = checkpoint.save(ckpt_root, step, applied, optimizer, rt, trainer, write_assets)
+            last_ckpt = checkpoint.save(ckpt_root, step, applied, optimizer, rt, trainer, write_assets,
+                                        keep=cfg.keep_checkpoints)
     summary = {"steps": step, "first_eval": first_eval, "last_eval": last_eval, "checkpoint": last_ckpt,
                "metrics": out_dir / "metrics.jsonl", "evals": out_dir / "eval.jsonl", "train_time_s": time.perf_counter() - t_start}
     if rt.is_main:
