@@ -125,15 +125,6 @@ def _speaks() -> bool:
     return "BIGFIT_ERROR_FILE" not in os.environ and os.environ.get("RANK", "0") == "0"
 
 
-OOM_EXIT = 3  # a worker's exit status for out-of-memory, which the micro-batch probe steps down from
-
-
-def _is_oom(e: BaseException) -> bool:
-    import torch
-
-    return isinstance(e, torch.OutOfMemoryError)
-
-
 def _world(nproc: int | None, cfg: TrainConfig) -> int:
     """Processes in the job: torchrun's WORLD_SIZE, else --nproc, else the default for the strategy."""
     return int(os.environ.get("WORLD_SIZE", 0)) or nproc or _default_nproc(cfg)
@@ -156,36 +147,6 @@ def _check_gpus(nproc: int) -> None:
                           "or fewer (or CUDA_VISIBLE_DEVICES= to run on the CPU)")
 
 
-def _auto_batch(argv: list[str], cfg: TrainConfig, world: int) -> tuple[int, int]:
-    """Plan the largest micro-batch predicted to fit, then confirm it with a probe job (one step on
-    the longest samples) in fresh processes, stepping down after an out-of-memory error: the probe's
-    processes and process group are thrown away, so an OOM never leaves this job's broken."""
-    from .launch import launch_local
-    from .planning.command import auto_micro_batch
-
-    from .train.job import prepare
-
-    prepare(dataclasses.replace(cfg, micro_batch_size=1, batch_size=world), world)  # user mistakes first
-    candidates = auto_micro_batch(cfg, world)
-    predicted = candidates[0]
-    if launched_by_torchrun_env():  # torchrun owns the processes: no probe, the prediction stands
-        if _speaks():
-            print(f"micro-batch auto -> {predicted[0]} (predicted {predicted[2] / 1e9:.2f} GB per GPU; "
-                  "not probed under torchrun)")
-        return predicted[0], predicted[1]
-    for micro, batch, need in candidates:
-        code = launch_local([*argv, "--micro-batch-size", str(micro), "--batch-size", str(batch), "--probe-only"],
-                            world, Path(cfg.output_dir) / "logs" / "probe", quiet=True)
-        if code == 0:
-            print(f"micro-batch auto -> {micro}: predicted {predicted[0]} to fit ({predicted[2] / 1e9:.2f} GB per "
-                  f"GPU), confirmed {micro} by a probe step ({need / 1e9:.2f} GB predicted for it)")
-            return micro, batch
-        if code != OOM_EXIT:
-            raise BigfitError(f"the micro-batch probe failed (exit status {code}); logs in {cfg.output_dir}/logs/probe")
-        print(f"micro-batch {micro}: out of memory in the probe; trying a smaller one")
-    raise BigfitError("--micro-batch-size auto: even micro-batch 1 ran out of memory in the probe")
-
-
 def train_command(argv: list[str], ns: argparse.Namespace) -> int:
     from .launch import launch_local, write_error
 
@@ -200,7 +161,9 @@ def train_command(argv: list[str], ns: argparse.Namespace) -> int:
         argv = [*argv, "--strategy", name]  # workers start from the decision, not from "auto"
     if "auto" in (cfg.batch_size, cfg.micro_batch_size):
         _check_gpus(_world(cfg.nproc, cfg))
-        micro, batch = _auto_batch(argv, cfg, _world(cfg.nproc, cfg))
+        from .autobatch import choose_micro_batch
+
+        micro, batch = choose_micro_batch(argv, cfg, _world(cfg.nproc, cfg), speaks=_speaks())
         cfg = dataclasses.replace(cfg, micro_batch_size=micro, batch_size=batch)
         argv = [*argv, "--micro-batch-size", str(micro), "--batch-size", str(batch)]
     if launched_by_torchrun_env():  # a worker: of bigfit's launcher or of torchrun
@@ -212,7 +175,9 @@ def train_command(argv: list[str], ns: argparse.Namespace) -> int:
             if not os.environ.get("BIGFIT_ERROR_FILE"):
                 raise  # under torchrun: its own error handling shows it
             write_error(e)  # bigfit's launcher shows the first failure, once
-            return OOM_EXIT if _is_oom(e) else 1
+            from .autobatch import exit_status
+
+            return exit_status(e)
         return 0
     nproc = cfg.nproc or _default_nproc(cfg)
     _check_gpus(nproc)

@@ -118,7 +118,7 @@ def _train(job: Job, rt: Runtime) -> dict:
 
 def _probe(job: Job, applied, optimizer, scaler, rt: Runtime) -> dict:
     """One full step (forward, backward, optimizer) on this rank's micro-batch of the longest samples:
-    the memory peak training will see. An out-of-memory error ends the process (see cli._auto_batch)."""
+    the memory peak training will see. An out-of-memory error ends the process (see autobatch.py)."""
     cfg, ds = job.cfg, job.dataset
     faults.maybe_oom(cfg.micro_batch_size)
     longest = sorted(ds.train, key=lambda s: len(s["input_ids"]) + len(s["labels"]), reverse=True)
