@@ -94,56 +94,21 @@ def test_traced_activations_match_a_real_forward(model_dirs, family, batch):
     del torch
 
 
-def _rss() -> tuple[int, int]:
-    vals = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            key, _, rest = line.partition(":")
-            vals[key] = int(rest.split()[0]) * 1024 if rest.strip().endswith("kB") else 0
-    return vals["VmRSS"], vals["VmHWM"]
-
-
 def measure_peaks(strategies, cases) -> list[dict]:
-    """On this rank: for each (strategy, family, batch, seq) the predicted per-rank peak and the growth
-    of peak RSS over building, sharding and two training steps."""
-    import gc
-
+    """On this rank: planning.calibrate.measure for each strategy and (family, batch, seq)."""
     import torch
-    from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
+    from transformers import GPT2Config, LlamaConfig
 
-    from bigfit.config import TrainConfig, resolve
     from bigfit.distributed import init_runtime
-    from bigfit.planning.estimate import memory
-    from bigfit.planning.profile import profile_model
-    from bigfit.strategies import apply_strategy, build_optimizer
-    from bigfit.train.step import train_step
+    from bigfit.planning.calibrate import measure
 
     torch.set_num_threads(1)
     configs = {"llama": LlamaConfig(hidden_size=384, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=6,
                                     num_key_value_heads=3, vocab_size=8000, tie_word_embeddings=False),
                "gpt2": GPT2Config(n_embd=384, n_layer=4, n_head=6, vocab_size=8000, n_positions=1024)}
-    out = []
-    for strategy in strategies:
-        for family, batch, seq in cases:
-            rt = init_runtime(group_for_one=False)
-            prof = profile_model(configs[family], batch // rt.world_size, seq, 0, "fp32")
-            gpu, _ = memory(strategy, prof, Hardware(gpu_bytes=(100 * GB,) * rt.world_size), 4, False)
-            ids = torch.randint(0, 8000, (batch // rt.world_size, seq), generator=torch.Generator().manual_seed(0))
-            samples = [{"input_ids": x, "labels": x} for x in ids.tolist()]
-            gc.collect()
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-            base = _rss()[0]
-            model = AutoModelForCausalLM.from_config(configs[family])
-            cfg = resolve(TrainConfig(strategy=strategy, batch_size=batch), rt.world_size)
-            applied = apply_strategy(model, cfg, rt)
-            optimizer = build_optimizer(applied, cfg)
-            for _ in range(2):
-                train_step(applied, optimizer, [samples], pad_id=0, seq2seq=False, rt=rt, lr=1e-4, max_grad_norm=1.0)
-            out.append({"case": f"{strategy} {family} batch {batch}x{seq} rank {rt.rank}",
-                        "predicted": gpu["total"], "measured": _rss()[1] - base})
-            del model, applied, optimizer
-    return out
+    rt = init_runtime()
+    return [{**measure(configs[family], strategy, batch, seq, "fp32", rt), "family": family}
+            for strategy in strategies for family, batch, seq in cases]
 
 
 CASES = [("llama", 4, 256), ("llama", 8, 512), ("gpt2", 4, 256), ("gpt2", 8, 512)]
@@ -176,11 +141,11 @@ def monkeypatch_module():
 def test_predicted_peak_memory_within_ten_percent_on_this_cpu(peaks):
     bad = []
     for r in peaks:
-        ratio = r["predicted"] / r["measured"]
-        print(f"{r['case']}: predicted {r['predicted'] / 1e6:.0f} MB, measured {r['measured'] / 1e6:.0f} MB, "
-              f"ratio {ratio:.3f}")
-        if abs(ratio - 1) > RSS_TOLERANCE:
-            bad.append(r["case"])
+        case = f"{r['strategy']} {r['family']} batch {r['batch']}x{r['seq']} rank {r['rank']}"
+        print(f"{case}: predicted {r['predicted'] / 1e6:.0f} MB, measured {r['measured'] / 1e6:.0f} MB, "
+              f"ratio {r['ratio']:.3f}")
+        if abs(r["ratio"] - 1) > RSS_TOLERANCE:
+            bad.append(case)
     assert len(peaks) == 5 * len(CASES)  # ddp and zero3 on each of 2 ranks; single on 1
     assert not bad, f"off by more than {RSS_TOLERANCE:.0%}: {bad}"
 

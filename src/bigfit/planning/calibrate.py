@@ -1,0 +1,65 @@
+"""Predicted against measured peak memory of one training configuration, on this process's device:
+the GPU's max_memory_allocated, or on a CPU the growth of peak RSS (VmHWM, reset via clear_refs).
+tests/test_planning.py runs it on the CPU; benchmarks/plan_accuracy.py on the GPU machine."""
+from __future__ import annotations
+
+import gc
+
+import torch
+
+from ..hardware import Hardware
+from ..precision import DTYPES
+from .estimate import memory
+from .profile import profile_model
+
+
+def _status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def _start(gpu: bool) -> int:
+    gc.collect()
+    if gpu:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.memory_allocated()
+    with open("/proc/self/clear_refs", "w") as f:  # peak RSS starts again from the current RSS
+        f.write("5")
+    return _status("VmRSS")
+
+
+def _peak(gpu: bool) -> int:
+    return torch.cuda.max_memory_allocated() if gpu else _status("VmHWM")
+
+
+def measure(model_config, strategy: str, batch: int, seq: int, precision: str, rt, steps: int = 2) -> dict:
+    """Per-rank predicted bytes (by part) and the measured peak over building, sharding and `steps`
+    training steps of `batch` (global) random sequences of `seq` tokens. Decoder-only models."""
+    from transformers import AutoModelForCausalLM
+
+    from ..config import TrainConfig, resolve
+    from ..strategies import apply_strategy, build_optimizer
+    from ..train.step import train_step
+
+    micro = batch // rt.world_size
+    prof = profile_model(model_config, micro, seq, 0, precision)
+    predicted, _ = memory(strategy, prof, Hardware(gpu_bytes=(10**15,) * rt.world_size), DTYPES[precision].itemsize,
+                          checkpointing=False)
+    ids = torch.randint(0, model_config.vocab_size, (micro, seq), generator=torch.Generator().manual_seed(rt.rank))
+    samples = [{"input_ids": x, "labels": x} for x in ids.tolist()]
+    gpu = rt.device.type == "cuda"
+    base = _start(gpu)
+    model = AutoModelForCausalLM.from_config(model_config)
+    cfg = resolve(TrainConfig(strategy=strategy, batch_size=batch, precision=precision), rt.world_size)
+    applied = apply_strategy(model, cfg, rt)
+    optimizer = build_optimizer(applied, cfg)
+    for _ in range(steps):
+        train_step(applied, optimizer, [samples], pad_id=0, seq2seq=False, rt=rt, lr=1e-4, max_grad_norm=1.0)
+    measured = _peak(gpu) - base
+    del model, applied, optimizer
+    return {"strategy": strategy, "batch": batch, "seq": seq, "rank": rt.rank, "predicted": predicted["total"],
+            "measured": measured, "ratio": predicted["total"] / measured, "parts": predicted}
