@@ -123,3 +123,50 @@ def test_keep_checkpoints_rotates_the_oldest(model_dirs, pairs_file, tmp_path):
     train(small(model_dirs["llama"], pairs_file, tmp_path, max_steps=6, save_every=2, keep_checkpoints=2))
     names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert names == ["step-00000004", "step-00000006"]
+
+
+@pytest.mark.parametrize("delayed", [False, True])
+def test_host_optimizer_is_adamw_and_the_delayed_one_lags_exactly_one_step(delayed):
+    """The host optimizer gives torch AdamW's iterates. Delayed (documented semantics): the forward and
+    backward of step t (1-based) use the parameters after update t-2 (the initial ones for t = 1, 2);
+    each gradient is applied to the latest master weights."""
+    import torch
+
+    from bigfit.strategies.offload import HostOffloadOptimizer
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = HostOffloadOptimizer(model.named_parameters(), torch.optim.AdamW, delayed=delayed, lr=0.1, fused=True)
+    x, used, grads = torch.randn(8, 4), [], []
+    for _ in range(5):
+        used.append({n: p.detach().clone() for n, p in model.named_parameters()})
+        model(x).pow(2).sum().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        opt.step()
+        opt.zero_grad()
+    opt.flush()
+    ref = torch.nn.Linear(4, 3)
+    ref.load_state_dict(start)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.1, fused=True)
+    iterates = [start]
+    for g in grads:  # plain AdamW on the very gradients the delayed run computed
+        for n, p in ref.named_parameters():
+            p.grad = g[n]
+        ref_opt.step()
+        iterates.append({n: p.detach().clone() for n, p in ref.named_parameters()})
+    for t, params in enumerate(used):
+        expected = iterates[max(t - 1, 0) if delayed else t]
+        assert all(torch.equal(params[n], expected[n]) for n in params), f"step {t + 1}"
+    assert all(torch.equal(p, iterates[5][n]) for n, p in model.named_parameters())
+
+
+def test_delayed_update_trains_through_the_loop(model_dirs, pairs_file, tmp_path):
+    from bigfit.train.loop import train
+
+    train(small(model_dirs["llama"], pairs_file, tmp_path, strategy="zero2-offload", delayed_update=True,
+                max_steps=6, save_every=3))
+    losses = [r["loss"] for r in read_jsonl(tmp_path / "metrics.jsonl")]
+    assert len(losses) == 6 and losses[-1] < losses[0]
+    with pytest.raises(BigfitError, match="--delayed-update needs --strategy zero2-offload"):
+        config_from_args(parse_args(["train", "--delayed-update", "--strategy", "zero3"]))

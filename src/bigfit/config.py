@@ -60,6 +60,7 @@ class TrainConfig:
     warmup_min_lr: float = 0.0  # learning rate at the start of warm-up
     max_grad_norm: float = 1.0  # clip the global gradient norm; 0 disables
     ddp_bucket_mb: float = 25.0  # gradient all-reduce bucket size (ddp, zero1)
+    delayed_update: bool = False  # zero2-offload: the host optimizer step overlaps the next step (one-step-stale parameters)
     max_source_len: int = 128  # tokens kept per source / text sample
     max_target_len: int = 128  # tokens kept per target (encoder-decoder models)
     save_every: int = 200  # save a checkpoint every N steps (and always at the end); 0: only at the end
@@ -147,6 +148,9 @@ def validate(cfg: TrainConfig) -> None:
         raise BigfitError(f"--micro-batch-size must be at least 1, got {cfg.micro_batch_size}")
     if cfg.lr <= 0 or cfg.timeout_s <= 0:
         raise BigfitError(f"--lr and --timeout-s must be positive, got {cfg.lr} and {cfg.timeout_s}")
+    if cfg.delayed_update and cfg.strategy != "zero2-offload":
+        raise BigfitError(f"--delayed-update needs --strategy zero2-offload (its host optimizer step is what is "
+                          f"delayed), not {cfg.strategy}")
     if cfg.strategy == "single" and (cfg.nproc or 1) > 1:
         raise BigfitError(f"strategy 'single' runs one process, but --nproc is {cfg.nproc}; use ddp or zero3")
 

@@ -87,5 +87,6 @@ def build_optimizer(applied: Applied, cfg) -> torch.optim.Optimizer:
     cls = torch.optim.AdamW if cfg.optimizer == "adamw" else torch.optim.Adam
     # torch's fused kernels (CUDA and CPU): on the GPU machine the multi-tensor loop made the host-side
     # step of zero3-offload 4.5x slower than FSDP2's own offload with fused AdamW (benchmarks/RESULTS.md)
+    kw = {"delayed": True} if cfg.delayed_update else {}
     return applied.make_optimizer(cls, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
-                                  weight_decay=cfg.weight_decay, fused=True)
+                                  weight_decay=cfg.weight_decay, fused=True, **kw)

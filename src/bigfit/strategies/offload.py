@@ -2,11 +2,20 @@
 host RAM, parameters on the device.
 
 After backward, each rank's gradient shards are copied to host buffers, a torch optimizer (AdamW /
-Adam, multi-tensor) updates the host master weights, and the results are copied back into the
-device shards. This version is correct and honest about memory; the fast path (streaming per bucket
-during backward, overlapped with compute) is the offload engine's job.
+Adam, torch's fused CPU kernel) updates the host master weights, and the results are copied back
+into the device shards. The fast path (streaming per bucket during backward, overlapped with
+compute) is the offload engine's job.
+
+Delayed update (`delayed=True`, DeepSpeed's "delayed parameter update"): the host step of step t runs
+in a thread while the device computes step t+1, and its result reaches the device at the start of
+step t+1's optimizer call. So the forward and backward of step t use the parameters after update
+t-2 (the initial ones for steps 1 and 2): parameters one update staler than without delay, gradients
+applied to the latest master weights as usual. `flush()` lands the pending update (before evaluation,
+checkpoints and the end of training); tests/test_training_features.py checks the exact lag.
 """
 from __future__ import annotations
+
+import threading
 
 import torch
 
@@ -14,7 +23,7 @@ from .base import local
 
 
 class HostOffloadOptimizer:
-    def __init__(self, named_params, cls, **kw):
+    def __init__(self, named_params, cls, delayed: bool = False, **kw):
         self.names, self.params = zip(*[(n, p) for n, p in named_params if p.requires_grad])
         pin = any(local(p).is_cuda for p in self.params)
         self.masters = [local(p).detach().to("cpu", torch.float32, copy=True) for p in self.params]
@@ -23,19 +32,45 @@ class HostOffloadOptimizer:
         for m in self.masters:
             m.grad = torch.zeros_like(m, pin_memory=pin)
         self.inner = cls(self.masters, **kw)
-        self.param_groups = self.inner.param_groups  # the loop sets the learning rate here
+        # the loop sets the learning rate here; copied into the host optimizer when a step starts, so
+        # a delayed step still running never sees the next step's value
+        self.param_groups = [{k: v for k, v in g.items() if k != "params"} for g in self.inner.param_groups]
         self.state = self.inner.state
+        self.delayed = delayed
+        self._pending: threading.Thread | None = None
 
     @torch.no_grad()
     def step(self) -> None:
+        self.flush()
         for p, m in zip(self.params, self.masters):
             if p.grad is not None:
                 m.grad.copy_(local(p.grad), non_blocking=True)
         if any(local(p).is_cuda for p in self.params[:1]):
             torch.cuda.current_stream().synchronize()  # host buffers complete before the CPU step
+        for mine, inner in zip(self.param_groups, self.inner.param_groups):
+            inner.update(mine)
+        if self.delayed:  # torch's kernels release the GIL: the step runs beside the next forward
+            self._pending = threading.Thread(target=self._host_step, daemon=True)
+            self._pending.start()
+        else:
+            self._host_step()
+            self._to_device()
+
+    @torch.no_grad()
+    def _host_step(self) -> None:
         self.inner.step()
+
+    @torch.no_grad()
+    def _to_device(self) -> None:
         for p, m in zip(self.params, self.masters):
             local(p).copy_(m, non_blocking=True)
+
+    def flush(self) -> None:
+        """Land a delayed update on the device (a no-op without delay or with none pending)."""
+        if self._pending is not None:
+            self._pending.join()
+            self._pending = None
+            self._to_device()
 
     @torch.no_grad()
     def reload_masters(self) -> None:

@@ -97,6 +97,8 @@ def _init_optimizer_state(optimizer) -> None:
     for p in optimizer.params if isinstance(optimizer, HostOffloadOptimizer) else params:
         p.grad = torch.zeros_like(p)
     optimizer.step()
+    if isinstance(optimizer, HostOffloadOptimizer):
+        optimizer.flush()  # a delayed step must be done before its states are overwritten
     optimizer.zero_grad(set_to_none=True)
     for g, lr in zip(optimizer.param_groups, lrs):
         g["lr"] = lr

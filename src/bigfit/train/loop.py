@@ -70,6 +70,7 @@ def _train(job: Job, rt: Runtime) -> dict:
     write_assets = _assets_writer(job, applied.module)
 
     def run_eval() -> dict:
+        _settle(optimizer)
         return evaluate(applied, ds.eval, tokenizer=job.tokenizer, pad_id=ds.pad_id, seq2seq=job.seq2seq, rt=rt,
                         batch_size=cfg.micro_batch_size, num_beams=cfg.num_beams, max_new_tokens=cfg.max_new_tokens)
 
@@ -100,6 +101,7 @@ def _train(job: Job, rt: Runtime) -> dict:
                 progress.print(_overflow_text(step, record, scaler))
         faults.maybe_die("step", step, rt)
         if step == cfg.max_steps or (cfg.save_every and step % cfg.save_every == 0):
+            _settle(optimizer)
             trainer = {"step": step, "world_size": rt.world_size, "config": cfg.to_dict(),
                        "loss_scaler": scaler.state_dict() if scaler else None}
             last_ckpt = checkpoint.save(ckpt_root, step, applied, optimizer, rt, trainer, write_assets,
@@ -114,6 +116,12 @@ def _train(job: Job, rt: Runtime) -> dict:
             summary["model_dir"] = consolidate(last_ckpt, out_dir / "model")
         _print_summary(summary)
     return summary
+
+
+def _settle(optimizer) -> None:
+    """Land a delayed optimizer update before anything reads the parameters."""
+    if hasattr(optimizer, "flush"):
+        optimizer.flush()
 
 
 def _probe(job: Job, applied, optimizer, scaler, rt: Runtime) -> dict:
