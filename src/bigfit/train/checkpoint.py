@@ -89,15 +89,15 @@ def _like(v: torch.Tensor, p) -> torch.Tensor:
 def _init_optimizer_state(optimizer) -> None:
     """Create the (lazily built) optimizer states so that a checkpoint can be loaded into them: one
     step on zero gradients with the learning rate at 0 changes no parameter."""
-    params = [p for g in optimizer.param_groups for p in g["params"]]
     lrs = [g["lr"] for g in optimizer.param_groups]
     for g in optimizer.param_groups:
         g["lr"] = 0.0
     # the host-offload optimizer steps from the device parameters' gradients
-    for p in optimizer.params if isinstance(optimizer, HostOffloadOptimizer) else params:
+    host = isinstance(optimizer, HostOffloadOptimizer)
+    for p in optimizer.params if host else [p for g in optimizer.param_groups for p in g["params"]]:
         p.grad = torch.zeros_like(p)
     optimizer.step()
-    if isinstance(optimizer, HostOffloadOptimizer):
+    if host:
         optimizer.flush()  # a delayed step must be done before its states are overwritten
     optimizer.zero_grad(set_to_none=True)
     for g, lr in zip(optimizer.param_groups, lrs):
