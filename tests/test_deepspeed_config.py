@@ -228,6 +228,8 @@ def test_warmup_decay_and_cosine_set_max_steps():
                               "scheduler.params.warmup_min_ratio"]
     hf = map_deepspeed({"scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": "auto"}}}, 1)
     assert "max_steps" not in hf.values
+    floor = map_deepspeed({"scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 1e-6}}}, 1)
+    assert floor.values["min_lr"] == floor.values["warmup_min_lr"] == 1e-6  # decays back down to it
 
 
 @pytest.mark.parametrize("scheduler,needle", [

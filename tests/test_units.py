@@ -61,6 +61,9 @@ def test_lr_schedules():
     ds = TrainConfig(lr=1.0, warmup_steps=9, warmup_type="log", warmup_min_lr=0.1, lr_schedule="constant")
     assert lr_at(0, ds) == 0.1 and lr_at(2, ds) == pytest.approx(0.1 + 0.9 * math.log(3) / math.log(9))
     assert lr_at(8, ds) == pytest.approx(1.0) and lr_at(500, ds) == 1.0
+    # DeepSpeed WarmupDecayLR: down to warmup_min_lr at the end, not to 0
+    decay = TrainConfig(lr=1.0, warmup_steps=2, max_steps=10, min_lr=0.2)
+    assert lr_at(2, decay) == 1.0 and lr_at(6, decay) == pytest.approx(0.6) and lr_at(10, decay) == pytest.approx(0.2)
 
 
 def test_loss_scaler_follows_deepspeed():

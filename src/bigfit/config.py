@@ -58,6 +58,7 @@ class TrainConfig:
     warmup_steps: int = 20  # warm-up steps from warmup_min_lr to lr
     warmup_type: str = "linear"  # warm-up curve: linear or log (DeepSpeed WarmupLR's default)
     warmup_min_lr: float = 0.0  # learning rate at the start of warm-up
+    min_lr: float = 0.0  # where linear and cosine decay end (DeepSpeed's WarmupDecayLR: its warmup_min_lr)
     max_grad_norm: float = 1.0  # clip the global gradient norm; 0 disables
     ddp_bucket_mb: float = 25.0  # gradient all-reduce bucket size (ddp, zero1)
     delayed_update: bool = False  # zero2-offload: the host optimizer step overlaps the next step (one-step-stale parameters)

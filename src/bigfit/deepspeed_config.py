@@ -192,6 +192,8 @@ def map_scheduler(w: _Walk, sched: dict, optimizer_lr) -> set[str]:
         raise BigfitError(f"scheduler.type {kind!r} is not supported by bigfit; supported: "
                           + ", ".join(s[0] for s in SCHEDULERS.values()))
     _, w.values["lr_schedule"], reads = SCHEDULERS[kind.lower()]
+    if kind.lower() == "warmupdecaylr" and is_set(params.get("warmup_min_lr")):  # it decays back down to it
+        w.values["min_lr"] = number("scheduler.params.warmup_min_lr", params["warmup_min_lr"])
     # DeepSpeed's default warm-up curve is log
     w.choice("scheduler.params.warmup_type", params.get("warmup_type", "log"), WARMUPS, "warmup_type")
     max_lr = params.get("warmup_max_lr")

@@ -45,7 +45,7 @@ def target_tokens(labels: torch.Tensor, seq2seq: bool) -> int:
 
 def lr_at(step: int, cfg) -> float:
     """Warm-up from warmup_min_lr to lr (linear, or log as DeepSpeed's WarmupLR), then linear or
-    cosine decay to 0 at max_steps, or constant. A pure function of the step: resuming needs no
+    cosine decay to min_lr at max_steps, or constant. A pure function of the step: resuming needs no
     scheduler state."""
     peak, warm, total = cfg.lr, cfg.warmup_steps, cfg.max_steps
     if warm and step < warm:
@@ -56,10 +56,9 @@ def lr_at(step: int, cfg) -> float:
         return cfg.warmup_min_lr + (peak - cfg.warmup_min_lr) * frac
     if cfg.lr_schedule == "constant":
         return peak
-    progress = (step - warm) / max(1, total - warm)
-    if cfg.lr_schedule == "cosine":
-        return peak * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-    return peak * max(0.0, 1 - progress)
+    progress = min(1.0, (step - warm) / max(1, total - warm))
+    left = 0.5 * (1 + math.cos(math.pi * progress)) if cfg.lr_schedule == "cosine" else 1 - progress
+    return cfg.min_lr + (peak - cfg.min_lr) * left
 
 
 def train_step(applied: Applied, optimizer, micro_batches: list[list[dict]], *, pad_id: int, seq2seq: bool,
