@@ -122,10 +122,14 @@ def test_contradictions_name_the_keys(ds, world, needles):
     assert all(n in msg for n in needles), msg
 
 
-@pytest.mark.parametrize("key", ["offload_optimizer", "offload_param"])
-def test_nvme_offload_is_not_available_yet(key):
-    msg = errors({"zero_optimization": {"stage": 3, key: {"device": "nvme", "nvme_path": "/local_nvme"}}})
-    assert f"zero_optimization.{key}.device" in msg and "NVMe offload is not available yet" in msg
+def test_nvme_offload():
+    m = map_deepspeed({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme",
+                                                                               "nvme_path": "/local_nvme"}}}, 2)
+    assert (m.strategy, m.values["nvme_dir"]) == ("zero2-offload-nvme", "/local_nvme")
+    msg = errors({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme"}}})
+    assert "zero_optimization.offload_optimizer 'nvme' with zero_optimization.stage 3" in msg and "stage 2" in msg
+    msg = errors({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/x"}}})
+    assert "zero_optimization.offload_param.device 'nvme'" in msg and "host RAM only" in msg
 
 
 @pytest.mark.parametrize("ds,needle", [

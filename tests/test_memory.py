@@ -7,10 +7,10 @@ import pytest
 
 from dist import run_ranks
 
-STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "zero2-offload", "zero3-offload")
+STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "zero2-offload", "zero3-offload", "zero2-offload-nvme")
 
 
-def measure(model_dir, data):
+def measure(model_dir, data, nvme_root):
     import torch
 
     from bigfit.config import TrainConfig
@@ -24,7 +24,8 @@ def measure(model_dir, data):
 
     out = {}
     for strategy in STRATEGIES:
-        cfg = TrainConfig(model=str(model_dir), data=str(data), strategy=strategy, batch_size=4, eval_samples=0)
+        cfg = TrainConfig(model=str(model_dir), data=str(data), strategy=strategy, batch_size=4, eval_samples=0,
+                          nvme_dir=str(nvme_root))
         job = prepare(cfg, 2)
         rt = init_runtime()
         model = build_model(job.source, job.model_config, seed=0, on_meta=rt.rank > 0)  # as the loop does
@@ -42,8 +43,8 @@ def measure(model_dir, data):
 
 
 @pytest.fixture(scope="module")
-def measured(model_dirs, pairs_file):
-    return run_ranks(measure, 2, model_dirs["llama"], pairs_file)
+def measured(model_dirs, pairs_file, tmp_path_factory):
+    return run_ranks(measure, 2, model_dirs["llama"], pairs_file, tmp_path_factory.mktemp("nvme"))
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -60,8 +61,9 @@ def test_state_bytes_match_the_promise(measured, strategy):
             assert (params, grads, opt) == (full, full, 2 * full)
         elif strategy == "zero1":  # Adam's two moments of this rank's parameters only
             assert (params, grads) == (full, full)
-        elif strategy == "zero2-offload":  # + fp32 host master weights for the local shards
+        elif strategy.startswith("zero2-offload"):  # + fp32 host master weights for the local shards
             assert (params, grads, opt) == (half, half, pytest.approx(3 * full / 2, rel=0.02))
+            assert set(r["optimizer"]) == ({"nvme"} if strategy.endswith("nvme") else {"cpu"})  # in files
         else:  # zero2, zero3, zero3-offload: parameters, gradients and moments all sharded
             assert (params, grads, opt) == (half, half, pytest.approx(full, rel=0.02))
     if strategy == "zero1":  # the two ranks' optimizer states add up to exactly one full copy

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from conftest import FAMILIES, read_jsonl
 from dist import run_ranks
 
-STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "zero2-offload", "zero3-offload")
+STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "zero2-offload", "zero3-offload", "zero2-offload-nvme")
 PRECISIONS = ("fp32", "bf16", "fp16")
 # (loss relative, parameter absolute). Runs differ only in the order of fp32 gradient sums. Worst seen:
 # fp32 5e-8 / 2.1e-6; bf16 0 / 7.5e-9; fp16 1.3e-6 / 3.4e-4 (an fp32 master weight that differs in its

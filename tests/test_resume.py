@@ -104,14 +104,14 @@ def resume_each(model_dir, data, root, strategies):
                           resume=str(root / strategy / "whole" / "checkpoints" / "step-00000002")))
 
 
-@pytest.mark.parametrize("strategy", ["zero1", "zero2-offload"])
+@pytest.mark.parametrize("strategy", ["zero1", "zero2-offload", "zero2-offload-nvme"])
 def test_resume_with_bigfits_own_optimizer_checkpoints(model_dirs, pairs_file, tmp_path_factory, strategy):
-    """zero1 and zero2-offload save their optimizer states in bigfit's own per-owner format."""
+    """zero1 and zero2-offload(-nvme) save their optimizer states in bigfit's own per-owner format."""
     from dist import run_ranks
 
     root = tmp_path_factory.getbasetemp() / "own-optimizers"
-    if not (root / "zero2-offload" / "resumed" / "metrics.jsonl").exists():
-        run_ranks(resume_each, 2, model_dirs["llama"], pairs_file, root, ("zero1", "zero2-offload"))
+    if not (root / "zero2-offload-nvme" / "resumed" / "metrics.jsonl").exists():
+        run_ranks(resume_each, 2, model_dirs["llama"], pairs_file, root, ("zero1", "zero2-offload", "zero2-offload-nvme"))
     whole = [r["loss"] for r in read_jsonl(root / strategy / "whole" / "metrics.jsonl")]
     resumed = [r["loss"] for r in read_jsonl(root / strategy / "resumed" / "metrics.jsonl")]
     assert resumed == whole[2:]  # steps 3 and 4, bit for bit

@@ -74,6 +74,7 @@ def _plan_parser(sub) -> None:
     p.add_argument("--pcie-gbps", type=float, help="host <-> GPU bandwidth per GPU, GB/s")
     p.add_argument("--intra-gbps", type=float, help="GPU <-> GPU bandwidth inside a node, GB/s")
     p.add_argument("--inter-gbps", type=float, help="bandwidth between nodes, GB/s")
+    p.add_argument("--nvme-gbps", type=float, help="NVMe bandwidth of one node, GB/s")
     p.add_argument("--batch-size", type=int, default=32, help="global batch")
     p.add_argument("--micro-batch-size", type=int, help="default: batch / GPUs")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per sample (source side)")

@@ -13,7 +13,7 @@ from pathlib import Path
 from .errors import BigfitError, one_of
 
 # What each data-parallel strategy shards across ranks (DeepSpeed's ZeRO stages) and keeps in host RAM.
-STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3", "zero2-offload", "zero3-offload")
+STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3", "zero2-offload", "zero3-offload", "zero2-offload-nvme")
 PRECISIONS = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("adamw", "adam")
 SCHEDULES = ("linear", "cosine", "constant")
@@ -61,6 +61,7 @@ class TrainConfig:
     min_lr: float = 0.0  # where linear and cosine decay end (DeepSpeed's WarmupDecayLR: its warmup_min_lr)
     max_grad_norm: float = 1.0  # clip the global gradient norm; 0 disables
     ddp_bucket_mb: float = 25.0  # gradient all-reduce bucket size (ddp, zero1)
+    nvme_dir: str | None = None  # zero2-offload-nvme: a directory on a fast local disk; None: OUTPUT/nvme
     delayed_update: bool = False  # zero2-offload: the host optimizer step overlaps the next step (one-step-stale parameters)
     max_source_len: int = 128  # tokens kept per source / text sample
     max_target_len: int = 128  # tokens kept per target (encoder-decoder models)
@@ -149,7 +150,7 @@ def validate(cfg: TrainConfig) -> None:
         raise BigfitError(f"--micro-batch-size must be at least 1, got {cfg.micro_batch_size}")
     if cfg.lr <= 0 or cfg.timeout_s <= 0:
         raise BigfitError(f"--lr and --timeout-s must be positive, got {cfg.lr} and {cfg.timeout_s}")
-    if cfg.delayed_update and cfg.strategy != "zero2-offload":
+    if cfg.delayed_update and not cfg.strategy.startswith("zero2-offload"):
         raise BigfitError(f"--delayed-update needs --strategy zero2-offload (its host optimizer step is what is "
                           f"delayed), not {cfg.strategy}")
     if cfg.strategy == "single" and (cfg.nproc or 1) > 1:

@@ -26,7 +26,7 @@ NUMBERS = {"fp16.loss_scale": ("loss_scale", False), "fp16.initial_scale_power":
            "scheduler.params.warmup_num_steps": ("warmup_steps", True),
            "scheduler.params.total_num_steps": ("max_steps", True), "gradient_clipping": ("max_grad_norm", False)}
 # Keys the map_* functions below read themselves.
-RULES = {Z + "stage", Z + "offload_optimizer.device", Z + "offload_param.device", Z + "cpu_offload",
+RULES = {Z + "stage", Z + "offload_optimizer.device", Z + "offload_optimizer.nvme_path", Z + "offload_param.device", Z + "cpu_offload",
          Z + "cpu_offload_params", Z + "reduce_bucket_size", "fp16.enabled", "bf16.enabled", "bfloat16.enabled",
          "optimizer.type", "optimizer.params.betas", "optimizer.params.adam_w_mode", "scheduler.type",
          "scheduler.params.warmup_type", "scheduler.params.warmup_max_lr", "communication_data_type", *BATCH_KEYS}
@@ -101,7 +101,7 @@ def map_zero(w: _Walk, z: dict) -> str:
         w.automatic.append(Z + "reduce_bucket_size")
     elif is_set(bucket):  # stages 0 and 1 reduce gradients with DDP, whose bucket this is
         w.values["ddp_bucket_mb"] = number(Z + "reduce_bucket_size", bucket) / 2**20
-    strategy = zero_strategy(w, stage, offload(z, "offload_optimizer", "cpu_offload"),
+    strategy = zero_strategy(w, z, stage, offload(z, "offload_optimizer", "cpu_offload"),
                              offload(z, "offload_param", "cpu_offload_params"))
     if strategy != "auto":
         w.values["strategy"] = strategy
@@ -113,18 +113,31 @@ def offload(z: dict, key: str, old_key: str) -> str | None:
     device, path = section(z, key, Z + key).get("device"), f"{Z}{key}.device"
     if not is_set(device):
         device, path = ("cpu" if z.get(old_key) is True else "none"), Z + old_key
-    if device == "nvme":
-        raise BigfitError(f"{path} 'nvme': NVMe offload is not available yet in bigfit; use 'cpu' or 'none'")
-    if device not in ("cpu", "none"):
+    if device == "nvme" and key == "offload_param":
+        raise BigfitError(f"{path} 'nvme': bigfit offloads parameters to host RAM only (zero3-offload); "
+                          "use 'cpu', or offload_optimizer 'nvme' with stage 2")
+    if device not in ("cpu", "none", "nvme"):
         raise one_of(path, device, ("cpu", "none", "nvme"))
-    return path.removesuffix(".device") if device == "cpu" else None
+    return None if device == "none" else path.removesuffix(".device") + (":nvme" if device == "nvme" else "")
 
 
-def zero_strategy(w: _Walk, stage, opt: str | None, par: str | None) -> str:
+def zero_strategy(w: _Walk, z: dict, stage, opt: str | None, par: str | None) -> str:
     if stage == "auto":
+        opt = opt.removesuffix(":nvme") if opt else opt
         if opt or par:
             raise BigfitError(f"{opt or par} needs a {Z}stage (1, 2 or 3), not 'auto'")
         return "auto"
+    if opt and opt.endswith(":nvme"):  # the optimizer's NVMe tier is zero2-offload-nvme
+        opt = opt.removesuffix(":nvme")
+        if stage == 3 or par:
+            raise BigfitError(f"{opt} 'nvme' with {Z}stage 3: bigfit's NVMe tier is zero2-offload-nvme; use "
+                              f"{Z}stage 2 (or 'cpu' with stage 3)")
+        if stage == 0:
+            raise BigfitError(f"{opt} needs {Z}stage 1 or 2 for 'nvme', not {Z}stage 0")
+        nvme = z.get("offload_optimizer", {}).get("nvme_path") if isinstance(z.get("offload_optimizer"), dict) else None
+        if is_set(nvme):
+            w.values["nvme_dir"] = nvme
+        return "zero2-offload-nvme"
     if par and stage < 3:
         raise BigfitError(f"{par} needs {Z}stage 3 (only stage 3 offloads parameters), not {Z}stage {stage}")
     if opt and stage == 0:

@@ -18,11 +18,12 @@ def _add(acc: dict, seen: set, t) -> None:
     if key in seen or t.device.type == "meta":
         return
     seen.add(key)
-    acc[t.device.type] += t.numel() * t.element_size()
+    where = "nvme" if t.device.type == "cpu" and t.untyped_storage().filename else t.device.type  # file-backed
+    acc[where] += t.numel() * t.element_size()
 
 
 def state_bytes(applied, optimizer) -> dict[str, dict[str, int]]:
-    """{"params"|"grads"|"optimizer": {"cuda"|"cpu": bytes}} for this rank. Host master weights of
+    """{"params"|"grads"|"optimizer": {"cuda"|"cpu"|"nvme": bytes}} for this rank (nvme: file-backed). Host master weights of
     an offloading optimizer count as optimizer state (they exist only for the optimizer)."""
     out = {k: defaultdict(int) for k in ("params", "grads", "optimizer")}
     seen: set = set()
@@ -30,8 +31,8 @@ def state_bytes(applied, optimizer) -> dict[str, dict[str, int]]:
         _add(out["params"], seen, p)
     for p in applied.model.parameters():
         _add(out["grads"], seen, p.grad)
-    inner = getattr(optimizer, "inner", None) or getattr(optimizer, "optim", None) or optimizer
-    for state in inner.state.values():
+    # ZeroRedundancyOptimizer keeps this rank's states in its local `optim`
+    for state in getattr(optimizer, "optim", optimizer).state.values():
         for v in state.values():
             if isinstance(v, torch.Tensor) and v.dim() > 0:  # per-element states, not step counters
                 _add(out["optimizer"], seen, v)

@@ -17,7 +17,7 @@ def hardware_from_args(ns) -> Hardware:
     kw = {"nodes": ns.nodes, "nvme": parse_size(ns.nvme, "--nvme")}
     if ns.cpu_ram:
         kw["cpu_ram"] = parse_size(ns.cpu_ram, "--cpu-ram")
-    for name in ("pcie_gbps", "intra_gbps", "inter_gbps"):
+    for name in ("pcie_gbps", "intra_gbps", "inter_gbps", "nvme_gbps"):
         if getattr(ns, name):
             kw[name] = getattr(ns, name)
     return Hardware(**{**vars(base), **kw})

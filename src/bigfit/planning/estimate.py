@@ -19,7 +19,8 @@ class Estimate:
     per_gpu: dict[str, int]
     per_host: dict[str, int]
     step_time_s: float
-    costs: dict[str, float]  # seconds per step of compute, communication, pcie, cpu_optimizer
+    costs: dict[str, float]  # seconds per step of compute, communication, pcie, cpu_optimizer, nvme
+    nvme: float = 0.0  # bytes of optimizer files per node (zero2-offload-nvme)
 
     @property
     def bottleneck(self) -> str:
@@ -53,11 +54,12 @@ def memory(strategy: str, prof, hw, c: int, checkpointing: bool) -> tuple[dict, 
     if strategy in ("zero2", "zero3"):
         return _bytes(params=shard, grads=shard, optimizer=2 * shard, activations=act, buffers=buffers), _bytes(buffers=init)
     g = hw.gpus_per_node
+    on_disk = strategy.endswith("nvme")  # master weights and moments in files (nvme_bytes)
     host = _bytes(params=shard * g if strategy == "zero3-offload" else 0,
                   grads=shard * g,  # host gradient copies
-                  optimizer=(2 * shard + (shard if strategy == "zero2-offload" else 0)) * g,  # moments (+ masters)
+                  optimizer=0 if on_disk else (2 * shard + (shard if strategy == "zero2-offload" else 0)) * g,
                   buffers=init)
-    if strategy == "zero2-offload":
+    if strategy.startswith("zero2-offload"):
         return _bytes(params=shard, grads=shard, activations=act, buffers=buffers), host
     return _bytes(activations=act, buffers=buffers), host  # zero3-offload
 
@@ -76,17 +78,26 @@ def step_time(strategy: str, prof, hw, c: int, checkpointing: bool, tokens_per_s
     else:  # per micro-batch: gather parameters (twice for zero3), reduce-scatter fp32 gradients
         gathers = 1 if strategy.startswith("zero2") else 2
         comm = accum * (gathers * c * n + 4 * n) * ring / link
-    pcie = cpu = 0.0
-    if strategy.endswith("offload"):
+    pcie = cpu = disk = 0.0
+    if "offload" in strategy:
         moved = 2 * 4 * n / w  # gradients down, parameters up (zero2-offload: once per step)
         if strategy == "zero3-offload":
             moved = accum * 2 * 4 * n / w + 4 * n / w  # shards up for forward and backward, gradients down
         pcie = moved / (hw.pcie_gbps * 1e9)
         cpu = n / w * hw.gpus_per_node / hw.cpu_adam_params_per_s  # the node's ranks share its cores
-    return {"compute": compute, "communication": comm, "pcie": pcie, "cpu_optimizer": cpu}
+    if strategy.endswith("nvme"):  # read and write back 12 bytes per parameter, the node's ranks together
+        disk = 2 * nvme_bytes(n, hw) / (hw.nvme_gbps * 1e9)
+    return {"compute": compute, "communication": comm, "pcie": pcie, "cpu_optimizer": cpu, "nvme": disk}
+
+
+def nvme_bytes(n: int, hw) -> float:
+    """One node's optimizer files under zero2-offload-nvme: fp32 master weights and two moments."""
+    return 12 * n / hw.world_size * hw.gpus_per_node
 
 
 def combine(costs: dict) -> float:
     """GPU work overlaps communication (FSDP2 prefetches, DDP buckets); the host step and its copies
-    do not overlap in the current offload path, so they add."""
-    return max(costs["compute"], costs["communication"]) + costs["pcie"] + costs["cpu_optimizer"]
+    do not overlap in the current offload path, so they add; the NVMe reads of the next bucket overlap
+    the host step of the current one."""
+    return (max(costs["compute"], costs["communication"]) + costs["pcie"]
+            + max(costs["cpu_optimizer"], costs["nvme"]))

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from ..config import STRATEGIES
 from ..precision import DTYPES
-from .estimate import RESERVE, Estimate, combine, memory, step_time
+from .estimate import RESERVE, Estimate, combine, memory, nvme_bytes, step_time
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,7 @@ class Candidate:
     def to_json(self) -> dict:
         e = self.estimate
         return {"name": e.name, "fits": self.fits, "per_gpu_bytes": e.per_gpu, "per_host_bytes": e.per_host,
+                "per_node_nvme_bytes": e.nvme,
                 "step_time_s": e.step_time_s, "tokens_per_s": self.tokens_per_s, "bottleneck": e.bottleneck,
                 "why_not": self.why_not}
 
@@ -60,6 +61,8 @@ def _fit(e: Estimate, hw) -> str | None:
                 f"smallest GPU offers (largest part: {worst} {_gb(e.per_gpu[worst])})")
     if e.per_host["total"] > hw.cpu_ram * 0.9:
         return f"needs {_gb(e.per_host['total'])} of host RAM per node, more than 90% of {_gb(hw.cpu_ram)}"
+    if e.nvme > hw.nvme:
+        return f"needs {_gb(e.nvme)} of NVMe per node for optimizer states; --nvme gives {_gb(hw.nvme)}"
     return None
 
 
@@ -75,7 +78,7 @@ def plan(prof, hw, job: Job, strategies=STRATEGIES) -> Plan:
             continue
         gpu, host = memory(name, prof, hw, c, job.checkpointing)
         costs = step_time(name, prof, hw, c, job.checkpointing, tokens, accum)
-        e = Estimate(name, gpu, host, combine(costs), costs)
+        e = Estimate(name, gpu, host, combine(costs), costs, nvme_bytes(prof.params, hw) if name.endswith("nvme") else 0)
         why = _fit(e, hw)
         out.append(Candidate(e, why is None, why, tokens / e.step_time_s))
     fitting = sorted((c for c in out if c.fits), key=lambda c: (c.estimate.step_time_s, c.estimate.per_gpu["total"]))

@@ -7,6 +7,8 @@ Splitting, tensor parallelism and compile are later work; each slots into its pl
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ..distributed import Runtime
@@ -18,7 +20,7 @@ from .sharding import apply_ddp, apply_fsdp
 __all__ = ["FSDP_STRATEGIES", "Applied", "apply_strategy", "build_optimizer", "local"]
 
 # Strategies built on FSDP2; they run on a one-rank mesh too (offload and parameter casting need it).
-FSDP_STRATEGIES = ("zero2", "zero3", "zero2-offload", "zero3-offload")
+FSDP_STRATEGIES = ("zero2", "zero3", "zero2-offload", "zero3-offload", "zero2-offload-nvme")
 
 
 def apply_strategy(model: torch.nn.Module, cfg, rt: Runtime) -> Applied:
@@ -88,5 +90,8 @@ def build_optimizer(applied: Applied, cfg) -> torch.optim.Optimizer:
     # torch's fused kernels (CUDA and CPU): on the GPU machine the multi-tensor loop made the host-side
     # step of zero3-offload 4.5x slower than FSDP2's own offload with fused AdamW (benchmarks/RESULTS.md)
     kw = {"delayed": True} if cfg.delayed_update else {}
+    if cfg.strategy == "zero2-offload-nvme":  # one directory per rank: each keeps only its shards' states
+        root = cfg.nvme_dir or os.path.join(cfg.output_dir, "nvme")
+        kw["nvme_dir"] = os.path.join(root, f"rank-{os.environ.get('RANK', '0')}")
     return applied.make_optimizer(cls, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
                                   weight_decay=cfg.weight_decay, fused=True, **kw)

@@ -20,24 +20,41 @@ import threading
 import torch
 
 from .base import local
+from .nvme import NVMeStore
 
 
 class HostOffloadOptimizer:
-    def __init__(self, named_params, cls, delayed: bool = False, **kw):
+    """`nvme_dir`: master weights and moments in files there (zero2-offload-nvme, see nvme.py)."""
+
+    def __init__(self, named_params, cls, delayed: bool = False, nvme_dir=None, **kw):
         self.names, self.params = zip(*[(n, p) for n, p in named_params if p.requires_grad])
         pin = any(local(p).is_cuda for p in self.params)
-        self.masters = [local(p).detach().to("cpu", torch.float32, copy=True) for p in self.params]
-        if pin:
-            self.masters = [m.pin_memory() for m in self.masters]
+        self.store = NVMeStore(nvme_dir, [local(p).numel() for p in self.params]) if nvme_dir else None
+        self.masters = [self._master(i, p, pin) for i, p in enumerate(self.params)]
         for m in self.masters:
             m.grad = torch.zeros_like(m, pin_memory=pin)
-        self.inner = cls(self.masters, **kw)
+        buckets = self.store.buckets if self.store else [list(range(len(self.params)))]
+        self.inners = [cls([self.masters[i] for i in b], **kw) for b in buckets]
+        if self.store:  # the moments live in the files: give the optimizer its states up front
+            for i, m in enumerate(self.masters):
+                inner = self.inners[next(k for k, b in enumerate(buckets) if i in b)]
+                inner.state[m] = {"step": torch.tensor(0.0), **{k: self.store.views[k][i].view_as(m)
+                                                               for k in ("exp_avg", "exp_avg_sq")}}
         # the loop sets the learning rate here; copied into the host optimizer when a step starts, so
         # a delayed step still running never sees the next step's value
-        self.param_groups = [{k: v for k, v in g.items() if k != "params"} for g in self.inner.param_groups]
-        self.state = self.inner.state
+        self.param_groups = [{k: v for k, v in g.items() if k != "params"} for g in self.inners[0].param_groups]
         self.delayed = delayed
         self._pending: threading.Thread | None = None
+
+    def _master(self, i: int, p, pin: bool) -> torch.Tensor:
+        if self.store:
+            return self.store.views["master"][i].view(local(p).shape).copy_(local(p).detach())
+        m = local(p).detach().to("cpu", torch.float32, copy=True)
+        return m.pin_memory() if pin else m
+
+    @property
+    def state(self) -> dict:
+        return {m: st for inner in self.inners for m, st in inner.state.items()}
 
     @torch.no_grad()
     def step(self) -> None:
@@ -47,8 +64,9 @@ class HostOffloadOptimizer:
                 m.grad.copy_(local(p.grad), non_blocking=True)
         if any(local(p).is_cuda for p in self.params[:1]):
             torch.cuda.current_stream().synchronize()  # host buffers complete before the CPU step
-        for mine, inner in zip(self.param_groups, self.inner.param_groups):
-            inner.update(mine)
+        for inner in self.inners:
+            for group in inner.param_groups:
+                group.update(self.param_groups[0])
         if self.delayed:  # torch's kernels release the GIL: the step runs beside the next forward
             self._pending = threading.Thread(target=self._host_step, daemon=True)
             self._pending.start()
@@ -58,7 +76,10 @@ class HostOffloadOptimizer:
 
     @torch.no_grad()
     def _host_step(self) -> None:
-        self.inner.step()
+        for k, inner in enumerate(self.inners):
+            if self.store:
+                self.store.prefetch(k + 1)  # the disk reads bucket k+1 while bucket k updates
+            inner.step()
 
     @torch.no_grad()
     def _to_device(self) -> None:
@@ -84,4 +105,5 @@ class HostOffloadOptimizer:
 
     def owned(self):
         """(device parameter, host state) pairs: every state here belongs to this rank's shards."""
-        return [(p, self.inner.state[m]) for p, m in zip(self.params, self.masters)]
+        state = self.state
+        return [(p, state[m]) for p, m in zip(self.params, self.masters)]

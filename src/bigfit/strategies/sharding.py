@@ -7,6 +7,7 @@
 | zero3         | FSDP2                                    | + parameters, also between layers  |                          |
 | zero2-offload | FSDP2 (as zero2) + HostOffloadOptimizer  | as zero2                           | optimizer states + step  |
 | zero3-offload | FSDP2 + CPUOffloadPolicy                 | as zero3                           | + parameters, gradients  |
+| zero2-offload-nvme | as zero2-offload, states in files   | as zero2                           | gradients; NVMe: master weights, moments |
 
 (*) FSDP2 also keeps zero2's parameters sharded between steps; within a step they are gathered once
 for forward and kept until backward ends, so no layer is gathered twice: ZeRO-2's communication
@@ -71,7 +72,7 @@ def apply_fsdp(model: torch.nn.Module, strategy: str, rt: Runtime, compute: torc
             fully_shard(block, **kw)
     fully_shard(model, **kw)
     assert isinstance(model, FSDPModule)
-    cls = HostOffloadApplied if strategy == "zero2-offload" else FSDPApplied
+    cls = HostOffloadApplied if strategy.startswith("zero2-offload") else FSDPApplied
     return cls(model=model, module=model, strategy=strategy, notes=[f"FSDP2 over {len(list(_units(model)))} units"])
 
 
