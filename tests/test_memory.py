@@ -35,7 +35,7 @@ def measure(model_dir, data, nvme_root):
         assert not any(p.is_meta for p in applied.model.parameters())
         optimizer = build_optimizer(applied, job.cfg)
         batch = collate(job.dataset.train[rt.rank * 2:rt.rank * 2 + 2], job.dataset.pad_id)
-        loss_sum(applied, batch, job.seq2seq)[0].backward()
+        loss_sum(applied, batch, job.seq2seq).backward()
         grads = state_bytes(applied, optimizer)["grads"]
         optimizer.step()
         out[strategy] = dict(state_bytes(applied, optimizer), grads=grads, n=n)

@@ -19,6 +19,10 @@ class Job:
     precision: str = "bf16"
     checkpointing: bool = False
 
+    def micro(self, world: int) -> int:
+        """The micro-batch per process: given, or the whole per-process share (no accumulation)."""
+        return self.micro_batch or max(1, self.batch_size // world)
+
 
 @dataclass
 class Candidate:
@@ -68,8 +72,7 @@ def _fit(e: Estimate, hw) -> str | None:
 
 def plan(prof, hw, job: Job, strategies=STRATEGIES) -> Plan:
     world = hw.world_size
-    micro = job.micro_batch or max(1, job.batch_size // world)
-    accum = max(1, job.batch_size // (micro * world))
+    accum = max(1, job.batch_size // (job.micro(world) * world))
     c = DTYPES[job.precision].itemsize
     tokens = job.batch_size * (job.seq_len + job.target_len)
     out = []
@@ -106,8 +109,7 @@ def _advice(cands: list[Candidate], job: Job, hw) -> str:
 def plan_for_config(model_config, hw, job: Job, strategies=STRATEGIES) -> Plan:
     from .profile import profile_model
 
-    world = hw.world_size
-    micro = job.micro_batch or max(1, job.batch_size // world)
+    micro = job.micro(hw.world_size)
     prof = profile_model(model_config, micro, job.seq_len, job.target_len or job.seq_len, job.precision)
     result = plan(prof, hw, job, strategies)
     result.notes.append(f"model: {prof.params / 1e6:.1f}M parameters, {prof.n_blocks} blocks; activations traced at "

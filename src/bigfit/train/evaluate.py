@@ -15,7 +15,7 @@ import torch
 from ..data import collate
 from ..distributed import Runtime, all_reduce_sum, gather_objects
 from ..strategies import Applied
-from .step import loss_sum
+from .step import loss_sum, target_tokens
 
 
 def shard_batches(items: list, rt: Runtime, batch_size: int) -> list[tuple[list, int]]:
@@ -40,7 +40,7 @@ def evaluate(applied: Applied, samples: list[dict], *, tokenizer, pad_id: int, s
     try:
         for items, n_real in shard_batches(samples, rt, batch_size):
             batch = collate(items, pad_id, rt.device)
-            l, n = loss_sum(applied, batch, seq2seq)
+            l, n = loss_sum(applied, batch, seq2seq), target_tokens(batch["labels"], seq2seq)
             if n_real:
                 loss, tokens = loss + l.item(), tokens + n
             if seq2seq:

@@ -20,9 +20,9 @@ from ..precision import LossScaler
 from ..strategies import Applied
 
 
-def loss_sum(applied: Applied, batch: dict, seq2seq: bool) -> tuple[torch.Tensor, int]:
+def loss_sum(applied: Applied, batch: dict, seq2seq: bool) -> torch.Tensor:
     """Summed token cross-entropy (fp32, from the logits: some models compute their own loss in
-    the low-precision compute dtype) and the number of tokens it covers."""
+    the low-precision compute dtype); `target_tokens` counts the tokens it covers."""
     labels = batch["labels"]
     with applied.forward_context():
         if seq2seq:
@@ -34,7 +34,7 @@ def loss_sum(applied: Applied, batch: dict, seq2seq: bool) -> tuple[torch.Tensor
                                    use_cache=False).logits
             logits, labels = logits[:, :-1], labels[:, 1:]
     loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum")
-    return loss, int((labels != IGNORE).sum())
+    return loss
 
 
 def target_tokens(labels: torch.Tensor, seq2seq: bool) -> int:
@@ -65,17 +65,18 @@ def train_step(applied: Applied, optimizer, micro_batches: list[list[dict]], *, 
                rt: Runtime, lr: float, max_grad_norm: float, scaler: LossScaler | None = None) -> dict:
     """Forward/backward every micro-batch, unscale, clip, step (or skip an fp16 overflow).
     Returns the global-batch loss and what happened."""
-    batches = [collate(mb, pad_id, rt.device) for mb in micro_batches]
-    local_tokens = sum(target_tokens(b["labels"], seq2seq) for b in batches)
+    host = [collate(mb, pad_id) for mb in micro_batches]
+    local_tokens = sum(target_tokens(b["labels"], seq2seq) for b in host)  # counted on the host: no device sync
+    batches = [{k: v.to(rt.device) for k, v in b.items()} for b in host]
     total_tokens, = all_reduce_sum([local_tokens], rt)
     loss_scale = scaler.scale if scaler else 1.0
     factor = loss_scale * rt.world_size / max(total_tokens, 1.0)
-    local_loss = 0.0
+    local_loss = torch.zeros((), dtype=torch.float64, device=rt.device)
     for i, batch in enumerate(batches):
         with applied.accumulation_context(sync=i == len(batches) - 1):
-            loss, _ = loss_sum(applied, batch, seq2seq)
+            loss = loss_sum(applied, batch, seq2seq)
             (loss * factor).backward()
-        local_loss += loss.item()
+        local_loss += loss.detach()  # summed on the device: one sync per step, not per micro-batch
     params = [p for p in applied.model.parameters() if p.grad is not None]
     if scaler:
         for p in params:
@@ -87,7 +88,7 @@ def train_step(applied: Applied, optimizer, micro_batches: list[list[dict]], *, 
             group["lr"] = lr
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    total_loss, = all_reduce_sum([local_loss], rt)
+    total_loss, = all_reduce_sum([local_loss.item()], rt)
     out = {"loss": total_loss / max(total_tokens, 1.0), "tokens": int(total_tokens), "grad_norm": grad_norm, "lr": lr}
     if scaler:
         scaler.update(overflow)
