@@ -1,0 +1,303 @@
+"""Device-map model parallelism (bigfit.device_map): maps and their errors, the balancer, reversible
+hooks, equal losses / gradients / generated tokens, copy counts, and the chunked (GPipe) schedule.
+
+Placements: on a CPU machine A, B, C are "cpu", "cpu:1", "cpu:2" (virtual CPU devices: real copies,
+counted, scheduled as devices); with CUDA the same tests also run with A = cuda:0, B = cpu.
+"""
+from __future__ import annotations
+
+import copy
+import threading
+import warnings
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+from bigfit.device_map import count_copies, deparallelize, layout_of, parallelize, run_chunks, train_step
+from bigfit.device_map.auto import plan_map, parse_budgets
+from bigfit.device_map.balance import balance
+from bigfit.device_map.maps import real_device
+from bigfit.errors import BigfitError
+from bigfit.planning.search import Job
+from tiny import tiny_config
+
+PLACES = [("cpu", "cpu:1", "cpu:2")] + ([("cuda:0", "cpu", "cpu:1")] if torch.cuda.is_available() else [])
+TOL = {"cpu": dict(rtol=1e-6, atol=1e-7), "cuda:0": dict(rtol=1e-4, atol=1e-5)}  # CUDA kernels differ from CPU's
+
+
+def models(family: str):
+    """(reference, copy to split): the same random weights, dropout off in the tiny configs."""
+    torch.manual_seed(0)
+    auto = AutoModelForSeq2SeqLM if family == "t5" else AutoModelForCausalLM
+    ref = auto.from_config(tiny_config(family))
+    return ref, copy.deepcopy(ref)
+
+
+def batch(family: str, n: int = 6) -> dict:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(2, 300, (n, 9), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, 6:] = 0  # padding: attention masks are real tensors that must travel
+    if family == "t5":
+        labels = torch.randint(2, 300, (n, 5), generator=g)
+        labels[1, 3:] = -100
+    else:
+        labels = ids.masked_fill(mask == 0, -100)
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def on(b: dict, device: str) -> dict:
+    return {k: v.to(torch.device(device).type) for k, v in b.items()}
+
+
+LAYOUTS = {  # (family, map over placements A, B, C)
+    "t5-flat": ("t5", lambda A, B, C: {"encoder": {A: [0, 1]}, "decoder": {B: [0, 1, 2]}}),
+    "t5-split": ("t5", lambda A, B, C: {"encoder": {A: [0], B: [1]}, "decoder": {B: [0, 1], C: [2]}}),
+    "gpt2": ("gpt2", lambda A, B, C: {B: [0], A: [1]}),
+    "llama": ("llama", lambda A, B, C: {A: [0], B: [1]}),
+}
+
+
+def grads(model) -> dict:
+    return {n: p.grad.detach().cpu() for n, p in model.named_parameters() if p.grad is not None}
+
+
+# --- maps and their errors, before anything moves ---------------------------------------------------
+
+BAD_MAPS = [
+    ({"encoder": {"cpu": [0]}, "decoder": {"cpu": [0, 1, 2]}}, "misses block(s) 1"),
+    ({"encoder": {"cpu": [0, 1], "cpu:1": [1]}, "decoder": {"cpu": [0, 1, 2]}}, "block 1 of stack 'encoder' is mapped twice"),
+    ({"encoder": {"cpu": [0, 1, 2]}, "decoder": {"cpu": [0, 1, 2]}}, "names block 2"),
+    ({"encoder": {"cpu": [0, 1]}, "decodr": {"cpu": [0, 1, 2]}}, "stack 'decodr'"),
+    ({"encoder": {"cpu": [0, 1]}}, "places no block of stack 'decoder'"),
+    ({"cpu": [0, 1]}, "give one map per stack"),
+    ({"encoder": {"gpu0": [0, 1]}, "decoder": {"cpu": [0, 1, 2]}}, "'gpu0' is not a device"),
+    ({"encoder": {f"cuda:{torch.cuda.device_count()}": [0, 1]}, "decoder": {"cpu": [0, 1, 2]}}, "does not exist"),
+    ({"encoder": {"cpu": [0, 1]}, "decoder": {"cpu": [0, 1, 2]}, "lm_hed": "cpu:1"}, "module 'lm_hed'"),
+    ({"encoder": {"cpu": [0, 1]}, "decoder": {"cpu": [0, 1, 2]}, "decoder.block.1.layer": "cpu:1"}, "part of) a block"),
+    ({"encoder": {"cpu": [0, 1]}, "decoder": {"cpu": [0, 1, 2]}, "lm_head": "cpu:1"}, "tied to shared.weight"),
+]
+
+
+@pytest.mark.parametrize("spec,message", BAD_MAPS, ids=[m for _, m in BAD_MAPS])
+def test_bad_map_is_an_error_naming_it_and_nothing_moves(spec, message):
+    _, model = models("t5")
+    before = {n: (p.device, p.data_ptr()) for n, p in model.named_parameters()}
+    with pytest.raises(BigfitError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        parallelize(model, spec)
+    assert layout_of(model) is None
+    assert {n: (p.device, p.data_ptr()) for n, p in model.named_parameters()} == before
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
+
+
+def test_map_forms_and_describe():
+    _, model = models("gpt2")
+    dmap = parallelize(model, {"cpu:1": [1], "cpu": [0]})  # one stack: its map alone
+    assert dmap.blocks == {"transformer": ("cpu", "cpu:1")} and dmap.main_device == "cpu"
+    assert dmap.describe() == "transformer 0 -> cpu, 1 -> cpu:1; other modules on cpu"
+    assert dmap.hops() == 2
+    deparallelize(model)
+    with pytest.raises(BigfitError, match="not parallelized"):
+        deparallelize(model)
+    dmap2 = parallelize(model, dmap.to_json())  # the JSON form reads back to the same map
+    assert dmap2 == dmap
+    with pytest.raises(BigfitError, match="already parallelized"):
+        parallelize(model, dmap.to_json())
+    deparallelize(model)
+
+
+# --- the balancer (pure) ----------------------------------------------------------------------------
+
+def test_balance_fewest_devices_then_by_budget():
+    assert balance([1] * 8, [("a", 8), ("b", 8)]) == ["a"] * 8  # fits on the first: no device change
+    assert balance([1] * 16, [("a", 8), ("b", 24)]) == ["a"] * 4 + ["b"] * 12  # larger device, more blocks
+    assert balance([1] * 8, [("a", 6), ("b", 6)]) == ["a"] * 4 + ["b"] * 4
+    # the main device's own bytes (embeddings, head) count against its budget
+    assert balance([1] * 8, [("a", 6), ("b", 6)], main_bytes=2) == ["a"] * 3 + ["b"] * 5
+
+
+def test_balance_host_is_overflow_and_boundary_is_preferred():
+    cpu_last = [("cuda:0", 4), ("cuda:1", 3), ("cpu", 100)]
+    assert balance([1] * 8, cpu_last, main_bytes=2) == ["cuda:0"] * 2 + ["cuda:1"] * 3 + ["cpu"] * 3
+    enc_dec = [2] * 4 + [3] * 4  # decoder blocks are larger (cross-attention)
+    assert balance(enc_dec, [("a", 12), ("b", 12)]) == ["a"] * 5 + ["b"] * 3  # balanced: 10 and 9
+    assert balance(enc_dec, [("a", 12), ("b", 12)], boundaries=[4]) == ["a"] * 4 + ["b"] * 4  # 8 and 12: taken
+    assert balance(enc_dec, [("a", 8), ("b", 24)], boundaries=[4]) == ["a"] * 2 + ["b"] * 6  # too unbalanced
+
+
+def test_balance_errors():
+    with pytest.raises(BigfitError, match=r"does not fit the budgets: it needs about 10 B .* give 4 B"):
+        balance([1] * 8, [("a", 2), ("b", 2)], main_bytes=2)
+    with pytest.raises(BigfitError, match="main device c has no budget"):
+        balance([1], [("a", 2)], main="c")
+    with pytest.raises(BigfitError, match="budget of cpu .7XB. is not a size"):
+        parse_budgets({"cpu": "7XB"})
+
+
+def test_auto_map_from_the_planner_fits_its_budgets():
+    job = Job(batch_size=4, seq_len=16, target_len=8)
+    shown = plan_map(tiny_config("t5"), parse_budgets({"cpu": "1MB", "cpu:1": "1MB"}), job)
+    assert shown["map"] == {"main_device": "cpu", "encoder": {"cpu": [0, 1]}, "decoder": {"cpu:1": [0, 1, 2]}}
+    assert all(d["predicted_bytes"] <= d["budget_bytes"] for d in shown["devices"].values())
+    _, model = models("t5")
+    dmap = parallelize(model, "auto", budgets={"cpu": "1MB", "cpu:1": "1MB"}, job=job)
+    assert dmap.to_json() == shown["map"]  # parallelize("auto") takes the map the plan shows
+    deparallelize(model)
+    with pytest.raises(BigfitError, match="does not fit"):
+        parallelize(model, "auto", budgets={"cpu": "300KB", "cpu:1": "300KB"}, job=job)
+
+
+# --- reversible hooks ---------------------------------------------------------------------------------
+
+def _snapshot(model):
+    return {"dict": {n: sorted(m.__dict__) for n, m in model.named_modules()},
+            "hooks": {n: [len(m._forward_pre_hooks), len(m._forward_hooks)] for n, m in model.named_modules()},
+            "params": {n: id(p) for n, p in model.named_parameters(remove_duplicate=False)},
+            "state": {k: v.clone() for k, v in model.state_dict().items()}}
+
+
+@pytest.mark.parametrize("places", PLACES)
+def test_deparallelize_leaves_the_model_as_before(places):
+    ref, model = models("t5")
+    before = _snapshot(model)
+    parallelize(model, LAYOUTS["t5-split"][1](*places))
+    assert model.lm_head.weight is model.shared.weight  # the tie is one parameter, on main
+    model(**on(batch("t5"), places[0])).loss.backward()
+    model.zero_grad(set_to_none=True)
+    deparallelize(model)
+    after = _snapshot(model)
+    assert after["dict"] == before["dict"] and after["hooks"] == before["hooks"]
+    assert after["params"] == before["params"]  # same Parameter objects: ties and optimizers intact
+    assert after["state"].keys() == before["state"].keys()
+    assert all(torch.equal(after["state"][k], before["state"][k]) for k in before["state"])
+    assert {p.device.type for p in model.parameters()} == {"cpu"}  # back where it was
+    torch.testing.assert_close(model(**batch("t5")).logits, ref(**batch("t5")).logits, rtol=0, atol=0)
+
+
+# --- equal losses, gradients, tokens ------------------------------------------------------------------
+
+@pytest.mark.parametrize("places", PLACES)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_loss_and_gradients_equal_the_unsplit_model(layout, places):
+    family, make = LAYOUTS[layout]
+    ref, model = models(family)
+    parallelize(model, make(*places))
+    b = batch(family)
+    out = model(**on(b, places[0]))
+    out.loss.backward()
+    expected = ref(**b)
+    expected.loss.backward()
+    tol = TOL[places[0]]
+    torch.testing.assert_close(out.loss.cpu(), expected.loss, **tol)
+    torch.testing.assert_close(grads(model), grads(ref), **tol)
+    for chunks in (2, 3):  # GPipe micro-batches: the same loss and gradients
+        model.zero_grad(set_to_none=True)
+        loss = train_step(model, on(b, places[0]), chunks=chunks)
+        torch.testing.assert_close(loss.cpu(), expected.loss, **tol)
+        torch.testing.assert_close(grads(model), grads(ref), **tol)
+
+
+def _generate(model, b: dict, beams: int):
+    from transformers.cache_utils import DynamicCache, EncoderDecoderCache
+
+    cache = EncoderDecoderCache(DynamicCache(), DynamicCache())  # grows per layer: decoder deeper than encoder
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = model.generate(input_ids=b["input_ids"], attention_mask=b["attention_mask"], num_beams=beams,
+                             max_new_tokens=6, min_new_tokens=6, do_sample=False, past_key_values=cache)
+    return out, cache
+
+
+@pytest.mark.parametrize("places", PLACES)
+@pytest.mark.parametrize("beams", [1, 3])
+def test_generate_equal_tokens_and_cache_stays_on_its_layer(beams, places):
+    ref, model = models("t5")
+    ref.eval(), model.eval()
+    dmap = parallelize(model, LAYOUTS["t5-split"][1](*places))
+    b = batch("t5", n=2)
+    expected, _ = _generate(ref, b, beams)
+    with count_copies() as c:
+        got, cache = _generate(model, on(b, places[0]), beams)
+    assert got.tolist() == expected.tolist()
+    d_kv, heads = model.config.d_kv, model.config.num_heads
+    cache_like = [e for e in c.events if len(e[3]) == 4 and e[3][1] == heads and e[3][-1] == d_kv and e[3][2] > 1]
+    assert not cache_like, f"past key/values crossed devices: {cache_like}"
+    A, B, C = places
+    source_len = [e[1:] for e in c.events if e[3][1:] == (9, model.config.d_model)]
+    # encoder block 1 on B and back (before beams are expanded); then the encoder output reaches the
+    # decoder devices B and C once for the whole call, not once per step
+    assert source_len == [(A, B, (2, 9, 32)), (B, A, (2, 9, 32)), (A, B, (2 * beams, 9, 32)), (A, C, (2 * beams, 9, 32))]
+    for i, layer in enumerate(cache.self_attention_cache.layers):  # beams were reordered where each layer lives
+        assert layer.keys.device == real_device(dmap.device_of("decoder", i))
+
+
+# --- copies: the minimum for the placement -----------------------------------------------------------
+
+@pytest.mark.parametrize("places", PLACES)
+def test_copies_per_forward_and_backward_are_the_minimum(places):
+    A, B, _ = places
+    _, model = models("t5")
+    parallelize(model, LAYOUTS["t5-flat"][1](*places))  # encoder on main (A), decoder on B
+    with count_copies() as c:
+        model(**on(batch("t5"), A)).loss.backward()
+    fwd = sorted((src, dst, shape) for p, src, dst, shape in c.events if p == "forward")
+    # to B, once each: the decoder's embedded input, the encoder output (used by all 3 cross-attentions),
+    # and the cross-attention mask; back to A once: the decoder output. Nothing else, no weights.
+    assert fwd == sorted([(A, B, (6, 5, 32)), (A, B, (6, 9, 32)), (A, B, (6, 1, 5, 9)), (B, A, (6, 5, 32))])
+    bwd = sorted((src, dst, shape) for p, src, dst, shape in c.events if p == "backward")
+    assert bwd == sorted([(A, B, (6, 5, 32)), (B, A, (6, 5, 32)), (B, A, (6, 9, 32))])  # gradients of those three
+    assert c.forward == 4 and c.backward == 3
+
+
+def test_tied_embeddings_never_travel():
+    _, model = models("gpt2")  # wte is tied to lm_head; blocks on two devices
+    parallelize(model, {"cpu:1": [0], "cpu:2": [1]}, main_device="cpu")
+    with count_copies() as c:
+        for _ in range(2):
+            model(**batch("gpt2")).loss.backward()
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert not [e for e in c.events if model.config.vocab_size in e[3]]
+    # per step: hidden state, mask and position ids to cpu:1 and cpu:2 each, the hidden state back to cpu;
+    # backward: the hidden state's gradient along the same three hops
+    assert c.forward == 2 * 7 and c.backward == 2 * 3
+
+
+# --- the GPipe schedule ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("places", PLACES)
+def test_chunks_run_in_gpipe_order(places):
+    A, B, _ = places
+    _, model = models("t5")
+    parallelize(model, LAYOUTS["t5-flat"][1](*places))
+    trace = []
+    parts = [on(batch("t5", n=2), A) for _ in range(3)]
+    losses = run_chunks(lambda p: model(**p).loss, parts, A, trace)
+    assert len(losses) == 3 and all(torch.isfinite(l) for l in losses)
+    clocks = {}
+    for clock, m, place in trace:
+        clocks.setdefault(m, []).append((clock, place))
+    for m, segs in clocks.items():  # each micro-batch: encoder on A, decoder on B, head on A; one per clock
+        assert [p for _, p in segs] == [A, B, A]
+        assert [c for c, _ in segs] == [m, m + 1, m + 2]
+    for clock in {c for c, _, _ in trace}:  # within a clock, GPU segments are launched before CPU ones
+        kinds = [p.startswith("cuda") for c, _, p in trace if c == clock]
+        assert kinds == sorted(kinds, reverse=True)
+
+
+def test_chunk_errors_propagate_and_leave_no_threads():
+    _, model = models("gpt2")
+    parallelize(model, {"cpu": [0], "cpu:1": [1]})
+    threads = threading.active_count()
+
+    def fn(p):
+        out = model(**p).loss
+        if p["input_ids"].shape[0] == 1:
+            raise ValueError("chunk failed")
+        return out
+
+    with pytest.raises(ValueError, match="chunk failed"):
+        run_chunks(fn, [batch("gpt2", 2), batch("gpt2", 1), batch("gpt2", 2)], "cpu")
+    assert threading.active_count() == threads
+    with pytest.raises(BigfitError, match="chunks must be an integer from 1 to the batch size 6"):
+        train_step(model, batch("gpt2"), chunks=7)
