@@ -61,8 +61,10 @@ def test_state_bytes_match_the_promise(measured, strategy):
             assert (params, grads, opt) == (full, full, 2 * full)
         elif strategy == "zero1":  # Adam's two moments of this rank's parameters only
             assert (params, grads) == (full, full)
-        elif strategy.startswith("zero2-offload"):  # + fp32 host master weights for the local shards
-            assert (params, grads, opt) == (half, half, pytest.approx(3 * full / 2, rel=0.02))
+        elif strategy.startswith("zero2-offload"):
+            # the offload engine: whole parameters on the device in the compute dtype (fp32 here), this
+            # rank's rows of the gradients in host buffers, fp32 master weights and moments of its rows
+            assert (params, grads, opt) == (full, half, pytest.approx(3 * full / 2, rel=0.02))
             assert set(r["optimizer"]) == ({"nvme"} if strategy.endswith("nvme") else {"cpu"})  # in files
         else:  # zero2, zero3, zero3-offload: parameters, gradients and moments all sharded
             assert (params, grads, opt) == (half, half, pytest.approx(full, rel=0.02))

@@ -5,8 +5,10 @@ per rank (gradient accumulation), AdamW, clipping.
 
 References. fp32: the `single` strategy. bf16 / fp16: the reference runs the same mixed-precision
 mechanism on one process: autocast (`single`) for ddp and zero1; FSDP2's MixedPrecisionPolicy
-(`zero3` on a one-rank mesh) for the FSDP2 strategies. The two mechanisms are compared with each
-other separately, with the looser tolerance that rounding in a different place calls for.
+(`zero3` on a one-rank mesh) for the FSDP2 strategies; the offload engine's parameters stored in the
+compute dtype (`zero2-offload` on one process, as DeepSpeed's bf16 mode) for the engine's strategies.
+The mechanisms are compared with each other separately, with the looser tolerance that rounding in
+a different place calls for.
 
 Tolerances are about 10x the worst difference measured on torch 2.13, CPU (printed with -s).
 """
@@ -56,14 +58,14 @@ def runs(model_dirs, pairs_file, tmp_path_factory):
     run_ranks(run_all, 2, model_dirs, pairs_file, root, STRATEGIES, PRECISIONS)  # one launch for all cases
     run_ranks(run_all, 2, model_dirs, pairs_file, root, ("zero3+ac", "ddp+ac"), ("fp32",))
     run_all(model_dirs, pairs_file, root, ("single",), PRECISIONS)
-    run_all(model_dirs, pairs_file, root, ("zero3",), ("bf16", "fp16"), suffix="-1proc")
+    run_all(model_dirs, pairs_file, root, ("zero3", "zero2-offload"), ("bf16", "fp16"), suffix="-1proc")
     return root
 
 
 def reference(strategy: str, precision: str) -> str:
     if precision == "fp32" or strategy in ("ddp", "zero1"):
         return "single"
-    return "zero3-1proc"
+    return "zero2-offload-1proc" if strategy.startswith("zero2-offload") else "zero3-1proc"
 
 
 def compare(ref, got, precision: str, label: str, tol) -> None:
@@ -100,11 +102,12 @@ def test_activation_checkpointing_changes_nothing_but_memory(runs, family, strat
             f"{family} fp32 {strategy} vs single", TOL["fp32"])
 
 
+@pytest.mark.parametrize("other", ("zero3-1proc", "zero2-offload-1proc"))
 @pytest.mark.parametrize("precision", ("bf16", "fp16"))
 @pytest.mark.parametrize("family", FAMILIES)
-def test_mixed_precision_mechanisms_agree(runs, family, precision):
-    compare(runs / f"{family}-{precision}-single", runs / f"{family}-{precision}-zero3-1proc", precision,
-            f"{family} {precision} autocast vs parameter casting", MECHANISM_TOL[precision])
+def test_mixed_precision_mechanisms_agree(runs, family, precision, other):
+    compare(runs / f"{family}-{precision}-single", runs / f"{family}-{precision}-{other}", precision,
+            f"{family} {precision} autocast vs {other}", MECHANISM_TOL[precision])
 
 
 def test_tied_embeddings_stay_tied(runs):

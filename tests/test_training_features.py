@@ -127,24 +127,29 @@ def test_keep_checkpoints_rotates_the_oldest(model_dirs, pairs_file, tmp_path):
 
 @pytest.mark.parametrize("delayed", [False, True])
 def test_host_optimizer_is_adamw_and_the_delayed_one_lags_exactly_one_step(delayed):
-    """The host optimizer gives torch AdamW's iterates. Delayed (documented semantics): the forward and
-    backward of step t (1-based) use the parameters after update t-2 (the initial ones for t = 1, 2);
-    each gradient is applied to the latest master weights."""
+    """The offload engine's host step gives torch AdamW's iterates. Delayed (documented semantics): the
+    forward and backward of step t (1-based) use the parameters after update t-2 (the initial ones for
+    t = 1, 2); each gradient is applied to the latest master weights."""
     import torch
 
-    from bigfit.strategies.offload import HostOffloadOptimizer
+    from bigfit.distributed import Runtime
+    from bigfit.strategies.offload import apply_offload
 
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
-    opt = HostOffloadOptimizer(model.named_parameters(), torch.optim.AdamW, delayed=delayed, lr=0.1, fused=True)
     x, used, grads = torch.randn(8, 4), [], []
+    for n, p in model.named_parameters():  # registered first: runs before the engine takes the gradient
+        p.register_post_accumulate_grad_hook(lambda p, n=n: grads[-1].__setitem__(n, p.grad.clone()))
+    applied = apply_offload(model, "zero2-offload", Runtime(0, 1, 0, torch.device("cpu")), None, delayed=delayed,
+                            nvme_dir=None)
+    opt = applied.make_optimizer(torch.optim.AdamW, lr=0.1, fused=True)
+    # the host step runs beside the next forward: what a step uses is seen inside it, after the engine's wait
+    model.register_forward_pre_hook(lambda *_: used.append({n: p.detach().clone() for n, p in model.named_parameters()}))
     for _ in range(5):
-        used.append({n: p.detach().clone() for n, p in model.named_parameters()})
+        grads.append({})
         model(x).pow(2).sum().backward()
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
-        opt.step()
-        opt.zero_grad()
+        opt.clip_and_step(0.0)
     opt.flush()
     ref = torch.nn.Linear(4, 3)
     ref.load_state_dict(start)

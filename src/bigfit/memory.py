@@ -31,6 +31,8 @@ def state_bytes(applied, optimizer) -> dict[str, dict[str, int]]:
         _add(out["params"], seen, p)
     for p in applied.model.parameters():
         _add(out["grads"], seen, p.grad)
+    for g in getattr(optimizer, "grad_buffers", ()):  # the offload engine's host gradient buffers
+        _add(out["grads"], seen, g)
     # ZeroRedundancyOptimizer keeps this rank's states in its local `optim`
     for state in getattr(optimizer, "optim", optimizer).state.values():
         for v in state.values():

@@ -15,12 +15,15 @@ from ..distributed import Runtime
 from ..precision import DTYPES, compute_dtype
 from .base import Applied, local
 from .checkpointing import apply_activation_checkpointing
+from .offload import apply_offload
 from .sharding import apply_ddp, apply_fsdp
 
-__all__ = ["FSDP_STRATEGIES", "Applied", "apply_strategy", "build_optimizer", "local"]
+__all__ = ["FSDP_STRATEGIES", "OFFLOAD_STRATEGIES", "Applied", "apply_strategy", "build_optimizer", "local"]
 
 # Strategies built on FSDP2; they run on a one-rank mesh too (offload and parameter casting need it).
-FSDP_STRATEGIES = ("zero2", "zero3", "zero2-offload", "zero3-offload", "zero2-offload-nvme")
+FSDP_STRATEGIES = ("zero2", "zero3", "zero3-offload")
+# Strategies run by bigfit's offload engine (offload.py)
+OFFLOAD_STRATEGIES = ("zero2-offload", "zero2-offload-nvme")
 
 
 def apply_strategy(model: torch.nn.Module, cfg, rt: Runtime) -> Applied:
@@ -35,6 +38,8 @@ def apply_strategy(model: torch.nn.Module, cfg, rt: Runtime) -> Applied:
         applied = apply_fsdp(model, cfg.strategy, rt, compute, DTYPES[cfg.reduce_dtype])
         # zero3-offload's shards live in host RAM; FSDP2 copies them to the device for compute
         materialise_from_rank0(model, full, rt, "cpu" if cfg.strategy == "zero3-offload" else rt.device)
+    elif cfg.strategy in OFFLOAD_STRATEGIES:
+        applied = apply_offload(model, cfg.strategy, rt, compute, delayed=cfg.delayed_update, nvme_dir=_nvme_dir(cfg))
     elif cfg.strategy in ("ddp", "zero1") and rt.distributed:
         _to(model, rt.device)
         applied = apply_ddp(model, cfg.strategy, rt, compute, cfg.ddp_bucket_mb)  # DDP broadcasts rank 0's
@@ -89,9 +94,12 @@ def build_optimizer(applied: Applied, cfg) -> torch.optim.Optimizer:
     cls = torch.optim.AdamW if cfg.optimizer == "adamw" else torch.optim.Adam
     # torch's fused kernels (CUDA and CPU): on the GPU machine the multi-tensor loop made the host-side
     # step of zero3-offload 4.5x slower than FSDP2's own offload with fused AdamW (benchmarks/RESULTS.md)
-    kw = {"delayed": True} if cfg.delayed_update else {}
-    if cfg.strategy == "zero2-offload-nvme":  # one directory per rank: each keeps only its shards' states
-        root = cfg.nvme_dir or os.path.join(cfg.output_dir, "nvme")
-        kw["nvme_dir"] = os.path.join(root, f"rank-{os.environ.get('RANK', '0')}")
     return applied.make_optimizer(cls, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
-                                  weight_decay=cfg.weight_decay, fused=True, **kw)
+                                  weight_decay=cfg.weight_decay, fused=True)
+
+
+def _nvme_dir(cfg) -> str | None:
+    """zero2-offload-nvme: one directory per rank (each keeps only its own rows' states)."""
+    if cfg.strategy != "zero2-offload-nvme":
+        return None
+    return os.path.join(cfg.nvme_dir or os.path.join(cfg.output_dir, "nvme"), f"rank-{os.environ.get('RANK', '0')}")

@@ -1,7 +1,6 @@
 """The NVMe tier of zero2-offload-nvme: fp32 master weights and Adam's two moments in files on a fast
-local disk, mapped into memory. One file per bucket (~256 MB of parameters) and kind; each parameter's
-state is a view into its bucket. The host optimizer steps bucket by bucket and asks the kernel to read
-the next bucket ahead (posix_fadvise WILLNEED) while the current one updates; dirty pages are written
+local disk, mapped into memory. One file per offload bucket (a block, see buckets.py) and kind. The
+host optimizer steps bucket by bucket and asks the kernel to read the next bucket ahead (posix_fadvise WILLNEED) while the current one updates; dirty pages are written
 back by the kernel asynchronously. Host RAM then holds the gradient buffers and a few buckets' worth
 of pages, so optimizer states larger than the RAM still train."""
 from __future__ import annotations
@@ -15,30 +14,20 @@ KINDS = ("master", "exp_avg", "exp_avg_sq")
 
 
 class NVMeStore:
-    def __init__(self, directory: str | Path, numels: list[int], bucket_numel: int = 64 << 20):
+    """`sizes`: the offload engine's buckets' per-rank sizes; views[kind][bucket] is a flat fp32
+    tensor backed by that bucket's file of that kind."""
+
+    def __init__(self, directory: str | Path, sizes: list[int]):
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.buckets: list[list[int]] = [[]]
-        size = 0
-        for i, n in enumerate(numels):
-            if self.buckets[-1] and size + n > bucket_numel:
-                self.buckets.append([])
-                size = 0
-            self.buckets[-1].append(i)
-            size += n
-        self.views: dict[str, list[torch.Tensor | None]] = {k: [None] * len(numels) for k in KINDS}
+        self.views: dict[str, list[torch.Tensor]] = {k: [] for k in KINDS}
         self.files: list[list[Path]] = []
-        for b, members in enumerate(self.buckets):
-            total = sum(numels[i] for i in members)
+        for b, size in enumerate(sizes):
             paths = [self.dir / f"bucket-{b:04d}-{kind}.bin" for kind in KINDS]
             self.files.append(paths)
             for kind, path in zip(KINDS, paths):
                 path.unlink(missing_ok=True)  # a fresh, zero-filled file
-                flat = torch.from_file(str(path), shared=True, size=total, dtype=torch.float32)
-                offset = 0
-                for i in members:
-                    self.views[kind][i] = flat[offset:offset + numels[i]]
-                    offset += numels[i]
+                self.views[kind].append(torch.from_file(str(path), shared=True, size=size, dtype=torch.float32))
 
     def prefetch(self, bucket: int) -> None:
         """Start reading a bucket's files into the page cache; returns at once."""

@@ -1,109 +1,356 @@
-"""ZeRO-Offload's optimizer half: fp32 master weights, optimizer states and the optimizer step in
-host RAM, parameters on the device.
+"""zero2-offload's engine (DeepSpeed's ZeRO-Offload, streamed): parameters in the compute dtype on
+the device, fp32 master weights, Adam's moments and the optimizer step in host RAM (or NVMe files).
 
-After backward, each rank's gradient shards are copied to host buffers, a torch optimizer (AdamW /
-Adam, torch's fused CPU kernel) updates the host master weights, and the results are copied back
-into the device shards. The fast path (streaming per bucket during backward, overlapped with
-compute) is the offload engine's job.
+One step, per bucket (buckets.py: a block, or a run of non-block parameters):
+1. backward: when the last gradient of a bucket is accumulated, a hook packs the bucket's gradients
+   into one fp32 buffer and, on a side stream, reduce-scatters it (each rank keeps its rows), adds
+   its squared norm to the step's sum and copies it into a pinned host buffer. The copies of early
+   buckets run while the device computes the gradients of the next ones.
+2. `clip_and_step`: one sync for the global gradient norm; a host thread then steps the buckets in
+   forward order with torch's fused CPU AdamW (multi-threaded, GIL released), which also unscales
+   (fp16) and clips: it divides each gradient by `grad_scale`, so no pass over the gradients is
+   spent on either. After each bucket it copies the master weights up, casts them on the device and
+   all-gathers them (side stream, CUDA events).
+3. the next forward: each block waits, on the device, for its own bucket's event only, so it
+   starts while the host still updates the blocks behind it.
+Collectives of the backward hooks and of the host thread use two process groups of their own, so
+each group sees the same order of operations on every rank.
 
-Delayed update (`delayed=True`, DeepSpeed's "delayed parameter update"): the host step of step t runs
-in a thread while the device computes step t+1, and its result reaches the device at the start of
-step t+1's optimizer call. So the forward and backward of step t use the parameters after update
-t-2 (the initial ones for steps 1 and 2): parameters one update staler than without delay, gradients
-applied to the latest master weights as usual. `flush()` lands the pending update (before evaluation,
+Delayed update (`delayed=True`, DeepSpeed's "delayed parameter update"): the host step of step t
+runs while the device computes step t+1, and its result is copied up when step t+1 calls
+`clip_and_step`. So the forward and backward of step t use the parameters after update t-2 (the
+initial ones for steps 1 and 2): one update staler than without delay; gradients are applied to
+the latest master weights as usual. `flush()` lands any pending update (before evaluation,
 checkpoints and the end of training); tests/test_training_features.py checks the exact lag.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
+import math
 import threading
+import time
+from dataclasses import dataclass
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 
-from .base import local
+from ..models import block_lists
+from .base import Applied
+from .buckets import Bucket, group_parameters, local_view, make_buckets, pack, unpack
 from .nvme import NVMeStore
+from .transfer import Transfers
 
 
-class HostOffloadOptimizer:
-    """`nvme_dir`: master weights and moments in files there (zero2-offload-nvme, see nvme.py)."""
+class OffloadEngine:
+    """Built when the strategy is applied (it places the model); the optimizer once `attach`ed."""
 
-    def __init__(self, named_params, cls, delayed: bool = False, nvme_dir=None, **kw):
-        self.names, self.params = zip(*[(n, p) for n, p in named_params if p.requires_grad])
-        pin = any(local(p).is_cuda for p in self.params)
-        self.store = NVMeStore(nvme_dir, [local(p).numel() for p in self.params]) if nvme_dir else None
-        self.masters = [self._master(i, p, pin) for i, p in enumerate(self.params)]
-        for m in self.masters:
-            m.grad = torch.zeros_like(m, pin_memory=pin)
-        buckets = self.store.buckets if self.store else [list(range(len(self.params)))]
-        self.inners = [cls([self.masters[i] for i in b], **kw) for b in buckets]
-        if self.store:  # the moments live in the files: give the optimizer its states up front
-            for i, m in enumerate(self.masters):
-                inner = self.inners[next(k for k, b in enumerate(buckets) if i in b)]
-                inner.state[m] = {"step": torch.tensor(0.0), **{k: self.store.views[k][i].view_as(m)
-                                                               for k in ("exp_avg", "exp_avg_sq")}}
-        # the loop sets the learning rate here; copied into the host optimizer when a step starts, so
-        # a delayed step still running never sees the next step's value
-        self.param_groups = [{k: v for k, v in g.items() if k != "params"} for g in self.inners[0].param_groups]
-        self.delayed = delayed
-        self._pending: threading.Thread | None = None
+    def __init__(self, model: torch.nn.Module, rt, compute: torch.dtype | None, *, delayed: bool = False,
+                 nvme_dir=None, bucket_numel: int = 32 << 20):
+        self.rt, self.delayed = rt, delayed
+        self.dtype = compute or torch.float32
+        prefixes = [f"{name}.{i}" for name, blocks in block_lists(model) for i in range(len(blocks))]
+        self.buckets = make_buckets(group_parameters(model, prefixes, bucket_numel), rt.world_size)
+        self.io = Transfers(rt)
+        self.store = NVMeStore(nvme_dir, [b.numel for b in self.buckets]) if nvme_dir else None
+        owners = _owners(model)
+        self.masters = [self._materialise(b, owners) for b in self.buckets]
+        self.io.place_buffers(model)
+        self.grad_buffers = [self.io.host_zeros(b.numel) for b in self.buckets]
+        for b in self.buckets:
+            b.state.update(ready=0, acc=None, sq=None, free=threading.Event(), issued=threading.Event())
+            b.state["free"].set()
+            b.state["issued"].set()
+        self._of = {id(s.param): b for b in self.buckets for s in b.slots}
+        self._hooks = [s.param.register_post_accumulate_grad_hook(self._on_grad)
+                       for b in self.buckets for s in b.slots]
+        self._hooks += [m.register_forward_pre_hook(functools.partial(self._await_hook, bs))
+                        for m, bs in _waiting_modules(model, prefixes, self._of)]
+        self.sync, self._worker, self._error, self._unuploaded = True, None, None, False
+        self.trace: list | None = None  # set to [] to record (what, bucket, start, end) host times: benchmarks
+        self.param_groups, self.inners = [{}], []
 
-    def _master(self, i: int, p, pin: bool) -> torch.Tensor:
-        if self.store:
-            return self.store.views["master"][i].view(local(p).shape).copy_(local(p).detach())
-        m = local(p).detach().to("cpu", torch.float32, copy=True)
-        return m.pin_memory() if pin else m
+    # -- building ---------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _materialise(self, b: Bucket, owners: dict) -> torch.Tensor:
+        """Rank 0's fp32 values to every rank: the local rows into the host master, the whole
+        parameter onto the device in the compute dtype (one parameter at a time on the device). A
+        weightless (meta) parameter is replaced in every module that holds it, so ties stay."""
+        master = self.store.views["master"][b.index] if self.store else self.io.host_zeros(b.numel)
+        for s in b.slots:
+            full = self.io.from_rank0(s.param)
+            start = self.rt.rank * s.rows * s.row_numel
+            view = local_view(master, s, self.rt.rank).view(-1)
+            view.copy_(full.view(-1)[start:start + view.numel()])
+            if s.param.is_meta:
+                new = torch.nn.Parameter(full.to(self.dtype), requires_grad=s.param.requires_grad)
+                for mod, name in owners[id(s.param)]:
+                    mod._parameters[name] = new
+                s.param = new
+            else:
+                s.param.data = full.to(self.dtype)
+        return master
+
+    def attach(self, cls, **kw) -> "OffloadEngine":
+        """One torch optimizer per bucket over its flat master (fused kernels: one call per bucket);
+        the states exist from the start, as views that checkpoints and the NVMe files share."""
+        for b, master in zip(self.buckets, self.masters):
+            master.grad = self.grad_buffers[b.index]
+            inner = cls([master], **kw)
+            kinds = {k: self.store.views[k][b.index] for k in ("exp_avg", "exp_avg_sq")} if self.store else \
+                {k: torch.zeros_like(master) for k in ("exp_avg", "exp_avg_sq")}
+            inner.state[master] = {"step": torch.tensor(0.0), **kinds}
+            self.inners.append(inner)
+        self.param_groups = [{k: v for k, v in self.inners[0].param_groups[0].items() if k != "params"}]
+        return self
+
+    # -- backward: gradients stream down as buckets complete --------------------------------------
+    @contextlib.contextmanager
+    def syncing(self, sync: bool):
+        """Accumulation micro-batches (sync False) add their gradients to a device buffer instead."""
+        self.sync = sync
+        try:
+            yield
+        finally:
+            self.sync = True
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        b = self._of[id(p)]
+        b.state["ready"] += 1
+        if b.state["ready"] == len(b.slots):
+            self._reduce(b)
+
+    @torch.no_grad()
+    def _reduce(self, b: Bucket) -> None:
+        st = b.state
+        st["ready"] = 0
+        flat = st["acc"] if st["acc"] is not None else self.io.device_zeros(self.rt.world_size, b.numel)
+        for s in b.slots:
+            if s.param.grad is not None:
+                pack(flat, s, s.param.grad, accumulate=st["acc"] is not None)
+                s.param.grad = None
+        if not self.sync:
+            st["acc"] = flat
+            return
+        st["acc"] = None
+        st["free"].wait()  # the host step of the previous update has read this bucket's host gradients
+        st["free"].clear()
+        self.io.reduce_to_host(flat, self.grad_buffers[b.index], st)
+
+    def _drain(self) -> None:
+        """Buckets with parameters that got no gradient this step: their missing gradients are zeros."""
+        for b in self.buckets:
+            if b.state["sq"] is None:
+                self._reduce(b)
+
+    # -- the step ---------------------------------------------------------------------------------
+    def clip_and_step(self, max_norm: float, loss_scale: float = 1.0) -> float:
+        """After the step's last backward: the global gradient norm (unscaled) and the host step
+        started. An infinite norm (an fp16 overflow) skips the step."""
+        with self._span("wait-host-step"):
+            self._join()
+        self._drain()
+        with self._span("norm"):
+            sq = self.io.total([b.state["sq"] for b in self.buckets])
+        for b in self.buckets:
+            b.state["sq"] = None
+        norm = math.sqrt(sq) / loss_scale
+        if not math.isfinite(norm):
+            for b in self.buckets:
+                b.state["free"].set()
+            return norm
+        clip = min(1.0, max_norm / (norm + 1e-6)) if max_norm > 0 else 1.0
+        grad_scale = torch.tensor(loss_scale / clip)  # fused AdamW divides every gradient by it
+        for inner in self.inners:
+            inner.grad_scale = grad_scale
+            inner.param_groups[0].update(self.param_groups[0])
+        if self.delayed:
+            self._upload_pending()
+            self._spawn(list(reversed(self.buckets)), upload=False)  # the order the gradients landed in
+            self._unuploaded = True
+        else:
+            self._spawn(self.buckets, upload=True)
+        return norm
+
+    def _spawn(self, order: list[Bucket], upload: bool) -> None:
+        if upload:
+            for b in order:
+                b.state["issued"].clear()
+        self._worker = threading.Thread(target=self._host_steps, args=(order, upload), daemon=True)
+        self._worker.start()
+
+    @torch.no_grad()
+    def _host_steps(self, order: list[Bucket], upload: bool) -> None:
+        try:
+            self.io.enter_thread()
+            for i, b in enumerate(order):
+                with self._span("wait-gradients", b):
+                    self.io.wait_landed(b.state)
+                if self.store and i + 1 < len(order):
+                    self.store.prefetch(order[i + 1].index)  # the disk reads ahead while this bucket updates
+                with self._span("cpu-adam", b):
+                    self.inners[b.index].step()
+                b.state["free"].set()
+                if upload:
+                    with self._span("upload", b):
+                        self._upload(b)
+                    b.state["issued"].set()
+        except BaseException as e:  # re-raised on the training thread, which would otherwise wait forever
+            self._error = e
+        finally:
+            for b in order:
+                b.state["free"].set()
+                b.state["issued"].set()
+
+    @contextlib.contextmanager
+    def _span(self, what: str, b: Bucket | None = None):
+        start = time.perf_counter()
+        yield
+        if self.trace is not None:
+            self.trace.append((what, b.index if b else -1, start, time.perf_counter()))
+
+    def _upload(self, b: Bucket) -> None:
+        with self.io.uploading(b.state):
+            gathered = self.io.gather(self.masters[b.index], self.dtype)
+            for s in b.slots:
+                unpack(gathered, s, s.param.data)
+
+    @torch.no_grad()
+    def _upload_pending(self) -> None:
+        """Delayed mode: copy the finished host step up (after the device is done with this step)."""
+        self._join()
+        if self._unuploaded:
+            self.io.after_current_work()
+            for b in self.buckets:
+                self._upload(b)
+            self._unuploaded = False
+
+    def _await_hook(self, buckets, module, args) -> None:
+        self._await(buckets)
+
+    def _await(self, buckets) -> None:
+        for b in buckets:
+            if self.trace is not None and not b.state["issued"].is_set():
+                with self._span("forward-waits", b):
+                    b.state["issued"].wait()
+            b.state["issued"].wait()
+            self._raise()
+            self.io.wait_arrived(b.state)
+
+    def _join(self) -> None:
+        if self._worker is not None:
+            self._worker.join()
+            self._worker = None
+        self._raise()
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError("the offload engine's host step failed") from error
+
+    def flush(self) -> None:
+        """Land every update on the device: before evaluation, checkpoints and the end."""
+        self._join()
+        if self.delayed:
+            self._upload_pending()
+        self._await(self.buckets)
+
+    @torch.no_grad()
+    def reload_params(self) -> None:
+        """After the host masters were loaded from a checkpoint: the device copies follow them."""
+        self.flush()
+        for b in self.buckets:
+            self._upload(b)
+        self._await(self.buckets)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for b in self.buckets:
+            for s in b.slots:
+                s.param.grad = None
+
+    def step(self) -> None:
+        self.clip_and_step(0.0)
+
+    def checkpoint_state(self, module: torch.nn.Module) -> dict:
+        """By name: {"model": the fp32 master weights (and buffers), "optim": {"state": moments and
+        step}}; each rank's rows as a DTensor when there are several ranks."""
+        self.flush()
+        mesh = None
+        if self.rt.world_size > 1:
+            mesh = DeviceMesh("cpu", list(range(self.rt.world_size)))  # the host states' own device type
+        rows = functools.partial(_rows, mesh=mesh, rank=self.rt.rank)
+        masters, optim = {}, {}
+        for b, master in zip(self.buckets, self.masters):
+            st = self.inners[b.index].state[master]
+            for s in b.slots:
+                masters[id(s.param)] = rows(master, s)
+                optim[s.name] = {"step": st["step"], **{k: rows(st[k], s) for k in ("exp_avg", "exp_avg_sq")}}
+        model = {name: masters.get(id(t), t) for name, t in module.state_dict(keep_vars=True).items()}
+        return {"model": model, "optim": {"state": optim}}
 
     @property
     def state(self) -> dict:
         return {m: st for inner in self.inners for m, st in inner.state.items()}
 
-    @torch.no_grad()
-    def step(self) -> None:
+    def remove(self) -> None:
+        """Take the hooks off (the model keeps its device parameters)."""
         self.flush()
-        for p, m in zip(self.params, self.masters):
-            if p.grad is not None:
-                m.grad.copy_(local(p.grad), non_blocking=True)
-        if any(local(p).is_cuda for p in self.params[:1]):
-            torch.cuda.current_stream().synchronize()  # host buffers complete before the CPU step
-        for inner in self.inners:
-            for group in inner.param_groups:
-                group.update(self.param_groups[0])
-        if self.delayed:  # torch's kernels release the GIL: the step runs beside the next forward
-            self._pending = threading.Thread(target=self._host_step, daemon=True)
-            self._pending.start()
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+
+def _owners(model: torch.nn.Module) -> dict[int, list]:
+    """id(parameter) -> every (module, attribute name) that holds it."""
+    out: dict[int, list] = {}
+    for mod in model.modules():
+        for name, p in mod._parameters.items():
+            if p is not None:
+                out.setdefault(id(p), []).append((mod, name))
+    return out
+
+
+def _rows(flat: torch.Tensor, slot, mesh, rank: int) -> torch.Tensor:
+    view = local_view(flat, slot, rank)
+    if mesh is None:
+        return view
+    shape = slot.param.shape
+    stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+    return DTensor.from_local(view, mesh, [Shard(0)], shape=shape, stride=stride, run_check=False)
+
+
+def _waiting_modules(model, prefixes, bucket_of):
+    """(module, buckets) whose forward must wait for the buckets' parameters: each block for its
+    own bucket, each other module with parameters of its own for theirs."""
+    out, names = [], set(prefixes)
+    for name, mod in model.named_modules():
+        if name in names:
+            ids = {id(p) for p in mod.parameters()}
+        elif any(name.startswith(p + ".") for p in prefixes) or not mod._parameters:
+            continue
         else:
-            self._host_step()
-            self._to_device()
+            ids = {id(p) for p in mod._parameters.values() if p is not None}
+        buckets = list({b.index: b for i in ids if (b := bucket_of.get(i)) is not None}.values())
+        if buckets:
+            out.append((mod, buckets))
+    return out
 
-    @torch.no_grad()
-    def _host_step(self) -> None:
-        for k, inner in enumerate(self.inners):
-            if self.store:
-                self.store.prefetch(k + 1)  # the disk reads bucket k+1 while bucket k updates
-            inner.step()
 
-    @torch.no_grad()
-    def _to_device(self) -> None:
-        for p, m in zip(self.params, self.masters):
-            local(p).copy_(m, non_blocking=True)
+@dataclass
+class OffloadApplied(Applied):
+    """zero2-offload(-nvme): the model itself, in the compute dtype, with the engine's hooks."""
+    engine: OffloadEngine | None = None
 
-    def flush(self) -> None:
-        """Land a delayed update on the device (a no-op without delay or with none pending)."""
-        if self._pending is not None:
-            self._pending.join()
-            self._pending = None
-            self._to_device()
+    def accumulation_context(self, sync: bool):
+        return self.engine.syncing(sync)
 
-    @torch.no_grad()
-    def reload_masters(self) -> None:
-        """After the device parameters were loaded from a checkpoint."""
-        for p, m in zip(self.params, self.masters):
-            m.copy_(local(p))
+    def make_optimizer(self, cls, **kw) -> OffloadEngine:
+        return self.engine.attach(cls, **kw)
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self.params:
-            p.grad = None
 
-    def owned(self):
-        """(device parameter, host state) pairs: every state here belongs to this rank's shards."""
-        state = self.state
-        return [(p, state[m]) for p, m in zip(self.params, self.masters)]
+def apply_offload(model: torch.nn.Module, strategy: str, rt, compute: torch.dtype | None, *, delayed: bool,
+                  nvme_dir) -> OffloadApplied:
+    engine = OffloadEngine(model, rt, compute, delayed=delayed, nvme_dir=nvme_dir)
+    notes = [f"offload engine: {len(engine.buckets)} buckets" + (", delayed update" if delayed else "")]
+    return OffloadApplied(model=model, module=model, strategy=strategy, notes=notes, engine=engine)

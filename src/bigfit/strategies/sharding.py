@@ -5,10 +5,9 @@
 | zero1         | DDP + ZeroRedundancyOptimizer            | optimizer states                   |                          |
 | zero2         | FSDP2, reshard_after_forward=False       | optimizer states, gradients (*)    |                          |
 | zero3         | FSDP2                                    | + parameters, also between layers  |                          |
-| zero2-offload | FSDP2 (as zero2) + HostOffloadOptimizer  | as zero2                           | optimizer states + step  |
 | zero3-offload | FSDP2 + CPUOffloadPolicy                 | as zero3                           | + parameters, gradients  |
-| zero2-offload-nvme | as zero2-offload, states in files   | as zero2                           | gradients; NVMe: master weights, moments |
 
+zero2-offload and zero2-offload-nvme are the offload engine's (offload.py).
 (*) FSDP2 also keeps zero2's parameters sharded between steps; within a step they are gathered once
 for forward and kept until backward ends, so no layer is gathered twice: ZeRO-2's communication
 and peak, with ZeRO-3's memory at rest.
@@ -31,7 +30,6 @@ from torch.nn.parallel import DistributedDataParallel
 from ..distributed import Runtime
 from ..models import block_lists
 from .base import Applied
-from .offload import HostOffloadOptimizer
 
 
 class FSDPApplied(Applied):
@@ -52,11 +50,6 @@ class FSDPApplied(Applied):
             unit.reshard()
 
 
-class HostOffloadApplied(FSDPApplied):
-    def make_optimizer(self, cls, **kw):
-        return HostOffloadOptimizer(self.model.named_parameters(), cls, **kw)
-
-
 def apply_fsdp(model: torch.nn.Module, strategy: str, rt: Runtime, compute: torch.dtype | None,
                reduce: torch.dtype) -> Applied:
     # T5 blocks return their position bias as a view; it is only ever used out of place, which the
@@ -72,8 +65,7 @@ def apply_fsdp(model: torch.nn.Module, strategy: str, rt: Runtime, compute: torc
             fully_shard(block, **kw)
     fully_shard(model, **kw)
     assert isinstance(model, FSDPModule)
-    cls = HostOffloadApplied if strategy.startswith("zero2-offload") else FSDPApplied
-    return cls(model=model, module=model, strategy=strategy, notes=[f"FSDP2 over {len(list(_units(model)))} units"])
+    return FSDPApplied(model=model, module=model, strategy=strategy, notes=[f"FSDP2 over {len(list(_units(model)))} units"])
 
 
 def _units(model):

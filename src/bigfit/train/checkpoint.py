@@ -27,7 +27,6 @@ from torch.distributed.tensor import DTensor
 from ..distributed import Runtime, barrier
 from ..errors import BigfitError
 from ..faults import maybe_die
-from ..strategies.offload import HostOffloadOptimizer
 
 MARKER = "COMPLETE"
 NAME = re.compile(r"^step-(\d+)$")
@@ -68,9 +67,11 @@ def _sync_dir(path: Path) -> None:
 
 def _state(applied, optimizer) -> dict:
     """Model and optimizer state keyed by parameter names. torch optimizers over DDP / FSDP2 models
-    go through DCP's own get_state_dict; bigfit's ZeRO-1 and host-offload optimizers list the
-    states they own, sharded ones wrapped as DTensors like their parameters, so that DCP writes each
-    piece once and can load it at another world size."""
+    go through DCP's own get_state_dict; bigfit's ZeRO-1 optimizer lists the states it owns; the
+    offload engine gives its fp32 master weights as the model and its moments, each rank's rows as
+    DTensors, so that DCP writes each piece once and can load it at another world size."""
+    if hasattr(optimizer, "checkpoint_state"):
+        return optimizer.checkpoint_state(applied.module)
     if not hasattr(optimizer, "owned"):
         model_sd, optim_sd = get_state_dict(applied.model, optimizer)
         return {"model": model_sd, "optim": optim_sd}
@@ -92,13 +93,9 @@ def _init_optimizer_state(optimizer) -> None:
     lrs = [g["lr"] for g in optimizer.param_groups]
     for g in optimizer.param_groups:
         g["lr"] = 0.0
-    # the host-offload optimizer steps from the device parameters' gradients
-    host = isinstance(optimizer, HostOffloadOptimizer)
-    for p in optimizer.params if host else [p for g in optimizer.param_groups for p in g["params"]]:
+    for p in [p for g in optimizer.param_groups for p in g["params"]]:
         p.grad = torch.zeros_like(p)
     optimizer.step()
-    if host:
-        optimizer.flush()  # a delayed step must be done before its states are overwritten
     optimizer.zero_grad(set_to_none=True)
     for g, lr in zip(optimizer.param_groups, lrs):
         g["lr"] = lr
@@ -143,10 +140,10 @@ def load(path: Path, applied, optimizer, rt: Runtime) -> dict:
     state = _state(applied, optimizer)
     with _one_process_quiet(rt):
         dcp.load(state, checkpoint_id=str(path))
-    if hasattr(optimizer, "owned"):  # states were loaded in place; the model goes through DCP's setter
+    if hasattr(optimizer, "reload_params"):  # the host masters were loaded in place
+        optimizer.reload_params()
+    elif hasattr(optimizer, "owned"):  # states were loaded in place; the model goes through DCP's setter
         set_model_state_dict(applied.model, state["model"])
-        if hasattr(optimizer, "reload_masters"):
-            optimizer.reload_masters()
     else:
         set_state_dict(applied.model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     trainer = json.loads((path / "trainer.json").read_text())

@@ -77,23 +77,31 @@ def train_step(applied: Applied, optimizer, micro_batches: list[list[dict]], *, 
             loss = loss_sum(applied, batch, seq2seq)
             (loss * factor).backward()
         local_loss += loss.detach()  # summed on the device: one sync per step, not per micro-batch
-    params = [p for p in applied.model.parameters() if p.grad is not None]
-    if scaler:
-        for p in params:
-            p.grad.div_(loss_scale)
-    grad_norm = _clip(params, max_grad_norm)
+    grad_norm = _update(applied, optimizer, lr, max_grad_norm, loss_scale)
     overflow = not math.isfinite(grad_norm)  # the norm is global: every rank skips the same steps
-    if not overflow:
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
     total_loss, = all_reduce_sum([local_loss.item()], rt)
     out = {"loss": total_loss / max(total_tokens, 1.0), "tokens": int(total_tokens), "grad_norm": grad_norm, "lr": lr}
     if scaler:
         scaler.update(overflow)
         out.update(loss_scale=loss_scale, overflow=overflow, skipped_steps=scaler.overflows)
     return out
+
+
+def _update(applied: Applied, optimizer, lr: float, max_norm: float, loss_scale: float) -> float:
+    """Unscale, clip and step, unless the gradients overflowed; returns the global gradient norm."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    if hasattr(optimizer, "clip_and_step"):  # the offload engine unscales and clips inside its host step
+        return optimizer.clip_and_step(max_norm, loss_scale)
+    params = [p for p in applied.model.parameters() if p.grad is not None]
+    if loss_scale != 1.0:
+        for p in params:
+            p.grad.div_(loss_scale)
+    grad_norm = _clip(params, max_norm)
+    if math.isfinite(grad_norm):
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm
 
 
 def _clip(params, max_norm: float) -> float:

@@ -1,0 +1,126 @@
+"""How the offload engine's bytes move. On a GPU: pinned host buffers, one CUDA stream down (reduce-
+scatter, norm, device-to-host copy) and one up (host-to-device copy, cast, all-gather), ordered with
+CUDA events, never with host waits on the training thread. On the CPU (the tests' gloo ranks) the
+same calls run in order on the calling thread. Collectives use two groups of their own: the backward
+hooks use one, the host thread the other, so each group's operations come in the same order on every
+rank whatever the threads' timing."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+
+class Transfers:
+    def __init__(self, rt):
+        self.device, self.world = rt.device, rt.world_size
+        self.cuda = rt.device.type == "cuda"
+        self.down_group = dist.new_group() if self.world > 1 else None
+        self.up_group = dist.new_group() if self.world > 1 else None
+        self.down = torch.cuda.Stream(self.device) if self.cuda else None
+        self.up = torch.cuda.Stream(self.device) if self.cuda else None
+
+    # -- memory -----------------------------------------------------------------------------------
+    def host_zeros(self, n: int) -> torch.Tensor:
+        return torch.zeros(n, dtype=torch.float32, pin_memory=self.cuda)
+
+    def device_zeros(self, *shape: int) -> torch.Tensor:
+        return torch.zeros(shape, dtype=torch.float32, device=self.device)
+
+    @torch.no_grad()
+    def from_rank0(self, p: torch.Tensor) -> torch.Tensor:
+        """The whole parameter in fp32 on this rank's device, with rank 0's values."""
+        full = torch.empty(p.shape, dtype=torch.float32, device=self.device) if p.is_meta else \
+            p.detach().to(self.device, torch.float32)
+        if self.world > 1:
+            dist.broadcast(full, src=0)
+        return full
+
+    @torch.no_grad()
+    def place_buffers(self, model: torch.nn.Module) -> None:
+        """Buffers (rotary tables, ...) to the device, rank 0's values on every rank."""
+        for mod in model.modules():
+            for name, buf in list(mod._buffers.items()):
+                if buf is None:
+                    continue
+                t = torch.empty_like(buf, device=self.device) if buf.is_meta else buf.to(self.device)
+                if self.world > 1:
+                    dist.broadcast(t, src=0)
+                mod._buffers[name] = t
+
+    # -- down: backward hooks ---------------------------------------------------------------------
+    def _on(self, stream):
+        if not self.cuda:
+            return contextlib.nullcontext()
+        stream.wait_stream(torch.cuda.current_stream())
+        return torch.cuda.stream(stream)
+
+    @torch.no_grad()
+    def reduce_to_host(self, flat: torch.Tensor, host: torch.Tensor, state: dict) -> None:
+        """(world, S) fp32 gradients -> this rank's averaged S values in `host`; their squared norm
+        into state["sq"], the copy's completion into state["landed"]."""
+        with self._on(self.down):
+            if self.world > 1:
+                out = torch.empty(flat.shape[1], dtype=flat.dtype, device=self.device)
+                dist.reduce_scatter_tensor(out, flat.view(-1), group=self.down_group)
+                out.div_(self.world)
+            else:
+                out = flat[0]
+            state["sq"] = out.pow(2).sum()
+            host.copy_(out, non_blocking=True)
+            if self.cuda:
+                flat.record_stream(self.down)  # allocated on the training stream, used on this one
+                state["landed"] = torch.cuda.Event()
+                state["landed"].record(self.down)
+
+    def total(self, squares: list[torch.Tensor]) -> float:
+        """The global sum of the buckets' squared norms: the step's one host sync."""
+        if self.cuda:
+            torch.cuda.current_stream().wait_stream(self.down)
+        s = torch.stack(squares).sum()
+        if self.world > 1:
+            dist.all_reduce(s)
+        return float(s)
+
+    # -- the host thread --------------------------------------------------------------------------
+    def enter_thread(self) -> None:
+        if self.cuda:
+            torch.cuda.set_device(self.device)
+
+    def wait_landed(self, state: dict) -> None:
+        """Before the host reads a bucket's gradients and writes its masters: the gradients are in,
+        and the previous upload has finished reading the masters."""
+        for key in ("landed", "arrived"):
+            if self.cuda and state.get(key) is not None:
+                state[key].synchronize()
+
+    @contextlib.contextmanager
+    def uploading(self, state: dict):
+        """Device work inside runs on the upload stream; its completion becomes state["arrived"]. It
+        does not wait for the training stream (which may already be queueing the next forward): the
+        host thread made sure the bucket's last readers are done (`wait_landed`)."""
+        with torch.cuda.stream(self.up) if self.cuda else contextlib.nullcontext():
+            yield
+            if self.cuda:
+                state["arrived"] = torch.cuda.Event()
+                state["arrived"].record(self.up)
+
+    def gather(self, master: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """This rank's updated fp32 values up, cast, and all-gathered: (world, S) in `dtype`."""
+        local = master.to(self.device, non_blocking=True).to(dtype)
+        if self.world == 1:
+            return local.view(1, -1)
+        out = torch.empty(self.world * local.numel(), dtype=dtype, device=self.device)
+        dist.all_gather_into_tensor(out, local, group=self.up_group)
+        return out.view(self.world, -1)
+
+    def wait_arrived(self, state: dict) -> None:
+        """The training stream waits (on the device) for the bucket's upload."""
+        if self.cuda and state.get("arrived") is not None:
+            torch.cuda.current_stream().wait_event(state["arrived"])
+
+    def after_current_work(self) -> None:
+        """Uploads issued next start after the device's work so far (which reads the parameters)."""
+        if self.cuda:
+            self.up.wait_stream(torch.cuda.current_stream())
