@@ -6,7 +6,9 @@ tokens), bf16, AdamW, micro-batch x sequence tokens per step. Each strategy runs
 
   python benchmarks/strategies.py --size 1b --mbs 4 --seq 2048 --out results.jsonl
   python benchmarks/strategies.py one zero3 --size 1b ...        (one strategy, one JSON line)
+  python benchmarks/strategies.py --strategies zero2-offload,zero2-offload+delayed --accum 4 ...
 On one GPU, ddp and zero1 are the plain model (nothing to reduce or shard), so they are not repeated.
+"+delayed" runs the strategy with --delayed-update. `--accum N`: N micro-batches per step.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ SIZES = {"tiny": (64, 2, 4, 2, 128, 384),  # a smoke test of this script on a CP
          "1b": (2048, 16, 32, 8, 8192, 128256), "3b": (3072, 28, 24, 8, 8192, 128256)}
 
 
-def run_one(strategy: str, size: str, mbs: int, seq: int, steps: int, warmup: int) -> dict:
+def run_one(strategy: str, size: str, mbs: int, seq: int, steps: int, warmup: int, accum: int = 1) -> dict:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -36,7 +38,10 @@ def run_one(strategy: str, size: str, mbs: int, seq: int, steps: int, warmup: in
     mc = LlamaConfig(hidden_size=h, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
                      intermediate_size=inter, vocab_size=vocab, max_position_embeddings=8192,
                      attn_implementation="sdpa", tie_word_embeddings=False, use_cache=False)
-    cfg = resolve(TrainConfig(strategy=strategy, precision="bf16", batch_size=mbs, lr=1e-4), 1)
+    name = strategy
+    strategy, _, delayed = strategy.partition("+")
+    cfg = resolve(TrainConfig(strategy=strategy, precision="bf16", batch_size=mbs * accum, micro_batch_size=mbs,
+                              lr=1e-4, delayed_update=delayed == "delayed"), 1)
     rt = init_runtime(group_for_one=strategy in FSDP_STRATEGIES)
     torch.manual_seed(0)
     with torch.device("cpu" if strategy == "zero3-offload" else rt.device):
@@ -51,22 +56,31 @@ def run_one(strategy: str, size: str, mbs: int, seq: int, steps: int, warmup: in
     sync = torch.cuda.synchronize if gpu else (lambda: None)
     if gpu:
         torch.cuda.reset_peak_memory_stats()
+    trace_from = None
     for i in range(warmup + steps):
-        ids = torch.randint(0, vocab, (mbs, seq), generator=g).tolist()
-        samples = [{"input_ids": x, "labels": x} for x in ids]
+        if i == warmup + steps - 2 and hasattr(optimizer, "trace"):  # the engine's timeline of the last 2 steps
+            optimizer.trace, trace_from = [], time.perf_counter()
+        micro = []
+        for _ in range(accum):
+            ids = torch.randint(0, vocab, (mbs, seq), generator=g).tolist()
+            micro.append([{"input_ids": x, "labels": x} for x in ids])
         sync()
         t0 = time.perf_counter()
-        out = train_step(applied, optimizer, [samples], pad_id=0, seq2seq=False, rt=rt, lr=1e-4, max_grad_norm=1.0)
+        out = train_step(applied, optimizer, micro, pad_id=0, seq2seq=False, rt=rt, lr=1e-4, max_grad_norm=1.0)
         sync()
         if i >= warmup:
             times.append(time.perf_counter() - t0)
+    if hasattr(optimizer, "flush"):
+        optimizer.flush()
     step_s = statistics.median(times)
-    tok_s = mbs * seq / step_s
-    return {"method": f"bigfit {strategy}", "params_b": round(n / 1e9, 3), "mbs": mbs, "seq": seq,
+    tok_s = accum * mbs * seq / step_s
+    return {"method": f"bigfit {name}", "params_b": round(n / 1e9, 3), "mbs": mbs, "seq": seq, "accum": accum,
             "step_s": round(step_s, 3), "tok_s": round(tok_s), "tflops": round(flops_per_token * tok_s / 1e12, 1),
             "peak_alloc_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if gpu else None,
             "host_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 1),
-            "loss": round(out["loss"], 3)}
+            "loss": round(out["loss"], 3),
+            "trace": [(w, b, round(t0 - trace_from, 4), round(t1 - trace_from, 4)) for w, b, t0, t1 in optimizer.trace]
+            if trace_from else None}
 
 
 def main() -> None:
@@ -78,19 +92,24 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--accum", type=int, default=1)
+    ap.add_argument("--strategies", default=",".join(STRATEGIES))
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     if a.mode == "one":
         try:
-            r = run_one(a.strategy, a.size, a.mbs, a.seq, a.steps, a.warmup)
+            r = run_one(a.strategy, a.size, a.mbs, a.seq, a.steps, a.warmup, a.accum)
         except Exception as e:  # OOM and friends: one line, keep going
             r = {"method": f"bigfit {a.strategy}", "error": f"{type(e).__name__}: {str(e)[:300]}"}
         print("RESULT " + json.dumps(r), flush=True)
         return
-    for s in STRATEGIES:
+    for s in a.strategies.split(","):
         cmd = [sys.executable, __file__, "one", s, "--size", a.size, "--mbs", str(a.mbs), "--seq", str(a.seq),
-               "--steps", str(a.steps), "--warmup", str(a.warmup)]
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+               "--steps", str(a.steps), "--warmup", str(a.warmup), "--accum", str(a.accum)]
+        try:
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        except subprocess.TimeoutExpired as e:
+            p = subprocess.CompletedProcess(cmd, 124, "", f"timed out after {e.timeout} s")
         lines = [l for l in (p.stdout + p.stderr).splitlines() if l.startswith("RESULT ")]
         r = json.loads(lines[-1][7:]) if lines else {"method": f"bigfit {s}", "error": (p.stdout + p.stderr)[-500:]}
         print(json.dumps(r), flush=True)
