@@ -301,3 +301,80 @@ def test_chunk_errors_propagate_and_leave_no_threads():
     assert threading.active_count() == threads
     with pytest.raises(BigfitError, match="chunks must be an integer from 1 to the batch size 6"):
         train_step(model, batch("gpt2"), chunks=7)
+
+
+# --- bigfit train --strategy device_map, bigfit plan ---------------------------------------------------
+
+COMMON = ["--max-steps", "3", "--batch-size", "4", "--eval-every", "0", "--eval-samples", "4", "--num-beams", "2",
+          "--max-new-tokens", "4", "--no-consolidate", "--seed", "3"]
+
+
+def test_train_command_device_map_with_chunks_matches_single(tmp_path):
+    import json
+
+    from bigfit.cli import main
+    from conftest import read_jsonl
+
+    spec = {"encoder": {"cpu": [0], "cpu:1": [1, 2]}, "decoder": {"cpu:2": [0, 1]}}  # the embedded 3 + 2 block T5
+    (tmp_path / "map.json").write_text(json.dumps(spec))
+    assert main(["train", "--strategy", "single", "--output-dir", str(tmp_path / "single"), *COMMON]) == 0
+    assert main(["train", "--strategy", "device_map", "--device-map", str(tmp_path / "map.json"), "--chunks", "2",
+                 "--output-dir", str(tmp_path / "dm"), *COMMON]) == 0
+    single, split = read_jsonl(tmp_path / "single/metrics.jsonl"), read_jsonl(tmp_path / "dm/metrics.jsonl")
+    assert [r["step"] for r in split] == [1, 2, 3]
+    for a, b in zip(single, split):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5) and b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+    ea, eb = read_jsonl(tmp_path / "single/eval.jsonl")[-1], read_jsonl(tmp_path / "dm/eval.jsonl")[-1]
+    assert eb["eval_loss"] == pytest.approx(ea["eval_loss"], rel=1e-5)
+    assert (tmp_path / "dm/checkpoints/step-00000003/COMPLETE").is_file()
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--strategy", "device_map", "--nproc", "2"], "strategy 'device_map' runs one process"),
+    (["--strategy", "zero3", "--chunks", "2"], "--device-map and --chunks belong to --strategy device_map"),
+    (["--strategy", "device_map", "--chunks", "5", "--batch-size", "4"], "--chunks 5 splits each micro-batch of 4"),
+    (["--strategy", "device_map", "--device-map", "{d}/bad.json"], "the map of stack 'decoder' misses block(s) 1"),
+    (["--strategy", "device_map", "--device-map", "{d}/none.json"], "none.json' is not a file"),
+])
+def test_train_command_bad_device_map_input(tmp_path, capsys, argv, message):
+    import json
+
+    from bigfit.cli import main
+
+    (tmp_path / "bad.json").write_text(json.dumps({"encoder": {"cpu": [0, 1, 2]}, "decoder": {"cpu:1": [0]}}))
+    out = tmp_path / "out"
+    assert main(["train", *[a.format(d=tmp_path) for a in argv], "--output-dir", str(out)]) == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()  # before any work
+
+
+def test_plan_shows_the_auto_device_map():
+    from bigfit.hardware import Hardware
+    from bigfit.planning.command import _device_map
+    from bigfit.planning.report import device_map_text
+
+    hw = Hardware(gpu_bytes=(8 * 10**9, 24 * 10**9), cpu_ram=64 * 10**9)
+    shown = _device_map(tiny_config("t5"), hw, Job(batch_size=4, seq_len=16, target_len=8))
+    assert shown["map"] == {"main_device": "cuda:0", "encoder": {"cuda:0": [0, 1]}, "decoder": {"cuda:0": [0, 1, 2]}}
+    assert "encoder 0-1 -> cuda:0; decoder 0-2 -> cuda:0" in device_map_text(shown)
+    tiny_gpus = Hardware(gpu_bytes=(2**30 + 500_000, 2**30 + 10**6), cpu_ram=10**9)  # 0.5 MB and 1 MB left
+    shown = _device_map(tiny_config("t5"), tiny_gpus, Job(batch_size=4, seq_len=16, target_len=8))
+    assert set(shown["devices"]) == {"cuda:0", "cuda:1", "cpu"}  # spread over both GPUs, the rest in host RAM
+    shown = _device_map(tiny_config("t5"), Hardware(gpu_bytes=(2**30,), cpu_ram=10**5), Job(batch_size=4, seq_len=16))
+    assert shown["map"] is None and "does not fit" in device_map_text(shown)
+
+
+def test_activation_checkpointing_inside_placed_blocks():
+    from bigfit.strategies.checkpointing import apply_activation_checkpointing, remove_activation_checkpointing
+
+    ref, model = models("t5")
+    parallelize(model, LAYOUTS["t5-split"][1](*PLACES[0]))  # split first, then checkpointing (the documented order)
+    assert apply_activation_checkpointing(model) == 5
+    b = {**batch("t5"), "use_cache": False}  # as bigfit trains: a cache filled in forward breaks the recompute
+    loss = train_step(model, b, chunks=2)
+    expected = ref(**b)
+    expected.loss.backward()
+    torch.testing.assert_close(loss, expected.loss.detach(), **TOL["cpu"])
+    torch.testing.assert_close(grads(model), grads(ref), **TOL["cpu"])
+    remove_activation_checkpointing(model)
+    deparallelize(model)

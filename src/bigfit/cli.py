@@ -11,7 +11,7 @@ import os
 import sys
 from pathlib import Path
 
-from .config import AUTO, PLANNED, PRECISIONS, STRATEGIES, TrainConfig, load_config_file, validate
+from .config import AUTO, PLANNED, PRECISIONS, SPLIT_STRATEGIES, STRATEGIES, TrainConfig, load_config_file, validate
 from .distributed import launched_by_torchrun_env
 from .errors import BigfitError
 
@@ -54,7 +54,7 @@ def _train_parser(sub) -> None:
             continue
         kw = dict(help=helps.get(f.name, ""), type=_flag_type(f))
         if f.name == "strategy":
-            kw["help"] += f" ({', '.join(STRATEGIES)})"
+            kw["help"] += f" ({', '.join(STRATEGIES + SPLIT_STRATEGIES)})"
         if f.name == "precision":
             kw["help"] += f" ({', '.join(PRECISIONS)})"
         p.add_argument("--" + f.name.replace("_", "-"), dest=f.name, **kw)
@@ -132,7 +132,7 @@ def _world(nproc: int | None, cfg: TrainConfig) -> int:
 
 
 def _default_nproc(cfg: TrainConfig) -> int:
-    if cfg.strategy == "single":
+    if cfg.strategy in ("single", *SPLIT_STRATEGIES):
         return 1
     import torch
 
@@ -184,7 +184,11 @@ def train_command(argv: list[str], ns: argparse.Namespace) -> int:
     _check_gpus(nproc)
     from .train.job import prepare
 
-    prepare(cfg, nproc)  # every check that needs no process, before any process starts
+    job = prepare(cfg, nproc)  # every check that needs no process, before any process starts
+    if cfg.strategy == "device_map":  # the map against the model's stacks, on the meta device
+        from .device_map.strategy import check
+
+        check(job.cfg, job.model_config)
     if nproc == 1:
         from .train.loop import train
 

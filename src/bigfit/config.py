@@ -14,6 +14,8 @@ from .errors import BigfitError, one_of
 
 # What each data-parallel strategy shards across ranks (DeepSpeed's ZeRO stages) and keeps in host RAM.
 STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3", "zero2-offload", "zero3-offload", "zero2-offload-nvme")
+# ...and the model split over devices by one process (naive model parallelism, optionally GPipe chunks)
+SPLIT_STRATEGIES = ("device_map",)
 PRECISIONS = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("adamw", "adam")
 SCHEDULES = ("linear", "cosine", "constant")
@@ -40,6 +42,8 @@ class TrainConfig:
     seed: int = 0  # weights, data order and dropout
     nproc: int | None = None  # local worker processes; None: one per GPU, or 2 on a CPU-only machine
     strategy: str = "zero3"  # one of STRATEGIES, or auto: the fastest that the planner predicts to fit
+    device_map: str | None = None  # device_map strategy: MAP.json (docs/device_map.md) or auto: balanced over GPUs, then RAM
+    chunks: int = 1  # --strategy device_map: GPipe micro-batches per forward, so the devices work at once
     precision: str | None = "fp32"  # fp32, bf16 or fp16 (fp32 master weights either way); auto: bf16 where supported
     reduce_dtype: str = "fp32"  # dtype gradients are reduced in under bf16/fp16
     loss_scale: float = 0.0  # fp16: a static loss scale; 0 for dynamic scaling
@@ -128,7 +132,7 @@ def check_keys(values: dict, where: str) -> None:
 
 def validate(cfg: TrainConfig) -> None:
     """Checks that need no model, data or processes. Raises BigfitError naming the bad value."""
-    for name, valid in (("strategy", (*STRATEGIES, "auto")), ("optimizer", OPTIMIZERS), ("lr_schedule", SCHEDULES),
+    for name, valid in (("strategy", (*STRATEGIES, *SPLIT_STRATEGIES, "auto")), ("optimizer", OPTIMIZERS), ("lr_schedule", SCHEDULES),
                         ("warmup_type", WARMUPS), ("reduce_dtype", REDUCE_DTYPES)):
         if getattr(cfg, name) not in valid:
             raise one_of(name.replace("_", "-"), getattr(cfg, name), valid)
@@ -153,8 +157,13 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.delayed_update and not cfg.strategy.startswith("zero2-offload"):
         raise BigfitError(f"--delayed-update needs --strategy zero2-offload (its host optimizer step is what is "
                           f"delayed), not {cfg.strategy}")
-    if cfg.strategy == "single" and (cfg.nproc or 1) > 1:
-        raise BigfitError(f"strategy 'single' runs one process, but --nproc is {cfg.nproc}; use ddp or zero3")
+    if cfg.strategy in ("single", *SPLIT_STRATEGIES) and (cfg.nproc or 1) > 1:
+        raise BigfitError(f"strategy {cfg.strategy!r} runs one process (which drives every device), but --nproc is "
+                          f"{cfg.nproc}; use --nproc 1, or ddp / zero3 for several processes")
+    if cfg.strategy != "device_map" and (cfg.device_map is not None or cfg.chunks != 1):
+        raise BigfitError(f"--device-map and --chunks belong to --strategy device_map, not {cfg.strategy}")
+    if isinstance(cfg.chunks, bool) or not isinstance(cfg.chunks, int) or cfg.chunks < 1:
+        raise BigfitError(f"--chunks must be a positive integer, got {cfg.chunks!r}")
 
 
 def resolve(cfg: TrainConfig, world_size: int) -> TrainConfig:
@@ -174,6 +183,9 @@ def resolve(cfg: TrainConfig, world_size: int) -> TrainConfig:
             f"--micro-batch-size {micro} does not divide the per-process batch {per_rank} "
             f"(--batch-size {cfg.batch_size} / {world_size} processes); valid: "
             + ", ".join(str(d) for d in range(1, per_rank + 1) if per_rank % d == 0))
+    if cfg.chunks > micro:
+        raise BigfitError(f"--chunks {cfg.chunks} splits each micro-batch of {micro} samples; use at most {micro} "
+                          "(or a larger --micro-batch-size)")
     out = dataclasses.replace(cfg, micro_batch_size=micro, precision=cfg.precision or auto_precision(),
                               extra=dict(cfg.extra))
     out.extra.update(world_size=world_size, per_rank_batch=per_rank, grad_accum=per_rank // micro)

@@ -102,6 +102,15 @@ def auto_map(model, found, budgets, job=None, main=None) -> dict:
     return assign(found, costs(model, found, job or default_job(model.config)), parsed, main)[0]
 
 
+def plan_budgets(hw) -> list[tuple[str, int]]:
+    """One node of a planned machine as budgets: each GPU less the planner's reserve, then 90% of
+    host RAM as the overflow. A GPU no larger than the reserve holds nothing."""
+    from ..planning.estimate import RESERVE
+
+    gpus = [(f"cuda:{i}", b - RESERVE) for i, b in enumerate(hw.gpu_bytes) if b > RESERVE]
+    return gpus + [("cpu", int(hw.cpu_ram * 0.9))]
+
+
 def plan_map(config, budgets: list[tuple[str, int]], job) -> dict:
     """What `bigfit plan` shows: the map auto would choose, and each device's predicted peak."""
     from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
@@ -115,7 +124,7 @@ def plan_map(config, budgets: list[tuple[str, int]], job) -> dict:
     spec, per_device = assign(found, costs(model, found, job), budgets)
     from .maps import resolve_map
 
-    dmap = resolve_map(spec, tuple(s for s, _ in found))
+    dmap = resolve_map(spec, tuple(s for s, _ in found), check_devices=False)
     caps = dict(budgets)
     return {"map": spec, "describe": dmap.describe(),
             "devices": {d: {"predicted_bytes": b, "budget_bytes": caps[d]} for d, b in per_device.items()},

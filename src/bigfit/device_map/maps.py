@@ -164,9 +164,11 @@ def _split(spec: dict, stacks: tuple[Stack, ...]) -> tuple[dict, dict, object]:
     return per_stack, modules, spec.get("main_device")
 
 
-def resolve_map(spec: dict, stacks: tuple[Stack, ...], main_device=None, module_names=None) -> DeviceMap:
+def resolve_map(spec: dict, stacks: tuple[Stack, ...], main_device=None, module_names=None,
+                check_devices: bool = True) -> DeviceMap:
     """The checked DeviceMap of a user map; raises BigfitError naming the first bad entry.
-    `module_names`: the model's module paths (for overrides); None skips that check."""
+    `module_names`: the model's module paths (for overrides); None skips that check. Planning for
+    another machine passes check_devices=False (its GPUs need not exist here)."""
     if not isinstance(spec, dict):
         raise BigfitError(f"a device map is a dict like {{'cuda:0': [0, 1], 'cpu': [2, 3]}}, got {type(spec).__name__}")
     per_stack, modules, spec_main = _split(spec, stacks)
@@ -189,6 +191,6 @@ def resolve_map(spec: dict, stacks: tuple[Stack, ...], main_device=None, module_
     main = main_device if main_device is not None else spec_main
     main = canonical_device(main) if main is not None else blocks[stacks[0].name][0]
     out = DeviceMap(stacks=stacks, blocks=blocks, main_device=main, modules=overrides)
-    for d in out.devices():
+    for d in out.devices() if check_devices else ():
         check_device(d)
     return out

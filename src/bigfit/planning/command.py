@@ -34,6 +34,7 @@ def plan_command(ns) -> int:
     job = Job(batch_size=ns.batch_size, seq_len=ns.seq_len, target_len=ns.target_len if config.is_encoder_decoder
               else 0, micro_batch=ns.micro_batch_size, precision=ns.precision, checkpointing=ns.activation_checkpointing)
     p = plan_for_config(config, hw, job)
+    p.device_map = _device_map(config, hw, job)
     if ns.json:
         print(json.dumps(p.to_json(), indent=1))
     else:
@@ -47,6 +48,9 @@ def plan_command(ns) -> int:
         console.print(f"[bold]recommended[/bold]: {p.recommended or 'none'}: {p.reason}")
         for note in p.notes:
             console.print(f"  {note}")
+        from .report import device_map_text
+
+        console.print(device_map_text(p.device_map))
     if ns.plot:
         from .report import plot_plan
 
@@ -54,6 +58,20 @@ def plan_command(ns) -> int:
         if not ns.json:
             print(f"wrote {ns.plot}")
     return 0
+
+
+def _device_map(config, hw: Hardware, job: Job) -> dict:
+    """The map `--strategy device_map --device-map auto` would use on one node: one process, so the
+    whole batch (or --micro-batch-size) at once; or why nothing fits."""
+    from dataclasses import replace
+
+    from ..device_map.auto import plan_budgets, plan_map
+
+    budgets = plan_budgets(hw)
+    try:
+        return plan_map(config, budgets, replace(job, micro_batch=job.micro_batch or job.batch_size))
+    except BigfitError as e:
+        return {"map": None, "why_not": str(e), "budgets": dict(budgets)}
 
 
 def _this_machine(world: int) -> Hardware:

@@ -25,6 +25,16 @@ def plan_table(p) -> Table:
     return t
 
 
+def device_map_text(dm: dict | None) -> str:
+    """The device map `auto` would choose, with each device's predicted peak against its budget."""
+    if not dm:
+        return ""
+    if dm.get("map") is None:
+        return f"[bold]device_map auto[/bold] (one process, every GPU and then host RAM): {dm['why_not']}"
+    return (f"[bold]device_map auto[/bold] (one process, every GPU and then host RAM): {dm['describe']}\n"
+            f"  predicted peak per device: {dm['text']}")
+
+
 def plot_plan(p, gpu_capacity: int, path: str) -> None:
     import matplotlib
 

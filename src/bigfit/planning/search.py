@@ -47,10 +47,12 @@ class Plan:
     hardware: str
     job: Job
     notes: list[str] = field(default_factory=list)
+    device_map: dict | None = None  # what device_map="auto" would choose on one node (device_map/auto.py)
 
     def to_json(self) -> dict:
         return {"strategies": [c.to_json() for c in self.candidates], "recommended": self.recommended,
-                "reason": self.reason, "hardware": self.hardware, "job": vars(self.job), "notes": self.notes}
+                "reason": self.reason, "hardware": self.hardware, "job": vars(self.job), "notes": self.notes,
+                "device_map": self.device_map}
 
 
 def _gb(n: float) -> str:

@@ -3,7 +3,8 @@
 `apply_strategy` is the one place where they are applied, always in this order (torchtitan's):
     split (device map / pipeline stages) -> tensor parallel -> activation checkpointing
     -> compile -> sharding (DDP / ZeRO via FSDP2) -> offload
-Splitting, tensor parallelism and compile are later work; each slots into its place here.
+The split by a device map is bigfit.device_map (one process drives every device); pipeline stages,
+tensor parallelism and compile are later work; each slots into its place here.
 """
 from __future__ import annotations
 
@@ -30,6 +31,13 @@ def apply_strategy(model: torch.nn.Module, cfg, rt: Runtime) -> Applied:
     """Checkpoint, shard and place `model` as `cfg.strategy` / `cfg.precision` say. Rank 0 brings the
     real weights; other ranks may bring a meta-device model, which gets rank 0's weights here."""
     compute = compute_dtype(cfg.precision)
+    if cfg.strategy == "device_map":  # split first, then checkpointing of the placed blocks
+        from ..device_map.strategy import apply_device_map
+
+        applied = apply_device_map(model, cfg, rt)
+        if cfg.activation_checkpointing:
+            applied.notes.append(f"activation checkpointing on {apply_activation_checkpointing(model)} blocks")
+        return applied
     notes = []
     if cfg.activation_checkpointing:
         notes.append(f"activation checkpointing on {apply_activation_checkpointing(model)} blocks")

@@ -37,6 +37,17 @@ def loss_sum(applied: Applied, batch: dict, seq2seq: bool) -> torch.Tensor:
     return loss
 
 
+def _chunked_loss_sum(applied: Applied, batch: dict, seq2seq: bool) -> torch.Tensor:
+    """`loss_sum`; under device_map with --chunks, the sum over GPipe micro-batches run by
+    device_map.pipeline (a summed token loss needs no reweighting across chunks)."""
+    chunks = getattr(applied, "chunks", 1)
+    if chunks == 1:
+        return loss_sum(applied, batch, seq2seq)
+    from ..device_map import run_chunks, split_batch
+
+    return sum(run_chunks(lambda part: loss_sum(applied, part, seq2seq), split_batch(batch, chunks), applied.main))
+
+
 def target_tokens(labels: torch.Tensor, seq2seq: bool) -> int:
     """Tokens that carry loss: a decoder-only model predicts position t+1 from t, so its first label
     is never a target."""
@@ -74,7 +85,7 @@ def train_step(applied: Applied, optimizer, micro_batches: list[list[dict]], *, 
     local_loss = torch.zeros((), dtype=torch.float64, device=rt.device)
     for i, batch in enumerate(batches):
         with applied.accumulation_context(sync=i == len(batches) - 1):
-            loss = loss_sum(applied, batch, seq2seq)
+            loss = _chunked_loss_sum(applied, batch, seq2seq)
             (loss * factor).backward()
         local_loss += loss.detach()  # summed on the device: one sync per step, not per micro-batch
     grad_norm = _update(applied, optimizer, lr, max_grad_norm, loss_scale)

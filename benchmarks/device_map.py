@@ -1,0 +1,170 @@
+"""Device-map model parallelism on one GPU plus the host: a T5 split over cuda:0 and cpu, against the
+same model unsplit on cuda:0, for a training step and for beam-search generation.
+
+Layouts: unsplit (all on cuda:0); flat (encoder on cuda:0, decoder on cpu); split (each stack's first
+half on cuda:0, second half on cpu); flat and split again with --chunks micro-batches (GPipe in one
+process: the GPU works on one micro-batch while the CPU works on another). Random init from config,
+random tokens, fp32 master weights with autocast in --precision on both devices, fused AdamW.
+
+  python benchmarks/device_map.py --out device_map.jsonl             # t5-large's shape, on the GPU machine
+  python benchmarks/device_map.py --other cuda:1 --out device_map.jsonl   # two GPUs instead of GPU + host
+  python benchmarks/device_map.py --tiny --out /tmp/dm.jsonl          # a smoke test on a CPU
+Each row: step time, generate time, cross-device copies per step and per generate, peak GPU memory,
+and the loss against the unsplit model's (the same weights and batch).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import platform
+import time
+import warnings
+
+import torch
+
+SHAPES = {"tiny": dict(d_model=32, d_ff=64, d_kv=8, num_heads=4, num_layers=2, num_decoder_layers=3, vocab_size=384),
+          "base": dict(d_model=768, d_ff=3072, d_kv=64, num_heads=12, num_layers=12, num_decoder_layers=12,
+                       vocab_size=32128),
+          "large": dict(d_model=1024, d_ff=4096, d_kv=64, num_heads=16, num_layers=24, num_decoder_layers=24,
+                        vocab_size=32128)}
+
+
+def layouts(cfg, gpu: str, other: str, chunks: int) -> list[tuple[str, dict | None, int]]:
+    enc, dec = cfg.num_layers, cfg.num_decoder_layers
+    flat = {"encoder": {gpu: list(range(enc))}, "decoder": {other: list(range(dec))}, "main_device": gpu}
+    split = {"encoder": {gpu: list(range(enc // 2)), other: list(range(enc // 2, enc))},
+             "decoder": {gpu: list(range(dec // 2)), other: list(range(dec // 2, dec))}, "main_device": gpu}
+    return [("unsplit", None, 1), ("flat", flat, 1), ("split", split, 1), (f"flat chunks={chunks}", flat, chunks),
+            (f"split chunks={chunks}", split, chunks)]
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _autocast(dtype):
+    from contextlib import ExitStack
+
+    stack = ExitStack()
+    if dtype is not None:
+        for dev in ("cuda", "cpu") if torch.cuda.is_available() else ("cpu",):
+            stack.enter_context(torch.autocast(dev, dtype=dtype))
+    return stack
+
+
+def run(name: str, base, spec, chunks: int, batch: dict, gen_batch: dict, args, dtype, gpu: str) -> dict:
+    from bigfit.device_map import count_copies, parallelize, train_step
+
+    model = copy.deepcopy(base)
+    if spec is None:  # the reference: plain model on one device; train_step needs the hooks, so a
+        model.to(gpu)  # one-device map (no copies) gives it the same code path
+        spec = {"encoder": {gpu: list(range(base.config.num_layers))},
+                "decoder": {gpu: list(range(base.config.num_decoder_layers))}}
+    parallelize(model, spec)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    on_main = {k: v.to(torch.device(gpu)) for k, v in batch.items()}
+    times, losses = [], []
+    for i in range(args.warmup + args.steps):
+        _sync()
+        t0 = time.perf_counter()
+        with count_copies() as copies, _autocast(dtype):
+            loss = train_step(model, on_main, chunks=chunks)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        _sync()
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t0)
+        losses.append(float(loss))
+    gen_time, gen_copies, tokens = _generate(model, {k: v.to(torch.device(gpu)) for k, v in gen_batch.items()}, args, dtype)
+    peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
+    return {"layout": name, "chunks": chunks, "step_s": sum(times) / len(times), "first_loss": losses[0],
+            "copies_per_step": copies.forward + copies.backward, "copied_mb_per_step": copies.bytes / 1e6,
+            "generate_s": gen_time, "copies_per_generate": gen_copies, "tokens": tokens, "peak_gpu_gb": peak / 1e9}
+
+
+@torch.no_grad()
+def _generate(model, b: dict, args, dtype) -> tuple[float, int, list]:
+    from transformers.cache_utils import DynamicCache, EncoderDecoderCache
+
+    from bigfit.device_map import count_copies
+
+    model.eval()
+    times = []
+    for i in range(2):  # the first call warms up
+        cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
+        _sync()
+        t0 = time.perf_counter()
+        with count_copies() as copies, _autocast(dtype), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = model.generate(**b, num_beams=args.beams, max_new_tokens=args.new_tokens,
+                                 min_new_tokens=args.new_tokens, do_sample=False, past_key_values=cache)
+        _sync()
+        times.append(time.perf_counter() - t0)
+    model.train()
+    return times[-1], copies.forward, out[0].tolist()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size", choices=SHAPES, default="large")
+    p.add_argument("--tiny", action="store_true", help="--size tiny with short lengths: a CPU smoke test")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--src-len", type=int, default=256)
+    p.add_argument("--tgt-len", type=int, default=64)
+    p.add_argument("--chunks", type=int, default=4)
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="bf16")
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--beams", type=int, default=4)
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--gen-batch", type=int, default=4)
+    p.add_argument("--other", default="cpu", help="the second device (cpu; or cuda:1 on a two-GPU machine)")
+    p.add_argument("--out", help="append one JSON line per layout here")
+    args = p.parse_args()
+    if args.tiny:
+        args.size, args.src_len, args.tgt_len, args.new_tokens = "tiny", 16, 8, 8
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    cfg = T5Config(**SHAPES[args.size], dropout_rate=0.0, tie_word_embeddings=True, decoder_start_token_id=0,
+                   pad_token_id=0, eos_token_id=1, use_cache=False)
+    torch.manual_seed(0)
+    base = T5ForConditionalGeneration(cfg)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(2, cfg.vocab_size, (args.batch, args.src_len), generator=g)
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+             "labels": torch.randint(2, cfg.vocab_size, (args.batch, args.tgt_len), generator=g)}
+    gen = {"input_ids": ids[:args.gen_batch], "attention_mask": torch.ones_like(ids[:args.gen_batch])}
+    gpu = "cuda:0" if torch.cuda.is_available() else "cpu:1"  # on a CPU: a virtual device stands in for the GPU
+    dtype = {"fp32": None, "bf16": torch.bfloat16}[args.precision]
+    meta = {"machine": platform.node(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None, "size": args.size,
+            "params_m": sum(q.numel() for q in base.parameters()) / 1e6, "batch": args.batch, "src_len": args.src_len,
+            "tgt_len": args.tgt_len, "precision": args.precision, "devices": f"{gpu}+{args.other}", "beams": args.beams,
+            "new_tokens": args.new_tokens}
+    import transformers
+
+    meta["transformers"] = transformers.__version__
+    rows = []
+    print(f"T5 {args.size} ({meta['params_m']:.0f}M parameters) on {gpu} + {args.other}, batch {args.batch} x "
+          f"{args.src_len}/{args.tgt_len}, {args.precision}; generate {args.gen_batch} x beams {args.beams} x {args.new_tokens} tokens")
+    print(f"{'layout':<18}{'step s':>9}{'x unsplit':>10}{'copies':>8}{'MB':>9}{'gen s':>8}{'x unsplit':>10}"
+          f"{'gen copies':>11}{'GPU GB':>8}{'loss delta':>12}  same tokens")
+    for name, spec, chunks in layouts(cfg, gpu, args.other, args.chunks):
+        r = {**meta, **run(name, base, spec, chunks, batch, gen, args, dtype, gpu)}
+        rows.append(r)
+        ref = rows[0]
+        print(f"{name:<18}{r['step_s']:>9.3f}{r['step_s'] / ref['step_s']:>10.2f}{r['copies_per_step']:>8}"
+              f"{r['copied_mb_per_step']:>9.1f}{r['generate_s']:>8.2f}{r['generate_s'] / ref['generate_s']:>10.2f}"
+              f"{r['copies_per_generate']:>11}{r['peak_gpu_gb']:>8.2f}{r['first_loss'] - ref['first_loss']:>12.2e}"
+              f"  {r['tokens'] == ref['tokens']}", flush=True)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(json.dumps(r) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""`bigfit train --strategy device_map [--device-map MAP.json | auto] [--chunks N]`: one process drives
+every device of the map. The map file holds a device map (maps.py), or {"auto": {device: budget}};
+`auto` alone balances over this machine: each GPU's memory less the planner's reserve, then 90% of
+host RAM as the overflow. `check` runs before any process or weight (on a meta-device model), and
+`apply_device_map` is the split step of `strategies.apply_strategy`."""
+from __future__ import annotations
+
+import contextlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..errors import BigfitError
+from ..strategies.base import Applied
+from .maps import canonical_device, resolve_map
+
+
+@dataclass
+class DeviceMapApplied(Applied):
+    main: str = "cpu"  # where inputs, embeddings, the head and the loss live
+    chunks: int = 1  # GPipe micro-batches per forward (train/step.py runs them through pipeline.run_chunks)
+    device_types: tuple[str, ...] = ("cpu",)
+
+    def forward_context(self):
+        """Autocast on every kind of device the map uses, so each block computes in the same dtype."""
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        for dev_type in self.device_types:
+            stack.enter_context(torch.autocast(dev_type, dtype=self.autocast))
+        return stack
+
+
+def read_spec(cfg) -> tuple[str, object]:
+    """("map", user map) or ("auto", budgets or None for this machine) from --device-map."""
+    if cfg.device_map in (None, "auto"):
+        return "auto", None
+    p = Path(cfg.device_map)
+    if not p.is_file():
+        raise BigfitError(f"--device-map {cfg.device_map!r} is not a file; give MAP.json or 'auto'")
+    try:
+        spec = json.loads(p.read_text())
+    except ValueError as e:
+        raise BigfitError(f"--device-map {cfg.device_map!r} is not valid JSON: {e}") from None
+    if isinstance(spec, dict) and set(spec) == {"auto"}:
+        return "auto", spec["auto"]
+    return "map", spec
+
+
+def machine_budgets() -> dict[str, int]:
+    """This machine as budgets, as `bigfit plan` counts one node (auto.plan_budgets)."""
+    from ..hardware import Hardware, host_ram
+    from .auto import plan_budgets
+
+    gpus = tuple(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count()))
+    if not gpus:
+        return {"cpu": int(host_ram() * 0.9)}
+    return dict(plan_budgets(Hardware(gpu_bytes=gpus, cpu_ram=host_ram())))
+
+
+def _job(cfg):
+    from ..planning.search import Job
+
+    return Job(batch_size=cfg.batch_size, seq_len=cfg.max_source_len, target_len=cfg.max_target_len,
+               micro_batch=cfg.micro_batch_size, precision=cfg.precision or "fp32",
+               checkpointing=cfg.activation_checkpointing)
+
+
+def _resolve(model, cfg, main) -> object:
+    """The checked DeviceMap for `model` (real or meta) under cfg; nothing moves."""
+    from .auto import assign, costs, parse_budgets
+    from .hooks import find_stacks
+
+    found = find_stacks(model)
+    kind, spec = read_spec(cfg)
+    if kind == "auto":
+        budgets = parse_budgets(spec or machine_budgets())
+        spec, _ = assign(found, costs(model, found, _job(cfg)), budgets, main)
+    names = {p for p, _ in model.named_modules(remove_duplicate=False)}
+    dmap = resolve_map(spec, tuple(s for s, _ in found), None, names)
+    if dmap.main_device != main and (not isinstance(spec, dict) or "main_device" not in spec):
+        dmap = resolve_map(spec, tuple(s for s, _ in found), main, names)  # unnamed: this process's device
+    if dmap.main_device != main:
+        raise BigfitError(f"--device-map: main_device {dmap.main_device} must be this process's device {main}, "
+                          "where bigfit train puts the batches and computes the loss")
+    return dmap
+
+
+def check(cfg, job_model_config) -> str:
+    """Every check of the map before any weight exists: returns its description."""
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+    auto = AutoModelForSeq2SeqLM if getattr(job_model_config, "is_encoder_decoder", False) else AutoModelForCausalLM
+    with torch.device("meta"):
+        model = auto.from_config(job_model_config)
+    return _resolve(model, cfg, _this_device()).describe()
+
+
+def _this_device() -> str:
+    return canonical_device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
+
+
+def apply_device_map(model: torch.nn.Module, cfg, rt) -> DeviceMapApplied:
+    from ..precision import compute_dtype
+    from .hooks import parallelize
+
+    main = canonical_device(rt.device)
+    dmap = _resolve(model, cfg, main)
+    parallelize(model, dmap.to_json())
+    types = tuple(sorted({torch.device(d.split(":")[0] if d.startswith("cpu") else d).type for d in dmap.devices()}))
+    note = f"device map: {dmap.describe()}" + (f"; {cfg.chunks} chunks (GPipe)" if cfg.chunks > 1 else "")
+    return DeviceMapApplied(model=model, module=model, strategy="device_map", autocast=compute_dtype(cfg.precision),
+                            notes=[note], main=main, chunks=cfg.chunks, device_types=types)
