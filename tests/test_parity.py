@@ -32,12 +32,14 @@ MECHANISM_TOL = {"bf16": (1e-2, 4e-2), "fp16": (2e-3, 4e-2)}
 
 
 def job(model_dir, data, out, strategy: str, precision: str):
-    """`strategy` may end in "+ac": the same with activation checkpointing on every block."""
+    """`strategy` may end in "+ac" (activation checkpointing on every block) or "+noclip" (no
+    gradient clipping: the offload engine then steps during backward)."""
     from bigfit.config import TrainConfig
 
-    strategy, _, ac = strategy.partition("+")
+    strategy, *flags = strategy.split("+")
     return TrainConfig(model=str(model_dir), data=str(data), output_dir=str(out), strategy=strategy,
-                       activation_checkpointing=ac == "ac", precision=precision, max_steps=4, batch_size=8, micro_batch_size=2, warmup_steps=0,
+                       activation_checkpointing="ac" in flags, max_grad_norm=0.0 if "noclip" in flags else 1.0,
+                       precision=precision, max_steps=4, batch_size=8, micro_batch_size=2, warmup_steps=0,
                        eval_every=0, save_every=0, eval_samples=8 if precision == "fp32" else 0, num_beams=2,
                        max_new_tokens=8, loss_scale=1024.0 if precision == "fp16" else 0.0)
 
@@ -56,7 +58,8 @@ def run_all(model_dirs, data, root, strategies, precisions, suffix=""):
 def runs(model_dirs, pairs_file, tmp_path_factory):
     root = tmp_path_factory.mktemp("parity")
     run_ranks(run_all, 2, model_dirs, pairs_file, root, STRATEGIES, PRECISIONS)  # one launch for all cases
-    run_ranks(run_all, 2, model_dirs, pairs_file, root, ("zero3+ac", "ddp+ac"), ("fp32",))
+    run_ranks(run_all, 2, model_dirs, pairs_file, root, ("zero3+ac", "ddp+ac", "zero2-offload+noclip"), ("fp32",))
+    run_all(model_dirs, pairs_file, root, ("single+noclip",), ("fp32",))
     run_all(model_dirs, pairs_file, root, ("single",), PRECISIONS)
     run_all(model_dirs, pairs_file, root, ("zero3", "zero2-offload"), ("bf16", "fp16"), suffix="-1proc")
     return root
@@ -100,6 +103,12 @@ def test_matches_single_process(runs, family, strategy, precision):
 def test_activation_checkpointing_changes_nothing_but_memory(runs, family, strategy):
     compare(runs / f"{family}-fp32-single", runs / f"{family}-fp32-{strategy}", "fp32",
             f"{family} fp32 {strategy} vs single", TOL["fp32"])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_offload_engine_stepping_during_backward_matches(runs, family):
+    compare(runs / f"{family}-fp32-single+noclip", runs / f"{family}-fp32-zero2-offload+noclip", "fp32",
+            f"{family} fp32 zero2-offload vs single, no clipping", TOL["fp32"])
 
 
 @pytest.mark.parametrize("other", ("zero3-1proc", "zero2-offload-1proc"))

@@ -125,11 +125,12 @@ def test_keep_checkpoints_rotates_the_oldest(model_dirs, pairs_file, tmp_path):
     assert names == ["step-00000004", "step-00000006"]
 
 
-@pytest.mark.parametrize("delayed", [False, True])
-def test_host_optimizer_is_adamw_and_the_delayed_one_lags_exactly_one_step(delayed):
-    """The offload engine's host step gives torch AdamW's iterates. Delayed (documented semantics): the
-    forward and backward of step t (1-based) use the parameters after update t-2 (the initial ones for
-    t = 1, 2); each gradient is applied to the latest master weights."""
+@pytest.mark.parametrize("mode", ["after-backward", "delayed", "eager"])
+def test_host_optimizer_is_adamw_and_the_delayed_one_lags_exactly_one_step(mode):
+    """The offload engine's host step gives torch AdamW's iterates, whether it starts after backward
+    or (eager: no clipping, no loss scale) during it. Delayed (documented semantics): the forward and
+    backward of step t (1-based) use the parameters after update t-2 (the initial ones for t = 1, 2);
+    each gradient is applied to the latest master weights."""
     import torch
 
     from bigfit.distributed import Runtime
@@ -141,8 +142,9 @@ def test_host_optimizer_is_adamw_and_the_delayed_one_lags_exactly_one_step(delay
     x, used, grads = torch.randn(8, 4), [], []
     for n, p in model.named_parameters():  # registered first: runs before the engine takes the gradient
         p.register_post_accumulate_grad_hook(lambda p, n=n: grads[-1].__setitem__(n, p.grad.clone()))
+    delayed = mode == "delayed"
     applied = apply_offload(model, "zero2-offload", Runtime(0, 1, 0, torch.device("cpu")), None, delayed=delayed,
-                            nvme_dir=None)
+                            nvme_dir=None, eager=mode == "eager")
     opt = applied.make_optimizer(torch.optim.AdamW, lr=0.1, fused=True)
     # the host step runs beside the next forward: what a step uses is seen inside it, after the engine's wait
     model.register_forward_pre_hook(lambda *_: used.append({n: p.detach().clone() for n, p in model.named_parameters()}))

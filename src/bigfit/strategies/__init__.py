@@ -47,7 +47,8 @@ def apply_strategy(model: torch.nn.Module, cfg, rt: Runtime) -> Applied:
         # zero3-offload's shards live in host RAM; FSDP2 copies them to the device for compute
         materialise_from_rank0(model, full, rt, "cpu" if cfg.strategy == "zero3-offload" else rt.device)
     elif cfg.strategy in OFFLOAD_STRATEGIES:
-        applied = apply_offload(model, cfg.strategy, rt, compute, delayed=cfg.delayed_update, nvme_dir=_nvme_dir(cfg))
+        applied = apply_offload(model, cfg.strategy, rt, compute, delayed=cfg.delayed_update, nvme_dir=_nvme_dir(cfg),
+                                eager=cfg.max_grad_norm <= 0 and cfg.precision != "fp16")
     elif cfg.strategy in ("ddp", "zero1") and rt.distributed:
         _to(model, rt.device)
         applied = apply_ddp(model, cfg.strategy, rt, compute, cfg.ddp_bucket_mb)  # DDP broadcasts rank 0's

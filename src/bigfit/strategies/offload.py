@@ -13,6 +13,8 @@ One step, per bucket (buckets.py: a block, or a run of non-block parameters):
    all-gathers them (side stream, CUDA events).
 3. the next forward: each block waits, on the device, for its own bucket's event only, so it
    starts while the host still updates the blocks behind it.
+Without clipping and loss scaling (`eager=True`) no global norm is needed first: the host thread
+starts at the first bucket of backward and steps each bucket as it lands, under the rest of backward.
 Collectives of the backward hooks and of the host thread use two process groups of their own, so
 each group sees the same order of operations on every rank.
 
@@ -47,8 +49,8 @@ class OffloadEngine:
     """Built when the strategy is applied (it places the model); the optimizer once `attach`ed."""
 
     def __init__(self, model: torch.nn.Module, rt, compute: torch.dtype | None, *, delayed: bool = False,
-                 nvme_dir=None, bucket_numel: int = 32 << 20):
-        self.rt, self.delayed = rt, delayed
+                 eager: bool = False, nvme_dir=None, bucket_numel: int = 32 << 20):
+        self.rt, self.delayed, self.eager = rt, delayed, eager and not delayed
         self.dtype = compute or torch.float32
         prefixes = [f"{name}.{i}" for name, blocks in block_lists(model) for i in range(len(blocks))]
         self.buckets = make_buckets(group_parameters(model, prefixes, bucket_numel), rt.world_size)
@@ -59,7 +61,8 @@ class OffloadEngine:
         self.io.place_buffers(model)
         self.grad_buffers = [self.io.host_zeros(b.numel) for b in self.buckets]
         for b in self.buckets:
-            b.state.update(ready=0, acc=None, sq=None, free=threading.Event(), issued=threading.Event())
+            b.state.update(ready=0, acc=None, sq=None, free=threading.Event(), issued=threading.Event(),
+                           reduced=threading.Event())
             b.state["free"].set()
             b.state["issued"].set()
         self._of = {id(s.param): b for b in self.buckets for s in b.slots}
@@ -67,7 +70,7 @@ class OffloadEngine:
                        for b in self.buckets for s in b.slots]
         self._hooks += [m.register_forward_pre_hook(functools.partial(self._await_hook, bs))
                         for m, bs in _waiting_modules(model, prefixes, self._of)]
-        self.sync, self._worker, self._error, self._unuploaded = True, None, None, False
+        self.sync, self._worker, self._error, self._unuploaded, self._eager_started = True, None, None, False, False
         self.trace: list | None = None  # set to [] to record (what, bucket, start, end) host times: benchmarks
         self.param_groups, self.inners = [{}], []
 
@@ -137,6 +140,10 @@ class OffloadEngine:
         st["free"].wait()  # the host step of the previous update has read this bucket's host gradients
         st["free"].clear()
         self.io.reduce_to_host(flat, self.grad_buffers[b.index], st)
+        st["reduced"].set()
+        if self.eager and not self._eager_started:  # no global norm to wait for: step buckets as they land
+            self._eager_started = True
+            self._start_host_step(1.0, list(reversed(self.buckets)), upload=True)
 
     def _drain(self) -> None:
         """Buckets with parameters that got no gradient this step: their missing gradients are zeros."""
@@ -148,32 +155,40 @@ class OffloadEngine:
     def clip_and_step(self, max_norm: float, loss_scale: float = 1.0) -> float:
         """After the step's last backward: the global gradient norm (unscaled) and the host step
         started. An infinite norm (an fp16 overflow) skips the step."""
-        with self._span("wait-host-step"):
-            self._join()
+        if self.eager and (max_norm > 0 or loss_scale != 1.0):
+            raise RuntimeError("this offload engine steps during backward: it cannot clip or unscale")
+        if not self.eager:
+            with self._span("wait-host-step"):
+                self._join()
         self._drain()
         with self._span("norm"):
             sq = self.io.total([b.state["sq"] for b in self.buckets])
         for b in self.buckets:
             b.state["sq"] = None
         norm = math.sqrt(sq) / loss_scale
+        if self.eager:
+            self._eager_started = False  # the next backward starts the next host step
+            return norm
         if not math.isfinite(norm):
             for b in self.buckets:
                 b.state["free"].set()
+                b.state["reduced"].clear()
             return norm
         clip = min(1.0, max_norm / (norm + 1e-6)) if max_norm > 0 else 1.0
-        grad_scale = torch.tensor(loss_scale / clip)  # fused AdamW divides every gradient by it
-        for inner in self.inners:
-            inner.grad_scale = grad_scale
-            inner.param_groups[0].update(self.param_groups[0])
         if self.delayed:
             self._upload_pending()
-            self._spawn(list(reversed(self.buckets)), upload=False)  # the order the gradients landed in
+            self._start_host_step(loss_scale / clip, list(reversed(self.buckets)), upload=False)  # landing order
             self._unuploaded = True
         else:
-            self._spawn(self.buckets, upload=True)
+            self._start_host_step(loss_scale / clip, self.buckets, upload=True)
         return norm
 
-    def _spawn(self, order: list[Bucket], upload: bool) -> None:
+    def _start_host_step(self, grad_scale: float, order: list[Bucket], upload: bool) -> None:
+        self._join()
+        scale = torch.tensor(grad_scale)  # fused AdamW divides every gradient by it: unscale and clip
+        for inner in self.inners:
+            inner.grad_scale = scale
+            inner.param_groups[0].update(self.param_groups[0])
         if upload:
             for b in order:
                 b.state["issued"].clear()
@@ -186,6 +201,8 @@ class OffloadEngine:
             self.io.enter_thread()
             for i, b in enumerate(order):
                 with self._span("wait-gradients", b):
+                    b.state["reduced"].wait()
+                    b.state["reduced"].clear()
                     self.io.wait_landed(b.state)
                 if self.store and i + 1 < len(order):
                     self.store.prefetch(order[i + 1].index)  # the disk reads ahead while this bucket updates
@@ -222,7 +239,7 @@ class OffloadEngine:
         self._join()
         if self._unuploaded:
             self.io.after_current_work()
-            for b in self.buckets:
+            for b in reversed(self.buckets):  # the order the next host step reads the masters in
                 self._upload(b)
             self._unuploaded = False
 
@@ -350,7 +367,8 @@ class OffloadApplied(Applied):
 
 
 def apply_offload(model: torch.nn.Module, strategy: str, rt, compute: torch.dtype | None, *, delayed: bool,
-                  nvme_dir) -> OffloadApplied:
-    engine = OffloadEngine(model, rt, compute, delayed=delayed, nvme_dir=nvme_dir)
+                  nvme_dir, eager: bool = False) -> OffloadApplied:
+    """`eager`: the job neither clips nor scales its loss (so the engine may step during backward)."""
+    engine = OffloadEngine(model, rt, compute, delayed=delayed, eager=eager, nvme_dir=nvme_dir)
     notes = [f"offload engine: {len(engine.buckets)} buckets" + (", delayed update" if delayed else "")]
     return OffloadApplied(model=model, module=model, strategy=strategy, notes=notes, engine=engine)

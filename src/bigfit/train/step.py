@@ -83,12 +83,14 @@ def train_step(applied: Applied, optimizer, micro_batches: list[list[dict]], *, 
     loss_scale = scaler.scale if scaler else 1.0
     factor = loss_scale * rt.world_size / max(total_tokens, 1.0)
     local_loss = torch.zeros((), dtype=torch.float64, device=rt.device)
+    for group in optimizer.param_groups:  # before backward: the offload engine may step during it
+        group["lr"] = lr
     for i, batch in enumerate(batches):
         with applied.accumulation_context(sync=i == len(batches) - 1):
             loss = _chunked_loss_sum(applied, batch, seq2seq)
             (loss * factor).backward()
         local_loss += loss.detach()  # summed on the device: one sync per step, not per micro-batch
-    grad_norm = _update(applied, optimizer, lr, max_grad_norm, loss_scale)
+    grad_norm = _update(applied, optimizer, max_grad_norm, loss_scale)
     overflow = not math.isfinite(grad_norm)  # the norm is global: every rank skips the same steps
     total_loss, = all_reduce_sum([local_loss.item()], rt)
     out = {"loss": total_loss / max(total_tokens, 1.0), "tokens": int(total_tokens), "grad_norm": grad_norm, "lr": lr}
@@ -98,10 +100,8 @@ def train_step(applied: Applied, optimizer, micro_batches: list[list[dict]], *, 
     return out
 
 
-def _update(applied: Applied, optimizer, lr: float, max_norm: float, loss_scale: float) -> float:
+def _update(applied: Applied, optimizer, max_norm: float, loss_scale: float) -> float:
     """Unscale, clip and step, unless the gradients overflowed; returns the global gradient norm."""
-    for group in optimizer.param_groups:
-        group["lr"] = lr
     if hasattr(optimizer, "clip_and_step"):  # the offload engine unscales and clips inside its host step
         return optimizer.clip_and_step(max_norm, loss_scale)
     params = [p for p in applied.model.parameters() if p.grad is not None]
