@@ -12,11 +12,13 @@ from bigfit.hardware import Hardware, parse_gpus, parse_size
 from dist import run_ranks
 
 GB = 10**9
-# Predicted peak against the measured peak-RSS growth. The target is +-10%; measured (torch 2.13, CPU):
-# single -5%..+2%, ddp -2%..+8%, zero3 -1%..+18% (over-predicted at the small batch: FSDP2's gathered
-# and reduce buffers are modelled at their largest). The bound is what was met, not the target, until
-# the GPU comparison (max_memory_allocated) refines the FSDP2 terms.
-RSS_TOLERANCE = 0.20
+# Predicted peak (estimate.memory: the largest of three moments of a step, each with what is alive
+# then) against the measured growth of peak RSS, per rank. Measured (torch 2.13, this CPU, fp32):
+# single -4%..+6%, ddp -6%..+4%, zero3 0%..+6%. Known residuals: the fake-tensor trace takes
+# transformers' padded-batch attention path (explicit mask, repeated key/value heads: Llama +5% at
+# 8x512), which these equal-length batches skip; a process's first case pays ~25 MB of one-time
+# allocations (single and ddp at the small Llama batch read low).
+RSS_TOLERANCE = 0.10
 
 
 def test_sizes_and_gpu_lists():
@@ -110,8 +112,11 @@ def measure_peaks(strategies, cases) -> list[dict]:
                                     num_key_value_heads=3, vocab_size=8000, tie_word_embeddings=False),
                "gpt2": GPT2Config(n_embd=384, n_layer=4, n_head=6, vocab_size=8000, n_positions=1024)}
     rt = init_runtime()
-    return [{**measure(configs[family], strategy, batch, seq, "fp32", rt), "family": family}
-            for strategy in strategies for family, batch, seq in cases]
+    # DDP rebuilds its gradient buckets at the start of the second step; their new pages are not
+    # resident (RSS) until that step's backward writes them, while a GPU's allocator counts them at
+    # once. The third step's peak has them.
+    return [{**measure(configs[family], strategy, batch, seq, "fp32", rt, steps=3 if strategy == "ddp" else 2),
+             "family": family} for strategy in strategies for family, batch, seq in cases]
 
 
 CASES = [("llama", 4, 256), ("llama", 8, 512), ("gpt2", 4, 256), ("gpt2", 8, 512)]
@@ -121,14 +126,14 @@ CASES = [("llama", 4, 256), ("llama", 8, 512), ("gpt2", 4, 256), ("gpt2", 8, 512
 def peaks(monkeypatch_module):
     # a fixed mmap threshold: glibc then returns every large freed block at once, so RSS follows live tensors
     monkeypatch_module.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
-    rows = run_ranks(measure_peaks, 2, ("ddp", "zero3"), CASES)
+    rows = run_ranks(measure_peaks, 2, ("ddp", "zero3"), CASES, timeout_s=480)  # 2 min alone; slower beside other jobs
     import subprocess
     import sys
 
     code = ("import json, sys; sys.path.insert(0, 'tests'); from test_planning import measure_peaks, CASES; "
             "print(json.dumps(measure_peaks(('single',), CASES)))")
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
-    single = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300,
+    single = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=480,
                             cwd=os.path.dirname(os.path.dirname(__file__)))
     assert single.returncode == 0, single.stderr
     return [r for rank in rows for r in rank] + json.loads(single.stdout.splitlines()[-1])

@@ -33,35 +33,69 @@ def _bytes(**kw) -> dict[str, int]:
     return out
 
 
-def memory(strategy: str, prof, hw, c: int, checkpointing: bool) -> tuple[dict, dict]:
-    """(per-GPU bytes, per-host bytes) for one rank's GPU and one node's host RAM. The host always
-    holds rank 0's full fp32 model while it is sharded (a transient, counted under buffers)."""
-    n, w, u, r = prof.params, hw.world_size, prof.largest_unit_params, prof.root_params
+def memory(strategy: str, prof, hw, c: int, checkpointing: bool, accum: int = 1,
+           backend: str = "nccl") -> tuple[dict, dict]:
+    """(per-GPU bytes, per-host bytes) for one rank's GPU and one node's host RAM.
+
+    The GPU figure is the step's peak: the largest of three moments, each counted with what is alive
+    then (read off allocator traces of real steps on the CPU and on an H200: docs/planning.md).
+    - loss: from the end of forward into the loss's backward. Every activation, and three fp32
+      logits-sized tensors: the logits and their fp32 copy beside the saved log-softmax, then the
+      gradients of the log-softmax's output and input beside it.
+    - head: the backward of the output head, which comes first. Activations (less the loss's), the
+      logits' gradient and the head's weight gradient; ZeRO-3 gathers the root group again here and
+      prefetches the last block.
+    - update: the end of backward and the optimizer step. Every gradient, no activations; under
+      FSDP2 the root group's reduce-scatter, the last and, with large embeddings, the largest.
+    Gradients live from backward to the optimizer's zero_grad(set_to_none): with one micro-batch per
+    step (`accum` 1) there are none at the loss; with accumulation the earlier micro-batches' are held.
+    `backend` "gloo" adds the copies gloo's reduce-scatter makes (CPU runs, the tests). The host
+    always holds rank 0's full fp32 model while it is sharded (a transient, counted under buffers)."""
+    n, w, u, r, v = prof.params, hw.world_size, prof.largest_unit_params, prof.root_params, prof.head_params
+    act, loss_act = prof.activations(checkpointing), prof.activations(checkpointing) - prof.loss_saved
+    lc, l32 = prof.logits_bytes, (prof.logits_numel or prof.logits_bytes // c) * 4
+    held = 1 if accum > 1 else 0
     init = 4 * n
-    act = prof.activations(checkpointing)
-    # the loss's gradient w.r.t. the fp32 logits, plus its cast back to the compute dtype (none in fp32,
-    # where .float() is the same tensor)
-    logits_grad = prof.logits_bytes // c * (4 + c) if c < 4 else prof.logits_bytes
-    mixed = c < 4
-    if strategy in ("single", "ddp", "zero1"):  # autocast: fp32 weights, bf16 copies saved for backward
+    if strategy in ("single", "ddp", "zero1"):  # autocast: fp32 weights, compute-dtype copies saved for backward
         optim = 8 * n / w if strategy == "zero1" and w > 1 else 8 * n
-        gpu = _bytes(params=4 * n, grads=4 * n, optimizer=optim, activations=act,
-                     buffers=logits_grad + (c * n if mixed else 0))
-        return gpu, _bytes(buffers=init)
+        fixed = 4 * n if strategy != "single" and w > 1 else 0  # DDP's gradient buckets, allocated throughout
+        copies = c * (prof.matmul_params or n) if c < 4 else 0
+        head_grad = (4 + c) * v if c < 4 else 4 * v  # in the compute dtype, then accumulated in fp32
+        return _peak(dict(params=4 * n, grads=4 * n * held, optimizer=optim),
+                     loss=dict(activations=act, buffers=fixed + copies + 2 * l32),
+                     head=dict(activations=loss_act, buffers=fixed + copies + lc + head_grad),
+                     update=dict(grads=4 * n, buffers=fixed)), _bytes(buffers=init)
     shard = 4 * n / w  # fp32 master shard, FSDP2 pads each parameter to a multiple of W (ignored)
-    gathered = c * n if strategy.startswith("zero2") else c * (r + 2 * u)  # zero2 holds all; zero3 two units
-    buffers = gathered + 4 * u + logits_grad  # + the unsharded fp32 gradients of the unit being reduced
-    if strategy in ("zero2", "zero3"):
-        return _bytes(params=shard, grads=shard, optimizer=2 * shard, activations=act, buffers=buffers), _bytes(buffers=init)
     g = hw.gpus_per_node
-    on_disk = strategy.endswith("nvme")  # master weights and moments in files (nvme_bytes)
-    host = _bytes(params=shard * g if strategy == "zero3-offload" else 0,
-                  grads=shard * g,  # host gradient copies
-                  optimizer=0 if on_disk else (2 * shard + (shard if strategy == "zero2-offload" else 0)) * g,
-                  buffers=init)
-    if strategy.startswith("zero2-offload"):
-        return _bytes(params=shard, grads=shard, activations=act, buffers=buffers), host
-    return _bytes(activations=act, buffers=buffers), host  # zero3-offload
+    if strategy.startswith("zero2-offload"):  # the offload engine (strategies/offload.py)
+        bucket = (c + 4 + 4 / w) * max(u, v)  # a bucket's gradients, packed in fp32, reduce-scattered
+        gpu = _peak(dict(params=c * n, grads=4 * n * held),  # compute-dtype parameters; fp32 accumulators
+                    loss=dict(activations=act, buffers=2 * l32), head=dict(activations=loss_act, buffers=lc + bucket))
+        return gpu, _bytes(grads=shard * g, optimizer=0 if strategy.endswith("nvme") else 3 * shard * g, buffers=init)
+    # FSDP2: zero2 keeps every unit gathered from its forward to its backward. zero3 reshards each
+    # after its forward (the root too) and gathers it again for backward: an all-gather's output and
+    # the unsharded copy made from it (gloo: and its own copy of the output) exist together.
+    if strategy == "zero2":
+        forward, head = c * n, c * n + c * v
+    else:
+        forward, head = 0, max(2 * c * r, c * r + c * v + 2 * c * u)
+    # the root group's reduce-scatter, at the end of backward: its unsharded gradients copied into the
+    # fp32 input, then the output (this rank's gradient shard); the previous unit's input is kept till then
+    reduce = 4 * r + max(c * r, 4 * r / w)
+    if backend == "gloo":  # gloo copies the input, and its averaging the output
+        reduce = max(reduce, 8 * r + 8 * r / w)
+    if strategy == "zero3-offload":  # shards, gradients and optimizer states in host RAM
+        host = _bytes(params=shard * g, grads=shard * g, optimizer=2 * shard * g, buffers=init)
+        return _peak({}, loss=dict(activations=act, buffers=2 * l32), head=dict(activations=loss_act, buffers=lc + head),
+                     update=dict(buffers=4 * u + reduce)), host
+    return _peak(dict(params=shard, grads=shard * held, optimizer=2 * shard),
+                 loss=dict(activations=act, buffers=forward + 2 * l32), head=dict(activations=loss_act, buffers=lc + head),
+                 update=dict(grads=shard, buffers=4 * u + reduce - 4 * r / w)), _bytes(buffers=init)
+
+
+def _peak(common: dict, **moments: dict) -> dict[str, int]:
+    """The moment with the most bytes alive, each moment being `common` updated by its own parts."""
+    return max((_bytes(**{**common, **parts}) for parts in moments.values()), key=lambda m: m["total"])
 
 
 def step_time(strategy: str, prof, hw, c: int, checkpointing: bool, tokens_per_step: int, accum: int) -> dict:

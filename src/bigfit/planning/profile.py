@@ -6,6 +6,7 @@ the attention implementation that will run.
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 import torch
@@ -29,6 +30,10 @@ class ModelProfile:
     logits_bytes: int  # the head's output in the compute dtype
     tokens: int  # tokens per micro-batch (encoder + decoder for encoder-decoders)
     flops_per_token: float = 0.0  # 6 x non-embedding params + 12 x layers x hidden x seq (model FLOPs)
+    loss_saved: int = 0  # the part of other_saved the loss itself saves (its fp32 log-softmax)
+    logits_numel: int = 0  # elements of the head's output
+    head_params: int = 0  # the output head's weight (tied or not): its gradient comes first in backward
+    matmul_params: int = 0  # parameters of linear layers: what autocast copies to the compute dtype
     notes: list[str] = field(default_factory=list)
 
     def activations(self, checkpointing: bool) -> int:
@@ -47,6 +52,7 @@ def profile_model(config, micro_batch: int, seq_len: int, target_len: int, preci
 
     seq2seq = is_seq2seq(config)
     dtype = DTYPES[precision]
+    config = copy.deepcopy(config)  # from_config(dtype=...) writes the dtype into the config it is given
     with FakeTensorMode(allow_non_fake_inputs=True):
         auto = AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM
         model = auto.from_config(config, dtype=dtype)
@@ -64,7 +70,7 @@ def _trace(model, seq2seq: bool, b: int, t: int, tt: int) -> ModelProfile:
     inputs = [0] * len(blocks)
     current = [-1]
 
-    def pack(x):
+    def pack(x):  # current[0]: the block running, -1 outside blocks, -2 the loss
         key = _storage_key(x)
         if key not in params and key not in saved:
             saved[key] = (x.untyped_storage().nbytes(), current[0])
@@ -90,17 +96,19 @@ def _trace(model, seq2seq: bool, b: int, t: int, tt: int) -> ModelProfile:
                 logits = model(input_ids=ids, decoder_input_ids=labels, use_cache=False).logits
             else:
                 logits, labels = model(input_ids=ids, use_cache=False).logits, ids
+            current[0] = -2
             F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="sum")
     finally:
         for h in handles:
             h.remove()
     per_block = [0] * len(blocks)
-    other = 0
+    other = loss = 0
     for nbytes, i in saved.values():
         if i >= 0:
             per_block[i] += nbytes
         else:
             other += nbytes
+            loss += nbytes if i == -2 else 0
     n = sum(params.values())
     emb = model.get_input_embeddings().weight.numel()
     cfg = model.config
@@ -111,4 +119,14 @@ def _trace(model, seq2seq: bool, b: int, t: int, tt: int) -> ModelProfile:
     return ModelProfile(params=n, embedding_params=emb, largest_unit_params=max(block_params, default=0),
                         root_params=n - sum(block_params), n_blocks=len(blocks), block_saved=per_block,
                         block_inputs=inputs, other_saved=other,
-                        logits_bytes=logits.numel() * logits.element_size(), tokens=tokens, flops_per_token=flops)
+                        logits_bytes=logits.numel() * logits.element_size(), tokens=tokens, flops_per_token=flops,
+                        loss_saved=loss, logits_numel=logits.numel(),
+                        head_params=model.get_output_embeddings().weight.numel(), matmul_params=_matmul_params(model))
+
+
+def _matmul_params(model) -> int:
+    """Parameters of linear layers (nn.Linear, GPT-2's Conv1D), tied ones once: autocast casts those;
+    embedding lookups and norms run on the fp32 weights themselves."""
+    linear = {id(p): p.numel() for m in model.modules() if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D"
+              for p in m.parameters(recurse=False)}
+    return sum(linear.values())
