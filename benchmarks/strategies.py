@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
 import subprocess
@@ -101,7 +102,8 @@ def main() -> None:
             r = run_one(a.strategy, a.size, a.mbs, a.seq, a.steps, a.warmup, a.accum)
         except Exception as e:  # OOM and friends: one line, keep going
             r = {"method": f"bigfit {a.strategy}", "error": f"{type(e).__name__}: {str(e)[:300]}"}
-        print("RESULT " + json.dumps(r), flush=True)
+        if os.environ.get("RANK", "0") == "0":  # under torchrun (benchmarks/scaling.py): rank 0 reports
+            print("RESULT " + json.dumps(r), flush=True)
         return
     for s in a.strategies.split(","):
         cmd = [sys.executable, __file__, "one", s, "--size", a.size, "--mbs", str(a.mbs), "--seq", str(a.seq),
