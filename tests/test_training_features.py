@@ -168,6 +168,27 @@ def test_host_optimizer_is_adamw_and_the_delayed_one_lags_exactly_one_step(mode)
     assert all(torch.equal(p, iterates[5][n]) for n, p in model.named_parameters())
 
 
+def test_offload_engine_leaves_frozen_parameters_alone():
+    import torch
+
+    from bigfit.distributed import Runtime
+    from bigfit.strategies.offload import apply_offload
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    model[0].weight.requires_grad_(False)
+    frozen = model[0].weight.detach().clone()
+    applied = apply_offload(model, "zero2-offload", Runtime(0, 1, 0, torch.device("cpu")), torch.bfloat16,
+                            delayed=False, nvme_dir=None)
+    opt = applied.make_optimizer(torch.optim.AdamW, lr=0.1, fused=True)
+    before = model[1].weight.detach().clone()
+    for _ in range(2):
+        model(torch.randn(3, 4, dtype=torch.bfloat16)).float().pow(2).sum().backward()
+        opt.clip_and_step(1.0)
+    opt.flush()
+    assert model[0].weight.dtype == torch.bfloat16 and torch.equal(model[0].weight, frozen.to(torch.bfloat16))
+    assert not torch.equal(model[1].weight, before.to(torch.bfloat16))  # the trainable one moved
+
+
 def test_delayed_update_trains_through_the_loop(model_dirs, pairs_file, tmp_path):
     from bigfit.train.loop import train
 

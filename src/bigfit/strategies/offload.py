@@ -58,6 +58,7 @@ class OffloadEngine:
         self.store = NVMeStore(nvme_dir, [b.numel for b in self.buckets]) if nvme_dir else None
         owners = _owners(model)
         self.masters = [self._materialise(b, owners) for b in self.buckets]
+        self._place_frozen(model, owners)
         self.io.place_buffers(model)
         self.grad_buffers = [self.io.host_zeros(b.numel) for b in self.buckets]
         for b in self.buckets:
@@ -94,6 +95,18 @@ class OffloadEngine:
             else:
                 s.param.data = full.to(self.dtype)
         return master
+
+    @torch.no_grad()
+    def _place_frozen(self, model: torch.nn.Module, owners: dict) -> None:
+        """Parameters that do not train: on the device in the compute dtype, nothing on the host."""
+        for p in {id(p): p for p in model.parameters() if not p.requires_grad}.values():
+            full = self.io.from_rank0(p).to(self.dtype)
+            if p.is_meta:
+                new = torch.nn.Parameter(full, requires_grad=False)
+                for mod, name in owners[id(p)]:
+                    mod._parameters[name] = new
+            else:
+                p.data = full
 
     def attach(self, cls, **kw) -> "OffloadEngine":
         """One torch optimizer per bucket over its flat master (fused kernels: one call per bucket);
