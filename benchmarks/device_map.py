@@ -66,6 +66,9 @@ def run(name: str, base, spec, chunks: int, batch: dict, gen_batch: dict, args, 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
+    # generate first, from the weights every layout shares, so that "same tokens" compares like with like
+    gen_in = {k: v.to(torch.device(gpu)) for k, v in gen_batch.items()}
+    gen_time, gen_copies, tokens = _generate(model, gen_in, args, dtype)
     on_main = {k: v.to(torch.device(gpu)) for k, v in batch.items()}
     times, losses = [], []
     for i in range(args.warmup + args.steps):
@@ -79,7 +82,6 @@ def run(name: str, base, spec, chunks: int, batch: dict, gen_batch: dict, args, 
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
         losses.append(float(loss))
-    gen_time, gen_copies, tokens = _generate(model, {k: v.to(torch.device(gpu)) for k, v in gen_batch.items()}, args, dtype)
     peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
     return {"layout": name, "chunks": chunks, "step_s": sum(times) / len(times), "first_loss": losses[0],
             "copies_per_step": copies.forward + copies.backward, "copied_mb_per_step": copies.bytes / 1e6,

@@ -285,10 +285,11 @@ def test_chunks_run_in_gpipe_order(places):
         assert kinds == sorted(kinds, reverse=True)
 
 
-def test_chunk_errors_propagate_and_leave_no_threads():
+def test_chunk_errors_propagate_and_leave_nothing_running():
+    from bigfit.device_map import pipeline
+
     _, model = models("gpt2")
     parallelize(model, {"cpu": [0], "cpu:1": [1]})
-    threads = threading.active_count()
 
     def fn(p):
         out = model(**p).loss
@@ -298,6 +299,9 @@ def test_chunk_errors_propagate_and_leave_no_threads():
 
     with pytest.raises(ValueError, match="chunk failed"):
         run_chunks(fn, [batch("gpt2", 2), batch("gpt2", 1), batch("gpt2", 2)], "cpu")
+    assert pipeline.idle()
+    threads = threading.active_count()
+    assert len(run_chunks(fn, [batch("gpt2", 2)] * 3, "cpu")) == 3  # the pool's threads serve the next run
     assert threading.active_count() == threads
     with pytest.raises(BigfitError, match="chunks must be an integer from 1 to the batch size 6"):
         train_step(model, batch("gpt2"), chunks=7)

@@ -119,8 +119,9 @@ def move(t: torch.Tensor, dst: str, cpu_default: str) -> torch.Tensor:
     src = place_of(t, cpu_default)
     if src == dst:
         return t
-    leaf_param = t.is_leaf and t.requires_grad  # its copy would keep it alive in the memo: no memo
-    if not leaf_param:
+    # a parameter's copy would keep it alive in the memo; an inference tensor has no version to check
+    no_memo = (t.is_leaf and t.requires_grad) or t.is_inference()
+    if not no_memo:
         hit = _memo.get(t, {}).get(dst)
         if hit is not None and hit[0] == t._version:
             if hit[2] is not None:
@@ -128,7 +129,7 @@ def move(t: torch.Tensor, dst: str, cpu_default: str) -> torch.Tensor:
             return hit[1]
     before = len(pending())
     out = _Copy.apply(t, src, dst)
-    if not leaf_param:
+    if not no_memo:
         event = pending()[-1] if len(pending()) > before else None
         _memo.setdefault(t, {})[dst] = (t._version, out, event)
     return out

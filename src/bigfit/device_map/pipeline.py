@@ -1,9 +1,9 @@
 """GPipe-style micro-batching inside one process (`chunks=N`), so that the devices of a split model
 work at the same time, with no change to the model and no extra processes.
 
-Each micro-batch's forward runs in its own thread, but only one thread runs at a time: a thread
-stops where its micro-batch changes device (the hooks call `reached`), and the scheduler resumes
-the threads in GPipe order: micro-batch m runs its j-th device segment at clock m + j, so stage s
+Each micro-batch's forward runs on its own thread (a pool kept across steps), but only one runs at
+a time: a thread stops where its micro-batch changes device (the hooks call `reached`), and the
+scheduler resumes the threads in GPipe order: micro-batch m runs its j-th device segment at clock m + j, so stage s
 works on micro-batch m while stage s+1 works on m-1. Within a clock, segments on CUDA devices go
 first: their kernels are queued and run on that GPU (each device on its own stream) while the
 host computes the CPU segments, so a GPU and the CPU really overlap; on the CPU alone the same
@@ -13,11 +13,15 @@ for when it resumes (moves.py), so one micro-batch's transfer never waits for th
 Backward is one autograd call over all micro-batches (GPipe: all forwards, then all backwards);
 autograd runs each CUDA device's part on its own thread, which pipelines backward by itself.
 Dropout draws differ from an unchunked run (different call order), as in any pipeline.
+Each micro-batch pays again for what a step does per parameter (autocast's weight casts, gradient
+accumulation): chunks pay off on compute-bound stages, not on a host stage (docs/device_map.md).
 """
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import os
+import queue
 import threading
 
 import torch
@@ -57,15 +61,15 @@ def _caller_state():
 
 
 class _Worker:
+    """One micro-batch's call, run on a pool thread, one segment per turn."""
+
     def __init__(self, index: int, fn, arg, place: str, enter):
         self.index, self.fn, self.arg, self.place, self.enter = index, fn, arg, place, enter
         self.turn, self.parked = threading.Event(), threading.Event()
         self.done, self.abort, self.result, self.error = False, False, None, None
-        ctx = contextvars.copy_context()
-        self.thread = threading.Thread(target=ctx.run, args=(self._main,), daemon=True,
-                                       name=f"bigfit-chunk-{index}")
+        self.context = contextvars.copy_context()
 
-    def _main(self) -> None:
+    def main(self) -> None:
         _current.worker = self
         try:
             self._wait_turn()
@@ -77,6 +81,7 @@ class _Worker:
         except BaseException as e:  # handed to the caller's thread
             self.error = e
         finally:
+            _current.worker = None
             self.done = True
             self.parked.set()
 
@@ -98,32 +103,66 @@ class _Worker:
         self.parked.wait()
 
 
+class _PoolThread:
+    """A thread kept for the next step: CPU work in a fresh thread each step paid for cold per-thread
+    state (allocator arena, OpenMP team) every time."""
+
+    def __init__(self, index: int):
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._loop, daemon=True, name=f"bigfit-chunk-{index}").start()
+
+    def _loop(self) -> None:
+        while True:
+            worker = self.jobs.get()
+            worker.context.run(worker.main)
+
+
+_pool: list[_PoolThread] = []
+_pool_pid = [os.getpid()]  # a forked child has none of its parent's threads: it starts a pool of its own
+_running = threading.Lock()  # one chunked run at a time: the pool threads serve one schedule
+
+
 def run_chunks(fn, inputs: list, main: str, trace: list | None = None) -> list:
     """[fn(x) for x in inputs], the calls interleaved in GPipe order over the devices they reach
     (`main`: where each call starts). `trace`, if given, gets (clock, micro-batch, device) per segment."""
+    if getattr(_current, "worker", None) is not None:
+        raise BigfitError("run_chunks cannot run inside a chunk of another run_chunks")
     enter = _caller_state()
-    workers = [_Worker(i, fn, x, main, enter) for i, x in enumerate(inputs)]
-    for w in workers:
-        w.thread.start()
-    try:
-        clock = 0
-        while not all(w.done for w in workers):
-            due = [w for w in workers[:clock + 1] if not w.done]
-            for w in sorted(due, key=lambda w: (not is_cuda(w.place), w.index)):
-                if trace is not None:
-                    trace.append((clock, w.index, w.place))
-                w.resume()
-                if w.error is not None:
-                    raise w.error
-            clock += 1
-    finally:
-        for w in workers:
-            if not w.done:
-                w.abort = True
-                w.resume()
-        for w in workers:
-            w.thread.join()
+    with _running:
+        if _pool_pid[0] != os.getpid():
+            _pool.clear()
+            _pool_pid[0] = os.getpid()
+        _pool.extend(_PoolThread(i) for i in range(len(_pool), len(inputs)))
+        workers = [_Worker(i, fn, x, main, enter) for i, x in enumerate(inputs)]
+        for w, t in zip(workers, _pool):
+            t.jobs.put(w)
+        try:
+            _schedule(workers, trace)
+        finally:
+            for w in workers:  # unwind the paused ones after a failure
+                if not w.done:
+                    w.abort = True
+                    w.resume()
     return [w.result for w in workers]
+
+
+def idle() -> bool:
+    """No chunked run in progress (every pool thread is waiting for work)."""
+    return not _running.locked()
+
+
+def _schedule(workers: list[_Worker], trace: list | None) -> None:
+    """Micro-batch m runs its j-th segment at clock m + j; within a clock, CUDA segments first."""
+    clock = 0
+    while not all(w.done for w in workers):
+        due = [w for w in workers[:clock + 1] if not w.done]
+        for w in sorted(due, key=lambda w: (not is_cuda(w.place), w.index)):
+            if trace is not None:
+                trace.append((clock, w.index, w.place))
+            w.resume()
+            if w.error is not None:
+                raise w.error
+        clock += 1
 
 
 def split_batch(batch: dict, chunks: int) -> list[dict]:
