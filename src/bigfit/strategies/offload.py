@@ -36,12 +36,12 @@ from dataclasses import dataclass
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
 
 from ..models import block_lists
 from .base import Applied
-from .buckets import Bucket, group_parameters, local_view, make_buckets, pack, unpack
+from .buckets import Bucket, group_parameters, make_buckets, pack, unpack
 from .nvme import NVMeStore
+from .placement import materialise, owners, place_frozen, rows_as_dtensor, waiting_modules
 from .transfer import Transfers
 
 
@@ -56,9 +56,9 @@ class OffloadEngine:
         self.buckets = make_buckets(group_parameters(model, prefixes, bucket_numel), rt.world_size)
         self.io = Transfers(rt)
         self.store = NVMeStore(nvme_dir, [b.numel for b in self.buckets]) if nvme_dir else None
-        owners = _owners(model)
-        self.masters = [self._materialise(b, owners) for b in self.buckets]
-        self._place_frozen(model, owners)
+        held = owners(model)
+        self.masters = [materialise(b, self._new_master(b), self.io, rt.rank, self.dtype, held) for b in self.buckets]
+        place_frozen(model, self.io, self.dtype, held)
         self.io.place_buffers(model)
         self.grad_buffers = [self.io.host_zeros(b.numel) for b in self.buckets]
         for b in self.buckets:
@@ -70,43 +70,14 @@ class OffloadEngine:
         self._hooks = [s.param.register_post_accumulate_grad_hook(self._on_grad)
                        for b in self.buckets for s in b.slots]
         self._hooks += [m.register_forward_pre_hook(functools.partial(self._await_hook, bs))
-                        for m, bs in _waiting_modules(model, prefixes, self._of)]
+                        for m, bs in waiting_modules(model, prefixes, self._of)]
         self.sync, self._worker, self._error, self._unuploaded, self._eager_started = True, None, None, False, False
         self.trace: list | None = None  # set to [] to record (what, bucket, start, end) host times: benchmarks
         self.param_groups, self.inners = [{}], []
 
     # -- building ---------------------------------------------------------------------------------
-    @torch.no_grad()
-    def _materialise(self, b: Bucket, owners: dict) -> torch.Tensor:
-        """Rank 0's fp32 values to every rank: the local rows into the host master, the whole
-        parameter onto the device in the compute dtype (one parameter at a time on the device). A
-        weightless (meta) parameter is replaced in every module that holds it, so ties stay."""
-        master = self.store.views["master"][b.index] if self.store else self.io.host_zeros(b.numel)
-        for s in b.slots:
-            full = self.io.from_rank0(s.param)
-            start = self.rt.rank * s.rows * s.row_numel
-            view = local_view(master, s, self.rt.rank).view(-1)
-            view.copy_(full.view(-1)[start:start + view.numel()])
-            if s.param.is_meta:
-                new = torch.nn.Parameter(full.to(self.dtype), requires_grad=s.param.requires_grad)
-                for mod, name in owners[id(s.param)]:
-                    mod._parameters[name] = new
-                s.param = new
-            else:
-                s.param.data = full.to(self.dtype)
-        return master
-
-    @torch.no_grad()
-    def _place_frozen(self, model: torch.nn.Module, owners: dict) -> None:
-        """Parameters that do not train: on the device in the compute dtype, nothing on the host."""
-        for p in {id(p): p for p in model.parameters() if not p.requires_grad}.values():
-            full = self.io.from_rank0(p).to(self.dtype)
-            if p.is_meta:
-                new = torch.nn.Parameter(full, requires_grad=False)
-                for mod, name in owners[id(p)]:
-                    mod._parameters[name] = new
-            else:
-                p.data = full
+    def _new_master(self, b: Bucket) -> torch.Tensor:
+        return self.store.views["master"][b.index] if self.store else self.io.host_zeros(b.numel)
 
     def attach(self, cls, **kw) -> "OffloadEngine":
         """One torch optimizer per bucket over its flat master (fused kernels: one call per bucket);
@@ -309,7 +280,7 @@ class OffloadEngine:
         mesh = None
         if self.rt.world_size > 1:
             mesh = DeviceMesh("cpu", list(range(self.rt.world_size)))  # the host states' own device type
-        rows = functools.partial(_rows, mesh=mesh, rank=self.rt.rank)
+        rows = functools.partial(rows_as_dtensor, mesh=mesh, rank=self.rt.rank)
         masters, optim = {}, {}
         for b, master in zip(self.buckets, self.masters):
             st = self.inners[b.index].state[master]
@@ -329,42 +300,6 @@ class OffloadEngine:
         for h in self._hooks:
             h.remove()
         self._hooks = []
-
-
-def _owners(model: torch.nn.Module) -> dict[int, list]:
-    """id(parameter) -> every (module, attribute name) that holds it."""
-    out: dict[int, list] = {}
-    for mod in model.modules():
-        for name, p in mod._parameters.items():
-            if p is not None:
-                out.setdefault(id(p), []).append((mod, name))
-    return out
-
-
-def _rows(flat: torch.Tensor, slot, mesh, rank: int) -> torch.Tensor:
-    view = local_view(flat, slot, rank)
-    if mesh is None:
-        return view
-    shape = slot.param.shape
-    stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
-    return DTensor.from_local(view, mesh, [Shard(0)], shape=shape, stride=stride, run_check=False)
-
-
-def _waiting_modules(model, prefixes, bucket_of):
-    """(module, buckets) whose forward must wait for the buckets' parameters: each block for its
-    own bucket, each other module with parameters of its own for theirs."""
-    out, names = [], set(prefixes)
-    for name, mod in model.named_modules():
-        if name in names:
-            ids = {id(p) for p in mod.parameters()}
-        elif any(name.startswith(p + ".") for p in prefixes) or not mod._parameters:
-            continue
-        else:
-            ids = {id(p) for p in mod._parameters.values() if p is not None}
-        buckets = list({b.index: b for i in ids if (b := bucket_of.get(i)) is not None}.values())
-        if buckets:
-            out.append((mod, buckets))
-    return out
 
 
 @dataclass
