@@ -48,6 +48,7 @@ class Hardware:
     inter_gbps: float = DEFAULTS["inter_gbps"]  # between nodes, per node
     nvme_gbps: float = DEFAULTS["nvme_gbps"]  # NVMe read or write bandwidth of one node
     cpu_adam_params_per_s: float = DEFAULTS["cpu_adam_params_per_s"]  # host optimizer speed, one node
+    device: str = "cuda"  # what the "GPUs" are: "cpu" when a CPU-only machine plans for itself
     notes: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self):

@@ -102,7 +102,10 @@ def build_model(src: ModelSource, config, seed: int, on_meta: bool = False) -> t
             raise BigfitError(f"weights of --model {src.name!r} could not be loaded: {e}") from None
     else:
         model = auto.from_config(config, dtype=torch.float32)
-    model.config.use_cache = False  # training never needs the KV cache; evaluation asks for it itself
+    # training never needs the KV cache (evaluation asks for it itself); T5's stacks keep config copies
+    for config in {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}.values():
+        if hasattr(config, "use_cache"):
+            config.use_cache = False
     return model
 
 

@@ -46,9 +46,9 @@ def measure(model_config, strategy: str, batch: int, seq: int, precision: str, r
     from ..train.step import train_step
 
     micro = batch // rt.world_size
-    prof = profile_model(model_config, micro, seq, 0, precision)
+    prof = profile_model(model_config, micro, seq, 0, precision, rt.device.type)
     predicted, _ = memory(strategy, prof, Hardware(gpu_bytes=(10**15,) * rt.world_size), DTYPES[precision].itemsize,
-                          checkpointing=False)
+                          checkpointing=False, backend="gloo" if rt.device.type == "cpu" else "nccl")
     ids = torch.randint(0, model_config.vocab_size, (micro, seq), generator=torch.Generator().manual_seed(rt.rank))
     samples = [{"input_ids": x, "labels": x} for x in ids.tolist()]
     gpu = rt.device.type == "cuda"

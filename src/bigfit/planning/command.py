@@ -78,7 +78,7 @@ def _this_machine(world: int) -> Hardware:
     """The GPUs a job of `world` local processes uses, or on a CPU-only machine its RAM split over them."""
     import torch
 
-    hw = detect() if torch.cuda.is_available() else Hardware(gpu_bytes=(host_ram() // world,) * world)
+    hw = detect() if torch.cuda.is_available() else Hardware(gpu_bytes=(host_ram() // world,) * world, device="cpu")
     return Hardware(**{**vars(hw), "gpu_bytes": hw.gpu_bytes[:world]})
 
 
@@ -87,7 +87,8 @@ def _job(cfg, config, batch: int, micro: int | None) -> Job:
 
     return Job(batch_size=batch, seq_len=cfg.max_source_len,
                target_len=cfg.max_target_len if config.is_encoder_decoder else 0, micro_batch=micro,
-               precision=cfg.precision or auto_precision(), checkpointing=cfg.activation_checkpointing)
+               precision=cfg.precision or auto_precision(), checkpointing=cfg.activation_checkpointing,
+               delayed_update=cfg.delayed_update, clipping=cfg.max_grad_norm > 0)
 
 
 def auto_strategy(cfg, world: int) -> tuple[str, str]:

@@ -109,12 +109,14 @@ def step_time(strategy: str, prof, hw, c: int, checkpointing: bool, tokens_per_s
         comm = 0.0
     elif strategy in ("ddp", "zero1"):  # one all-reduce of fp32 gradients (+ zero1's parameter broadcast)
         comm = (2 * 4 * n + (4 * n if strategy == "zero1" else 0)) * ring / link
+    elif strategy.startswith("zero2-offload"):  # the engine: once per step, after local accumulation
+        comm = (4 * n + c * n) * ring / link
     else:  # per micro-batch: gather parameters (twice for zero3), reduce-scatter fp32 gradients
         gathers = 1 if strategy.startswith("zero2") else 2
         comm = accum * (gathers * c * n + 4 * n) * ring / link
     pcie = cpu = disk = 0.0
     if "offload" in strategy:
-        moved = 2 * 4 * n / w  # gradients down, parameters up (zero2-offload: once per step)
+        moved = 2 * 4 * n / w  # fp32 gradient rows down, fp32 master rows up (zero2-offload: once per step)
         if strategy == "zero3-offload":
             moved = accum * 2 * 4 * n / w + 4 * n / w  # shards up for forward and backward, gradients down
         pcie = moved / (hw.pcie_gbps * 1e9)
@@ -129,9 +131,22 @@ def nvme_bytes(n: int, hw) -> float:
     return 12 * n / hw.world_size * hw.gpus_per_node
 
 
-def combine(costs: dict) -> float:
-    """GPU work overlaps communication (FSDP2 prefetches, DDP buckets); the host step and its copies
-    do not overlap in the current offload path, so they add; the NVMe reads of the next bucket overlap
-    the host step of the current one."""
-    return (max(costs["compute"], costs["communication"]) + costs["pcie"]
-            + max(costs["cpu_optimizer"], costs["nvme"]))
+def combine(costs: dict, engine: str | None = None, accum: int = 1) -> float:
+    """One step from its costs. GPU work overlaps communication (FSDP2 prefetches, DDP buckets). The
+    NVMe reads of the next bucket overlap the host step of the current one, and the host-device
+    copies overlap the host step and backward. zero3-offload's host step (FSDP2's) follows the GPU
+    work. The offload engine's (`engine`, strategies/offload.py) overlaps some GPU work:
+    - "after-backward": the next step's first forward (f, a third of a micro-batch) runs behind it;
+    - "eager": it runs under the last backward (b, two thirds of a micro-batch), but the first block
+      it needs for the next forward is the last it updates;
+    - "delayed": the whole next step runs beside it."""
+    gpu = max(costs["compute"], costs["communication"])
+    host = max(costs["cpu_optimizer"], costs["nvme"], costs["pcie"])
+    if engine is None:
+        return gpu + costs["pcie"] + max(costs["cpu_optimizer"], costs["nvme"])
+    f = costs["compute"] / accum / 3
+    if engine == "delayed":
+        return max(gpu, host)
+    if engine == "eager":
+        return gpu - 2 * f + max(2 * f, host)
+    return gpu - f + max(f, host)

@@ -6,6 +6,7 @@ the attention implementation that will run.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass, field
 
@@ -47,24 +48,58 @@ def _storage_key(t: torch.Tensor):
     return t.untyped_storage()._cdata
 
 
-def profile_model(config, micro_batch: int, seq_len: int, target_len: int, precision: str) -> ModelProfile:
+def profile_model(config, micro_batch: int, seq_len: int, target_len: int, precision: str,
+                  device: str = "cuda") -> ModelProfile:
+    """`device`: the device type the job runs on. Its attention saves different tensors: CUDA's fused
+    SDPA kernels save their output and log-sum-exp; on the CPU, SDPA takes its math path whenever
+    attention dropout is on (GPT-2) and saves every head's probabilities and dropout mask. The trace
+    runs on CPU fake tensors, so for CUDA it swaps SDPA for a stand-in that saves what the kernels do."""
     from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
     seq2seq = is_seq2seq(config)
     dtype = DTYPES[precision]
     config = copy.deepcopy(config)  # from_config(dtype=...) writes the dtype into the config it is given
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    fused = _fused_attention() if device == "cuda" else contextlib.nullcontext()
+    with FakeTensorMode(allow_non_fake_inputs=True), fused:
         auto = AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM
         model = auto.from_config(config, dtype=dtype)
         model.train()
         return _trace(model, seq2seq, micro_batch, seq_len, target_len)
 
 
+class _FusedSDPA(torch.autograd.Function):
+    """What CUDA's flash / memory-efficient attention keeps for backward: its inputs, its output and
+    the fp32 log-sum-exp per query (and a mask, if given). Shapes only: it runs on fake tensors."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask):
+        out = q.new_empty(*q.shape[:-1], v.shape[-1])
+        lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+        ctx.save_for_backward(q, k, v, out, lse, *([mask] if mask is not None else []))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("a planning stand-in: never differentiated")
+
+
+@contextlib.contextmanager
+def _fused_attention():
+    real = F.scaled_dot_product_attention
+
+    def sdpa(q, k, v, attn_mask=None, *args, **kwargs):
+        return _FusedSDPA.apply(q, k, v, attn_mask)
+    F.scaled_dot_product_attention = sdpa
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = real
+
+
 def _trace(model, seq2seq: bool, b: int, t: int, tt: int) -> ModelProfile:
     params = {_storage_key(p): p.numel() for p in model.parameters()}
     stacks = block_lists(model)
     blocks = [blk for _, s in stacks for blk in s]
-    in_block = {id(blk) for blk in blocks}
     block_params = [sum(p.numel() for p in blk.parameters()) for blk in blocks]
     saved: dict = {}  # storage -> (bytes, block index or -1)
     inputs = [0] * len(blocks)

@@ -18,6 +18,8 @@ class Job:
     micro_batch: int | None = None  # None: batch_size / world size
     precision: str = "bf16"
     checkpointing: bool = False
+    delayed_update: bool = False  # zero2-offload's host step overlaps the next step
+    clipping: bool = True  # a global gradient norm is needed before the host step (max_grad_norm > 0)
 
     def micro(self, world: int) -> int:
         """The micro-batch per process: given, or the whole per-process share (no accumulation)."""
@@ -81,9 +83,10 @@ def plan(prof, hw, job: Job, strategies=STRATEGIES) -> Plan:
     for name in strategies:
         if name == "single" and world > 1:
             continue
-        gpu, host = memory(name, prof, hw, c, job.checkpointing)
+        gpu, host = memory(name, prof, hw, c, job.checkpointing, accum)
         costs = step_time(name, prof, hw, c, job.checkpointing, tokens, accum)
-        e = Estimate(name, gpu, host, combine(costs), costs, nvme_bytes(prof.params, hw) if name.endswith("nvme") else 0)
+        step_s = combine(costs, engine=_engine_mode(job) if name.startswith("zero2-offload") else None, accum=accum)
+        e = Estimate(name, gpu, host, step_s, costs, nvme_bytes(prof.params, hw) if name.endswith("nvme") else 0)
         why = _fit(e, hw)
         out.append(Candidate(e, why is None, why, tokens / e.step_time_s))
     fitting = sorted((c for c in out if c.fits), key=lambda c: (c.estimate.step_time_s, c.estimate.per_gpu["total"]))
@@ -93,6 +96,15 @@ def plan(prof, hw, job: Job, strategies=STRATEGIES) -> Plan:
                   f"{_gb(best.estimate.per_gpu['total'])} per GPU, bound by {best.estimate.bottleneck}")
         return Plan(out, best.estimate.name, reason, hw.describe(), job)
     return Plan(out, None, _advice(out, job, hw), hw.describe(), job)
+
+
+def _engine_mode(job: Job) -> str:
+    """When the offload engine's host step runs (strategies/offload.py): beside the next step
+    (delayed), under backward (nothing needs the global norm first: no clipping, no fp16 scale), or
+    after backward."""
+    if job.delayed_update:
+        return "delayed"
+    return "eager" if not job.clipping and job.precision != "fp16" else "after-backward"
 
 
 def _advice(cands: list[Candidate], job: Job, hw) -> str:
@@ -112,7 +124,7 @@ def plan_for_config(model_config, hw, job: Job, strategies=STRATEGIES) -> Plan:
     from .profile import profile_model
 
     micro = job.micro(hw.world_size)
-    prof = profile_model(model_config, micro, job.seq_len, job.target_len or job.seq_len, job.precision)
+    prof = profile_model(model_config, micro, job.seq_len, job.target_len or job.seq_len, job.precision, hw.device)
     result = plan(prof, hw, job, strategies)
     result.notes.append(f"model: {prof.params / 1e6:.1f}M parameters, {prof.n_blocks} blocks; activations traced at "
                         f"micro-batch {micro}")
