@@ -232,10 +232,9 @@ class OffloadEngine:
 
     def _await(self, buckets) -> None:
         for b in buckets:
-            if self.trace is not None and not b.state["issued"].is_set():
+            if not b.state["issued"].is_set():
                 with self._span("forward-waits", b):
                     b.state["issued"].wait()
-            b.state["issued"].wait()
             self._raise()
             self.io.wait_arrived(b.state)
 
