@@ -33,11 +33,12 @@ def test_fp16_overflow_steps_are_skipped_counted_and_logged(model_dirs, pairs_fi
     assert "sits at its minimum" in out and "use --precision bf16" in out
 
 
-def test_fp16_dynamic_scale_backs_off_then_trains(model_dirs, pairs_file, tmp_path):
+@pytest.mark.parametrize("strategy", ["single", "zero2-offload"])  # autocast; the offload engine's own skip
+def test_fp16_dynamic_scale_backs_off_then_trains(model_dirs, pairs_file, tmp_path, strategy):
     from bigfit.train.loop import train
 
     train(small(model_dirs["gpt2"], pairs_file, tmp_path, precision="fp16", initial_scale_power=24, hysteresis=1,
-                max_steps=30))
+                max_steps=30, strategy=strategy))
     records = read_jsonl(tmp_path / "metrics.jsonl")
     scales = [r["loss_scale"] for r in records]
     assert records[0]["overflow"] and scales[1] == scales[0] / 2  # halved after each overflow
