@@ -185,3 +185,30 @@ def test_plan_command_json_and_plot(tmp_path, capsys, model_dirs):
     assert png.stat().st_size > 10_000
     assert main(["plan", "--gpus", "2xlots"]) == 2
     assert "'lots' is not a size" in capsys.readouterr().err
+
+
+def test_predictions_match_the_peaks_measured_on_an_h200():
+    """The GPU side of the accuracy check, replayed: torch.cuda.max_memory_allocated of 9 (strategy,
+    model, micro-batch) cases measured on an H200 (benchmarks/results/2026-11-29-h200x2, made by
+    benchmarks/plan_accuracy.py) against what the planner predicts for them now, within +-10%."""
+    import json
+    import sys
+    from pathlib import Path
+
+    from bigfit.hardware import Hardware
+    from bigfit.planning.estimate import memory
+    from bigfit.planning.profile import profile_model
+
+    bench = Path(__file__).parent.parent / "benchmarks"
+    sys.path.insert(0, str(bench))
+    from plan_accuracy import config
+
+    rows = [json.loads(line) for line in open(bench / "results" / "2026-11-29-h200x2" / "plan_accuracy.jsonl")]
+    ratios = {}
+    for r in rows:
+        autocast = r["strategy"] in ("single", "ddp", "zero1")
+        prof = profile_model(config(r["family"], "medium"), r["batch"], r["seq"], 0, "bf16", "cuda", autocast=autocast)
+        predicted, _ = memory(r["strategy"], prof, Hardware(gpu_bytes=(10**15,)), 2, checkpointing=False)
+        ratios[(r["family"], r["strategy"], r["batch"])] = predicted["total"] / r["measured"]
+    print(ratios)
+    assert len(ratios) == 9 and all(0.9 <= x <= 1.1 for x in ratios.values()), ratios

@@ -46,7 +46,8 @@ def measure(model_config, strategy: str, batch: int, seq: int, precision: str, r
     from ..train.step import train_step
 
     micro = batch // rt.world_size
-    prof = profile_model(model_config, micro, seq, 0, precision, rt.device.type)
+    prof = profile_model(model_config, micro, seq, 0, precision, rt.device.type,
+                         autocast=strategy in ("single", "ddp", "zero1"))
     predicted, _ = memory(strategy, prof, Hardware(gpu_bytes=(10**15,) * rt.world_size), DTYPES[precision].itemsize,
                           checkpointing=False, backend="gloo" if rt.device.type == "cpu" else "nccl")
     ids = torch.randint(0, model_config.vocab_size, (micro, seq), generator=torch.Generator().manual_seed(rt.rank))

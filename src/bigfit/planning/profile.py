@@ -49,22 +49,65 @@ def _storage_key(t: torch.Tensor):
 
 
 def profile_model(config, micro_batch: int, seq_len: int, target_len: int, precision: str,
-                  device: str = "cuda") -> ModelProfile:
+                  device: str = "cuda", autocast: bool = False) -> ModelProfile:
     """`device`: the device type the job runs on. Its attention saves different tensors: CUDA's fused
     SDPA kernels save their output and log-sum-exp; on the CPU, SDPA takes its math path whenever
     attention dropout is on (GPT-2) and saves every head's probabilities and dropout mask. The trace
-    runs on CPU fake tensors, so for CUDA it swaps SDPA for a stand-in that saves what the kernels do."""
+    runs on CPU fake tensors, so for CUDA it swaps SDPA for a stand-in that saves what the kernels do.
+    `autocast` (single, ddp, zero1 under bf16/fp16 on CUDA): fp32 weights, and CUDA autocast's casts
+    applied by `_CudaAutocast`; what it keeps in fp32 (GPT-2's residual stream, norms) is saved at
+    4 bytes. Weight casts are left out: the estimate counts them once (`matmul_params`)."""
     from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
     seq2seq = is_seq2seq(config)
     dtype = DTYPES[precision]
     config = copy.deepcopy(config)  # from_config(dtype=...) writes the dtype into the config it is given
     fused = _fused_attention() if device == "cuda" else contextlib.nullcontext()
+    mixed = autocast and device == "cuda" and dtype != torch.float32
     with FakeTensorMode(allow_non_fake_inputs=True), fused:
         auto = AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM
-        model = auto.from_config(config, dtype=dtype)
+        model = auto.from_config(config, dtype=torch.float32 if mixed else dtype)
         model.train()
-        return _trace(model, seq2seq, micro_batch, seq_len, target_len)
+        casts = _CudaAutocast(dtype, model) if mixed else None
+        with casts or contextlib.nullcontext():
+            return _trace(model, seq2seq, micro_batch, seq_len, target_len, skip=casts.weight_casts if casts else None)
+
+
+_LOWER = {F.linear, torch.matmul, torch.mm, torch.addmm, torch.bmm, torch.baddbmm, torch.Tensor.matmul,
+          torch.Tensor.__matmul__, torch.Tensor.mm, torch.Tensor.bmm, F.conv1d, F.conv2d, torch.einsum}
+_FP32 = {F.layer_norm, F.group_norm, F.softmax, F.log_softmax, torch.softmax, torch.log_softmax, torch.Tensor.softmax,
+         torch.Tensor.log_softmax, torch.pow, torch.Tensor.pow, torch.exp, torch.Tensor.exp, torch.log, torch.Tensor.log,
+         torch.rsqrt, torch.Tensor.rsqrt, torch.sum, torch.Tensor.sum, torch.cumsum, torch.Tensor.cumsum, torch.norm,
+         torch.Tensor.norm, F.cross_entropy, F.mse_loss, torch.logsumexp, torch.Tensor.logsumexp}
+
+
+class _CudaAutocast(torch.overrides.TorchFunctionMode):
+    """CUDA autocast's policy, for a trace on CPU fake tensors (CPU autocast casts other ops): the
+    matmul family in the compute dtype, the precision-sensitive ops in fp32, the rest as given."""
+
+    def __init__(self, dtype: torch.dtype, model: torch.nn.Module):
+        super().__init__()
+        self.dtype, self.params = dtype, {id(p) for p in model.parameters()}
+        self.weight_casts: set = set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        target = self.dtype if func in _LOWER else torch.float32 if func in _FP32 else None
+        if target is not None:
+            args, kwargs = self._cast((args, kwargs), target)
+        return func(*args, **kwargs)
+
+    def _cast(self, tree, dtype):
+        if isinstance(tree, torch.Tensor) and tree.is_floating_point() and tree.dtype != dtype:
+            out = tree.to(dtype)
+            if id(tree) in self.params:
+                self.weight_casts.add(_storage_key(out))
+            return out
+        if isinstance(tree, (list, tuple)):
+            return type(tree)(self._cast(x, dtype) for x in tree)
+        if isinstance(tree, dict):
+            return {k: self._cast(v, dtype) for k, v in tree.items()}
+        return tree
 
 
 class _FusedSDPA(torch.autograd.Function):
@@ -96,8 +139,9 @@ def _fused_attention():
         F.scaled_dot_product_attention = real
 
 
-def _trace(model, seq2seq: bool, b: int, t: int, tt: int) -> ModelProfile:
+def _trace(model, seq2seq: bool, b: int, t: int, tt: int, skip=None) -> ModelProfile:
     params = {_storage_key(p): p.numel() for p in model.parameters()}
+    skip = skip if skip is not None else set()  # storages that are not activations (autocast's weight casts)
     stacks = block_lists(model)
     blocks = [blk for _, s in stacks for blk in s]
     block_params = [sum(p.numel() for p in blk.parameters()) for blk in blocks]
@@ -107,7 +151,7 @@ def _trace(model, seq2seq: bool, b: int, t: int, tt: int) -> ModelProfile:
 
     def pack(x):  # current[0]: the block running, -1 outside blocks, -2 the loss
         key = _storage_key(x)
-        if key not in params and key not in saved:
+        if key not in params and key not in saved and key not in skip:
             saved[key] = (x.untyped_storage().nbytes(), current[0])
         return x
 

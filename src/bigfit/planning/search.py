@@ -74,7 +74,12 @@ def _fit(e: Estimate, hw) -> str | None:
     return None
 
 
-def plan(prof, hw, job: Job, strategies=STRATEGIES) -> Plan:
+AUTOCAST = ("single", "ddp", "zero1")  # mixed precision by autocast (the others cast the parameters)
+
+
+def plan(prof, hw, job: Job, strategies=STRATEGIES, autocast_prof=None) -> Plan:
+    """`autocast_prof`: the model traced as autocast runs it (fp32 weights, casts per op), for the
+    autocast strategies; `prof` otherwise."""
     world = hw.world_size
     accum = max(1, job.batch_size // (job.micro(world) * world))
     c = DTYPES[job.precision].itemsize
@@ -83,7 +88,8 @@ def plan(prof, hw, job: Job, strategies=STRATEGIES) -> Plan:
     for name in strategies:
         if name == "single" and world > 1:
             continue
-        gpu, host = memory(name, prof, hw, c, job.checkpointing, accum)
+        gpu, host = memory(name, autocast_prof if name in AUTOCAST and autocast_prof else prof, hw, c,
+                           job.checkpointing, accum)
         costs = step_time(name, prof, hw, c, job.checkpointing, tokens, accum)
         step_s = combine(costs, engine=_engine_mode(job) if name.startswith("zero2-offload") else None, accum=accum)
         e = Estimate(name, gpu, host, step_s, costs, nvme_bytes(prof.params, hw) if name.endswith("nvme") else 0)
@@ -124,8 +130,10 @@ def plan_for_config(model_config, hw, job: Job, strategies=STRATEGIES) -> Plan:
     from .profile import profile_model
 
     micro = job.micro(hw.world_size)
-    prof = profile_model(model_config, micro, job.seq_len, job.target_len or job.seq_len, job.precision, hw.device)
-    result = plan(prof, hw, job, strategies)
+    lengths = (model_config, micro, job.seq_len, job.target_len or job.seq_len, job.precision, hw.device)
+    prof = profile_model(*lengths)
+    mixed = job.precision != "fp32" and hw.device == "cuda" and any(s in AUTOCAST for s in strategies)
+    result = plan(prof, hw, job, strategies, profile_model(*lengths, autocast=True) if mixed else None)
     result.notes.append(f"model: {prof.params / 1e6:.1f}M parameters, {prof.n_blocks} blocks; activations traced at "
                         f"micro-batch {micro}")
     return result
