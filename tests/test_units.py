@@ -140,3 +140,25 @@ def test_jsonl_config_roundtrip(tmp_path):
     f = tmp_path / "c.json"
     f.write_text(json.dumps({"strategy": "ddp", "nproc": 2}))
     assert load_config_file(str(f)) == {"strategy": "ddp", "nproc": 2}
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_offload_buckets_split_rows_as_dtensor_shards_and_round_trip(world):
+    """The engine's layout: rank r's part of each parameter is its Shard(0) rows (uneven ones too), and
+    packing full tensors then unpacking them gives them back."""
+    import torch
+
+    from bigfit.strategies.buckets import local_view, make_buckets, pack, unpack
+
+    params = [torch.nn.Parameter(torch.randn(shape)) for shape in ((5, 3), (4,), (1, 2), (7, 2, 2))]
+    bucket, = make_buckets([[(f"p{i}", p) for i, p in enumerate(params)]], world)
+    flat = torch.zeros(world, bucket.numel)
+    for s in bucket.slots:
+        pack(flat, s, s.param.detach(), accumulate=False)
+    for s in bucket.slots:
+        chunks = torch.tensor_split(s.param.detach(), [r * s.rows for r in range(1, world)])
+        for rank in range(world):
+            assert torch.equal(local_view(flat[rank], s, rank), chunks[rank])
+        out = torch.empty_like(s.param)
+        unpack(flat, s, out)
+        assert torch.equal(out, s.param)

@@ -2,7 +2,7 @@
 
 Every parameter is split along dim 0 the way a DTensor `Shard(0)` is: ceil(rows / world) rows per
 rank, the last ranks holding fewer (or none). A bucket is a run of parameters (one transformer
-block, or the non-block parameters of one module), and on each rank its local part is one flat
+block, or consecutive non-block parameters up to a size), and on each rank its local part is one flat
 buffer: the rank's rows of each parameter, one after another, each padded to the full per-rank
 size. So
 - one reduce-scatter of a (world, S) buffer gives each rank its rows of every gradient in the bucket;
