@@ -26,7 +26,8 @@ SIZES = {"tiny": (64, 2, 4, 2, 128, 384),  # a smoke test of this script on a CP
          "1b": (2048, 16, 32, 8, 8192, 128256), "3b": (3072, 28, 24, 8, 8192, 128256)}
 
 
-def run_one(strategy: str, size: str, mbs: int, seq: int, steps: int, warmup: int, accum: int = 1) -> dict:
+def run_one(strategy: str, size: str, mbs: int, seq: int, steps: int, warmup: int, accum: int = 1,
+            ckpt: bool = False) -> dict:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -42,7 +43,7 @@ def run_one(strategy: str, size: str, mbs: int, seq: int, steps: int, warmup: in
     name = strategy
     strategy, _, delayed = strategy.partition("+")
     cfg = resolve(TrainConfig(strategy=strategy, precision="bf16", batch_size=mbs * accum, micro_batch_size=mbs,
-                              lr=1e-4, delayed_update=delayed == "delayed"), 1)
+                              lr=1e-4, delayed_update=delayed == "delayed", activation_checkpointing=ckpt), 1)
     rt = init_runtime(group_for_one=strategy in FSDP_STRATEGIES)
     torch.manual_seed(0)
     with torch.device("cpu" if strategy == "zero3-offload" else rt.device):
