@@ -17,6 +17,7 @@ from ..precision import DTYPES, compute_dtype
 from .base import Applied, local
 from .checkpointing import apply_activation_checkpointing
 from .offload import apply_offload
+from .placement import owners
 from .sharding import apply_ddp, apply_fsdp
 
 __all__ = ["FSDP_STRATEGIES", "OFFLOAD_STRATEGIES", "Applied", "apply_strategy", "build_optimizer", "local"]
@@ -68,13 +69,9 @@ def _to(model: torch.nn.Module, device) -> None:
 
 def _to_empty(model: torch.nn.Module, device) -> None:
     """`to_empty`, keeping tied parameters tied (it gives each module its own new parameter)."""
-    owners: dict[int, list] = {}
-    for mod in model.modules():
-        for name, p in mod._parameters.items():
-            if p is not None:
-                owners.setdefault(id(p), []).append((mod, name))
+    held = owners(model)
     model.to_empty(device=device)
-    for refs in owners.values():
+    for refs in held.values():
         first = refs[0][0]._parameters[refs[0][1]]
         for mod, name in refs[1:]:
             mod._parameters[name] = first
