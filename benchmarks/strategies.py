@@ -8,7 +8,8 @@ tokens), bf16, AdamW, micro-batch x sequence tokens per step. Each strategy runs
   python benchmarks/strategies.py one zero3 --size 1b ...        (one strategy, one JSON line)
   python benchmarks/strategies.py --strategies zero2-offload,zero2-offload+delayed --accum 4 ...
 On one GPU, ddp and zero1 are the plain model (nothing to reduce or shard), so they are not repeated.
-"+delayed" runs the strategy with --delayed-update. `--accum N`: N micro-batches per step.
+"+delayed" runs the strategy with --delayed-update, "+eager" with --max-grad-norm 0 (no clipping: the
+offload engine then steps each bucket during backward). `--accum N`: N micro-batches per step.
 """
 from __future__ import annotations
 
@@ -41,9 +42,11 @@ def run_one(strategy: str, size: str, mbs: int, seq: int, steps: int, warmup: in
                      intermediate_size=inter, vocab_size=vocab, max_position_embeddings=8192,
                      attn_implementation="sdpa", tie_word_embeddings=False, use_cache=False)
     name = strategy
-    strategy, _, delayed = strategy.partition("+")
+    strategy, _, variant = strategy.partition("+")
+    clip = 0.0 if variant == "eager" else 1.0  # the engine steps during backward only without clipping
     cfg = resolve(TrainConfig(strategy=strategy, precision="bf16", batch_size=mbs * accum, micro_batch_size=mbs,
-                              lr=1e-4, delayed_update=delayed == "delayed", activation_checkpointing=ckpt), 1)
+                              lr=1e-4, delayed_update=variant == "delayed", activation_checkpointing=ckpt,
+                              max_grad_norm=clip), 1)
     rt = init_runtime(group_for_one=strategy in FSDP_STRATEGIES)
     torch.manual_seed(0)
     with torch.device("cpu" if strategy == "zero3-offload" else rt.device):
@@ -68,7 +71,7 @@ def run_one(strategy: str, size: str, mbs: int, seq: int, steps: int, warmup: in
             micro.append([{"input_ids": x, "labels": x} for x in ids])
         sync()
         t0 = time.perf_counter()
-        out = train_step(applied, optimizer, micro, pad_id=0, seq2seq=False, rt=rt, lr=1e-4, max_grad_norm=1.0)
+        out = train_step(applied, optimizer, micro, pad_id=0, seq2seq=False, rt=rt, lr=1e-4, max_grad_norm=clip)
         sync()
         if i >= warmup:
             times.append(time.perf_counter() - t0)

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# The GPU calls of issues 4-7 on a machine of 4 GPUs (nvidia-h200-x4), independent jobs side by side,
+# each on its own GPUs and its own cores (taskset), so one lease does the work of several:
+#   bash benchmarks/gpu_runs.sh offload-plan   (carry .whl)
+#     GPU 0, 16 cores: issue 5 without accumulation (gpu_offload.sh main: limits, bigfit, peers);
+#     GPU 1, 16 other cores: issue 5 with accumulation 4 (gpu_offload.sh accum);
+#     GPU 2: issue 4's missing plan-accuracy cases; GPU 3: issue 6's T5 over cuda + cpu.
+#   bash benchmarks/gpu_runs.sh scaling        issue 7: scaling.py on 1, 2 and 4 GPUs, then t5-3b over 2 GPUs
+# 16 cores is the core count of the single-GPU machine that issue 5's figures come from. Jobs that
+# share the host's memory bandwidth can slow each other's CPU optimizer: the offload jobs go on
+# different NUMA nodes where there are two. Everything lands in $OUT/<part>.tgz (one file back).
+set -u
+part=$1; out=${OUT:-/tmp/out}; r=/tmp/r; mkdir -p "$r" "$out"
+export PYTHONPATH=$PWD/src:/tmp/site PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>&1 | tail -1
+DS_BUILD_OPS=0 python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site \
+  .whl/deepspeed-*.tar.gz 2>&1 | tail -1
+export BIGFIT_SKIP_INSTALL=1
+nproc; nvidia-smi -L; lscpu | grep -i "numa node"
+# cores by NUMA node: the offload jobs get the first 16 of the first and of the last node (the same
+# node's next 16 where there is one node); the light jobs get 8 each from the first node's end
+node_cpus() { lscpu -p=CPU,NODE | grep -v '^#' | awk -F, -v n="$1" '$2==n{print $1}'; }
+last=$(lscpu -p=NODE | grep -v '^#' | sort -n | tail -1)
+first_node=$(node_cpus 0); last_node=$(node_cpus "$last")
+pick() { echo "$1" | sed -n "$2,$3p" | paste -sd,; }  # pick LIST FROM TO (1-based)
+n0=$(echo "$first_node" | wc -l)
+c_main=$(pick "$first_node" 1 16)
+c_accum=$([ "$last" != 0 ] && pick "$last_node" 1 16 || pick "$first_node" 17 32)
+c_light1=$(pick "$first_node" $((n0 - 7)) $n0); c_light2=$(pick "$first_node" $((n0 - 15)) $((n0 - 8)))
+job() {  # job NAME GPUS CORES TIMEOUT CMD...: runs CMD in the background, its log in $r/NAME.log
+  local name=$1 gpus=$2 cpus=$3 t=$4; shift 4
+  echo "job $name: GPUs $gpus, cores $cpus"
+  (CUDA_VISIBLE_DEVICES=$gpus OMP_NUM_THREADS=$(echo "$cpus" | tr , '\n' | wc -l) OUT=$r/$name \
+   timeout "$t" taskset -c "$cpus" "$@" > "$r/$name.log" 2>&1; echo "job $name exit $?" >> "$r/$name.log") &
+}
+case $part in
+offload-plan)
+  mkdir -p $r/main $r/accum $r/plan $r/dm
+  job main 0 "$c_main" 520 bash benchmarks/gpu_offload.sh 3b main
+  job accum 1 "$c_accum" 520 bash benchmarks/gpu_offload.sh 3b accum
+  job plan 2 "$c_light1" 520 bash -c 'for c in "zero3 llama 2" "zero3 llama 8" "zero3 gpt2 8" \
+      "zero2-offload llama 2" "zero2-offload llama 8" "zero2-offload gpt2 2" "zero2-offload gpt2 8"; do
+    python3 benchmarks/plan_accuracy.py --one $c 1024 | grep ^RESULT | cut -c8- | tee -a $OUT/plan_accuracy.jsonl; done'
+  job dm 3 "$c_light2" 520 python3 benchmarks/device_map.py --out $r/dm/device_map.jsonl
+  ;;
+scaling)
+  mkdir -p $r/scaling $r/dm2
+  job scaling 0,1,2,3 "$(pick "$first_node" 1 $((n0 > 48 ? 48 : n0)))" 560 python3 benchmarks/scaling.py --gpus 1,2,4 --size 3b \
+    --out $r/scaling/scaling.jsonl
+  ;;
+esac
+wait
+for f in $r/*.log; do echo "== $f"; tail -25 "$f"; done
+tar czf "$out/$part.tgz" -C "$r" .
