@@ -27,7 +27,9 @@ SHAPES = {"tiny": dict(d_model=32, d_ff=64, d_kv=8, num_heads=4, num_layers=2, n
           "base": dict(d_model=768, d_ff=3072, d_kv=64, num_heads=12, num_layers=12, num_decoder_layers=12,
                        vocab_size=32128),
           "large": dict(d_model=1024, d_ff=4096, d_kv=64, num_heads=16, num_layers=24, num_decoder_layers=24,
-                        vocab_size=32128)}
+                        vocab_size=32128),
+          "3b": dict(d_model=1024, d_ff=16384, d_kv=128, num_heads=32, num_layers=24, num_decoder_layers=24,
+                     vocab_size=32128)}  # t5-3b's public config
 
 
 def layouts(cfg, gpu: str, other: str, chunks: int) -> list[tuple[str, dict | None, int]]:

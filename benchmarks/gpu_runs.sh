@@ -5,7 +5,9 @@
 #     GPU 0, 16 cores: issue 5 without accumulation (gpu_offload.sh main: limits, bigfit, peers);
 #     GPU 1, 16 other cores: issue 5 with accumulation 4 (gpu_offload.sh accum);
 #     GPU 2: issue 4's missing plan-accuracy cases; GPU 3: issue 6's T5 over cuda + cpu.
-#   bash benchmarks/gpu_runs.sh scaling        issue 7: scaling.py on 1, 2 and 4 GPUs, then t5-3b over 2 GPUs
+#   bash benchmarks/gpu_runs.sh offload-scaling  issue 5 without accumulation alone on the host's CPU side
+#     (GPU 0), beside issue 7's scaling.py on 1 GPU (GPU 1) and on 2 GPUs (GPUs 2, 3)
+#   bash benchmarks/gpu_runs.sh scaling4       issue 7: scaling.py on 4 GPUs, then t5-3b over 2 GPUs
 # 16 cores is the core count of the single-GPU machine that issue 5's figures come from. Jobs that
 # share the host's memory bandwidth can slow each other's CPU optimizer: the offload jobs go on
 # different NUMA nodes where there are two. Everything lands in $OUT/<part>.tgz (one file back).
@@ -43,10 +45,23 @@ offload-plan)
     python3 benchmarks/plan_accuracy.py --one $c 1024 | grep ^RESULT | cut -c8- | tee -a $OUT/plan_accuracy.jsonl; done'
   job dm 3 "$c_light2" 520 python3 benchmarks/device_map.py --out $r/dm/device_map.jsonl
   ;;
-scaling)
-  mkdir -p $r/scaling $r/dm2
-  job scaling 0,1,2,3 "$(pick "$first_node" 1 $((n0 > 48 ? 48 : n0)))" 560 python3 benchmarks/scaling.py --gpus 1,2,4 --size 3b \
-    --out $r/scaling/scaling.jsonl
+offload-scaling)  # issue 5 again on a quiet host (delayed first, with stacks if it hangs); issue 7 on 1 and 2 GPUs
+  mkdir -p $r/main $r/s1 $r/s2
+  common="--size 3b --mbs 4 --seq 2048 --steps 4 --warmup 2"
+  job main 0 "$c_main" 530 bash -c "BIGFIT_STACKS_AFTER=90 python3 benchmarks/strategies.py $common --timeout 170 \
+      --strategies zero2-offload+delayed,zero2-offload,zero2-offload+eager --out $r/main/offload.jsonl
+    python3 .whl/peers.py all $common --methods torch,fsdp2-offload,ds-z2-offload | tee -a $r/main/peers.txt
+    python3 benchmarks/offload_limits.py --out $r/main/limits.json
+    python3 benchmarks/plot_trace.py $r/main/offload.jsonl 'bigfit zero2-offload+eager' $r/main/timeline-eager.png"
+  job s1 1 "$c_light1" 530 python3 benchmarks/scaling.py --gpus 1 --timeout 150 --size 3b --out $r/s1/scaling.jsonl
+  job s2 2,3 "$c_accum" 530 python3 benchmarks/scaling.py --gpus 2 --timeout 150 --size 3b --out $r/s2/scaling.jsonl
+  ;;
+scaling4)  # issue 7 on 4 GPUs, then t5-3b's shape over 2 GPUs with device maps
+  mkdir -p $r/s4 $r/dm2
+  job s4 0,1,2,3 "$(pick "$first_node" 1 $((n0 > 48 ? 48 : n0)))" 420 python3 benchmarks/scaling.py --gpus 4 --timeout 100 --size 3b \
+    --out $r/s4/scaling.jsonl
+  wait
+  job dm2 0,1 "$c_main" 150 python3 benchmarks/device_map.py --size 3b --other cuda:1 --out $r/dm2/device_map.jsonl
   ;;
 esac
 wait

@@ -46,7 +46,10 @@ def main() -> None:
     a = ap.parse_args()
     common = ["--size", a.size, "--mbs", str(a.mbs), "--seq", str(a.seq), "--steps", str(a.steps), "--warmup", "2"]
     if a.mode == "rank":  # one peer rank, on its own GPU
-        os.environ["CUDA_VISIBLE_DEVICES"] = os.environ["LOCAL_RANK"]
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")  # this job's GPUs, in order
+        local = int(os.environ["LOCAL_RANK"])
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible[local] if visible != [""] else str(local)
+        os.environ["LOCAL_RANK"] = "0"  # DeepSpeed picks cuda:LOCAL_RANK among the visible ones
         sys.argv = ["peers.py", a.method, *common]
         sys.path.insert(0, os.path.join(HERE, "..", ".whl"))
         import peers

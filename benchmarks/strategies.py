@@ -14,6 +14,7 @@ offload engine then steps each bucket during backward). `--accum N`: N micro-bat
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import resource
@@ -99,9 +100,12 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--accum", type=int, default=1)
     ap.add_argument("--strategies", default=",".join(STRATEGIES))
+    ap.add_argument("--timeout", type=int, default=300, help="seconds for one strategy's process")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     if a.mode == "one":
+        if os.environ.get("BIGFIT_STACKS_AFTER"):  # a run that hangs shows where, every so many seconds
+            faulthandler.dump_traceback_later(float(os.environ["BIGFIT_STACKS_AFTER"]), repeat=True)
         try:
             r = run_one(a.strategy, a.size, a.mbs, a.seq, a.steps, a.warmup, a.accum)
         except Exception as e:  # OOM and friends: one line, keep going
@@ -113,7 +117,7 @@ def main() -> None:
         cmd = [sys.executable, __file__, "one", s, "--size", a.size, "--mbs", str(a.mbs), "--seq", str(a.seq),
                "--steps", str(a.steps), "--warmup", str(a.warmup), "--accum", str(a.accum)]
         try:
-            p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
         except subprocess.TimeoutExpired as e:
             p = subprocess.CompletedProcess(cmd, 124, "", f"timed out after {e.timeout} s")
         lines = [l for l in (p.stdout + p.stderr).splitlines() if l.startswith("RESULT ")]

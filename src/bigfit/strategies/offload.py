@@ -27,11 +27,13 @@ checkpoints and the end of training); tests/test_training_features.py checks the
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import math
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -72,6 +74,9 @@ class OffloadEngine:
         self._hooks += [m.register_forward_pre_hook(functools.partial(self._await_hook, bs))
                         for m, bs in waiting_modules(model, prefixes, self._of)]
         self.sync, self._worker, self._error, self._unuploaded, self._eager_started = True, None, None, False, False
+        # a daemon host thread still inside torch when the interpreter exits aborts the process
+        # ("terminate called without an active exception"): a process that ends without flush() waits
+        atexit.register(_join_at_exit, weakref.ref(self))
         self.trace: list | None = None  # set to [] to record (what, bucket, start, end) host times: benchmarks
         self.param_groups, self.inners = [{}], []
 
@@ -299,6 +304,12 @@ class OffloadEngine:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+
+
+def _join_at_exit(ref) -> None:
+    engine = ref()
+    if engine is not None and engine._worker is not None:
+        engine._worker.join()
 
 
 @dataclass
