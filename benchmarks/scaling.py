@@ -39,12 +39,13 @@ def main() -> None:
     ap.add_argument("--mbs", type=int, default=4)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--method")
     ap.add_argument("--methods", default=",".join(BIGFIT + PEERS))
     ap.add_argument("--timeout", type=int, default=300)
     ap.add_argument("--out")
     a = ap.parse_args()
-    common = ["--size", a.size, "--mbs", str(a.mbs), "--seq", str(a.seq), "--steps", str(a.steps), "--warmup", "2"]
+    common = ["--size", a.size, "--mbs", str(a.mbs), "--seq", str(a.seq), "--steps", str(a.steps), "--warmup", str(a.warmup)]
     if a.mode == "rank":  # one peer rank, on its own GPU
         visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")  # this job's GPUs, in order
         local = int(os.environ["LOCAL_RANK"])

@@ -119,13 +119,18 @@ def main() -> None:
         try:
             p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
         except subprocess.TimeoutExpired as e:
-            p = subprocess.CompletedProcess(cmd, 124, "", f"timed out after {e.timeout} s")
+            p = subprocess.CompletedProcess(cmd, 124, "", f"timed out after {e.timeout} s; its last output: "
+                                            + _text(e.stderr)[-6000:])
         lines = [l for l in (p.stdout + p.stderr).splitlines() if l.startswith("RESULT ")]
-        r = json.loads(lines[-1][7:]) if lines else {"method": f"bigfit {s}", "error": (p.stdout + p.stderr)[-500:]}
+        r = json.loads(lines[-1][7:]) if lines else {"method": f"bigfit {s}", "error": (p.stdout + p.stderr)[-6500:]}
         print(json.dumps(r), flush=True)
         if a.out:
             with open(a.out, "a") as f:
                 f.write(json.dumps(r) + "\n")
+
+
+def _text(b) -> str:
+    return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
 
 
 if __name__ == "__main__":
