@@ -63,17 +63,15 @@ scaling4)  # issue 7 on 4 GPUs, then t5-3b's shape over 2 GPUs with device maps
   wait
   job dm2 0,1 "$c_main" 150 python3 benchmarks/device_map.py --size 3b --other cuda:1 --out $r/dm2/device_map.jsonl
   ;;
-peers12)  # issue 7's peers on 1 and 2 GPUs (beside a hang hunt on GPU 0), then everything on 4 GPUs
-  mkdir -p $r/main $r/s1 $r/s2 $r/s4
-  job main 0 "$c_main" 170 env BIGFIT_STACKS_AFTER=60 python3 benchmarks/strategies.py --size 3b --mbs 4 --seq 2048 \
-    --steps 4 --warmup 2 --timeout 150 --strategies zero2-offload+delayed --out $r/main/offload.jsonl
-  job s1 1 "$c_light1" 170 python3 benchmarks/scaling.py --gpus 1 --timeout 80 --methods fsdp2,ds-z2,ds-z3 --size 3b \
+peers12)  # 2 GPUs: a hang hunt on GPU 0 beside issue 7's peers on 1 GPU, then the peers on 2 GPUs
+  mkdir -p $r/main $r/s1 $r/s2
+  job main 0 "$c_main" 150 env BIGFIT_STACKS_AFTER=50 python3 benchmarks/strategies.py --size 3b --mbs 4 --seq 2048 \
+    --steps 4 --warmup 2 --timeout 135 --strategies zero2-offload+delayed --out $r/main/offload.jsonl
+  job s1 1 "$c_accum" 150 python3 benchmarks/scaling.py --gpus 1 --timeout 75 --methods fsdp2,ds-z2,ds-z3 --size 3b \
     --out $r/s1/scaling.jsonl
-  job s2 2,3 "$c_accum" 170 python3 benchmarks/scaling.py --gpus 2 --timeout 80 --methods fsdp2,ds-z2,ds-z3 --size 3b \
-    --out $r/s2/scaling.jsonl
   wait
-  job s4 0,1,2,3 "$(pick "$first_node" 1 $((n0 > 48 ? 48 : n0)))" 290 python3 benchmarks/scaling.py --gpus 4 \
-    --timeout 85 --methods zero2,zero3,fsdp2,ds-z3,ds-z2,ddp,zero1 --size 3b --out $r/s4/scaling.jsonl
+  job s2 0,1 "$c_main" 230 python3 benchmarks/scaling.py --gpus 2 --timeout 75 --methods fsdp2,ds-z3,ds-z2 --size 3b \
+    --out $r/s2/scaling.jsonl
   ;;
 esac
 wait
