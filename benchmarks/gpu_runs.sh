@@ -73,6 +73,18 @@ peers12)  # 2 GPUs: a hang hunt on GPU 0 beside issue 7's peers on 1 GPU, then t
   job s2 0,1 "$c_main" 230 python3 benchmarks/scaling.py --gpus 2 --timeout 75 --methods fsdp2,ds-z3,ds-z2 --size 3b \
     --out $r/s2/scaling.jsonl
   ;;
+final)  # 2 GPUs: the delayed update after its fix (GPU 0) beside DeepSpeed ZeRO-3 on 1 GPU, then on 2
+  # DeepSpeed's FusedAdam build reads torch 2.11's arch list ("9.0a") and fails: name the arch
+  export TORCH_CUDA_ARCH_LIST=9.0
+  mkdir -p $r/main $r/s1 $r/s2
+  job main 0 "$c_main" 110 python3 benchmarks/strategies.py --size 3b --mbs 4 --seq 2048 \
+    --steps 4 --warmup 2 --timeout 105 --strategies zero2-offload+delayed --out $r/main/offload.jsonl
+  job s1 1 "$c_accum" 150 python3 benchmarks/scaling.py --gpus 1 --timeout 145 --methods ds-z3 --size 3b \
+    --out $r/s1/scaling.jsonl
+  wait
+  job s2 0,1 "$c_main" 90 python3 benchmarks/scaling.py --gpus 2 --timeout 85 --methods ds-z3 --size 3b \
+    --out $r/s2/scaling.jsonl
+  ;;
 esac
 wait
 for f in $r/*.log; do echo "== $f"; tail -25 "$f"; done

@@ -186,6 +186,7 @@ class OffloadEngine:
 
     @torch.no_grad()
     def _host_steps(self, order: list[Bucket], upload: bool) -> None:
+        done = 0  # buckets fully handed back; only the others are released if this thread fails
         try:
             self.io.enter_thread()
             for i, b in enumerate(order):
@@ -202,10 +203,14 @@ class OffloadEngine:
                     with self._span("upload", b):
                         self._upload(b)
                     b.state["issued"].set()
+                done = i + 1
         except BaseException as e:  # re-raised on the training thread, which would otherwise wait forever
             self._error = e
         finally:
-            for b in order:
+            # Never set `free` again for a bucket already handed back: the next backward (delayed and
+            # eager modes overlap it with this thread) may have cleared it and refilled the bucket's
+            # host gradients, and a second `free` would let a third write land before they are read.
+            for b in order[done:]:
                 b.state["free"].set()
                 b.state["issued"].set()
 
