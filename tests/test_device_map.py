@@ -354,8 +354,11 @@ def test_train_command_bad_device_map_input(tmp_path, capsys, argv, message):
 
 def test_plan_shows_the_auto_device_map():
     from bigfit.hardware import Hardware
-    from bigfit.planning.command import _device_map
     from bigfit.planning.report import device_map_text
+    from bigfit.planning.search import plan_for_config
+
+    def _device_map(config, hw, job):
+        return plan_for_config(config, hw, job).device_map
 
     hw = Hardware(gpu_bytes=(8 * 10**9, 24 * 10**9), cpu_ram=64 * 10**9)
     shown = _device_map(tiny_config("t5"), hw, Job(batch_size=4, seq_len=16, target_len=8))

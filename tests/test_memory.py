@@ -11,8 +11,6 @@ STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "zero2-offload", "zero3-offload"
 
 
 def measure(model_dir, data, nvme_root):
-    import torch
-
     from bigfit.config import TrainConfig
     from bigfit.data import collate
     from bigfit.distributed import init_runtime

@@ -65,6 +65,9 @@ def test_nothing_fits_says_by_how_much_and_what_would_help():
     assert p.recommended is None
     assert "nothing fits" in p.reason and "GB over per GPU" in p.reason and "--activation-checkpointing" in p.reason
     assert all(c.why_not for c in p.candidates)
+    dm = p.candidates[-1]  # no map over the GPU and 90% of the host: the balancer says why
+    assert dm.estimate.name == "device_map" and dm.why_not.startswith("the model does not fit the budgets")
+    assert p.device_map["map"] is None and dm.estimate.per_gpu["total"] > 16 * GB  # the whole job, on one device
 
 
 def test_offload_engine_step_time_follows_when_its_host_step_runs():
@@ -84,12 +87,99 @@ def test_offload_engine_step_time_follows_when_its_host_step_runs():
 
 
 def test_mixed_sizes_are_bounded_by_the_smallest_gpu():
+    """The data-parallel rows: every rank holds the same share (device_map balances instead: below)."""
+    from bigfit.config import STRATEGIES
     from bigfit.planning.search import Job, plan_for_config
 
     job = Job(batch_size=8, seq_len=256, target_len=64, checkpointing=True)
-    big = plan_for_config(t5_3b(), Hardware(gpu_bytes=(80 * GB, 80 * GB)), job)
-    mixed = plan_for_config(t5_3b(), Hardware(gpu_bytes=(80 * GB, 8 * GB)), job)
+    big = plan_for_config(t5_3b(), Hardware(gpu_bytes=(80 * GB, 80 * GB)), job, STRATEGIES)
+    mixed = plan_for_config(t5_3b(), Hardware(gpu_bytes=(80 * GB, 8 * GB)), job, STRATEGIES)
     assert {c.estimate.name for c in big.candidates if c.fits} > {c.estimate.name for c in mixed.candidates if c.fits}
+
+
+def llama_1b():
+    from transformers import LlamaConfig
+
+    # 1.1B parameters in 12 blocks (few blocks: a fast trace)
+    return LlamaConfig(hidden_size=2560, intermediate_size=6912, num_hidden_layers=12, num_attention_heads=20,
+                       num_key_value_heads=20, vocab_size=32000, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="module")
+def mixed_plan():
+    """A 1.1B Llama on a 24 GB and an 8 GB GPU: ZeRO-3's equal shards overflow the 8 GB card."""
+    from bigfit.planning.search import Job, plan_for_config
+
+    from bigfit.device_map.auto import profile_for
+
+    hw = Hardware(gpu_bytes=(24 * GB, 8 * GB), cpu_ram=256 * GB)
+    job = Job(batch_size=8, seq_len=256)
+    return hw, job, plan_for_config(llama_1b(), hw, job), profile_for(llama_1b(), job)  # one process: the whole batch
+
+
+def test_device_map_bytes_per_device_follow_the_balancer(mixed_plan):
+    from bigfit.device_map.auto import plan_budgets, profile_costs
+    from bigfit.device_map.balance import balance, loads
+
+    hw, job, p, prof = mixed_plan
+    cost = profile_costs(prof, job)
+    expected = balance(cost.blocks, plan_budgets(hw), main_bytes=cost.main, boundaries=cost.boundaries)
+    assert p.device_map["assignment"] == expected == ["cuda:0"] * 9 + ["cuda:1"] * 3  # the larger GPU, more blocks
+    want = loads(expected, cost.blocks, "cuda:0", cost.main)
+    devices = p.device_map["devices"]
+    assert {d: v["predicted_bytes"] for d, v in devices.items()} == want
+    assert all(v["predicted_bytes"] <= v["budget_bytes"] for v in devices.values())
+    row = {c.estimate.name: c for c in p.candidates}["device_map"]
+    assert row.fits and row.estimate.per_gpu["total"] == want["cuda:0"] == max(want.values())  # the fullest GPU
+    on_0 = sum(prof.block_params[:9]) + prof.root_params  # its 9 blocks, embeddings and head
+    assert row.estimate.per_gpu["params"] == 4 * on_0 and row.estimate.per_gpu["optimizer"] == 8 * on_0
+    assert row.estimate.per_gpu["total"] > min(hw.gpu_bytes)  # more than the smallest GPU holds: not bounded by it
+
+
+def test_auto_picks_device_map_when_only_offload_fits_otherwise(mixed_plan):
+    hw, job, p, _ = mixed_plan
+    by = {c.estimate.name: c for c in p.candidates}
+    assert not any(by[s].fits for s in ("ddp", "zero1", "zero2", "zero3"))
+    assert by["zero3"].estimate.per_gpu["total"] > min(hw.gpu_bytes) - 2**30  # equal shards: the 8 GB card overflows
+    assert by["zero2-offload"].fits and by["zero3-offload"].fits
+    assert p.recommended == "device_map"
+    assert ("no data-parallel strategy fits without offload; the fastest data-parallel one that fits, zero2-offload, "
+            f"takes {by['zero2-offload'].estimate.step_time_s:.3f} s") in p.reason
+    dm = by["device_map"].estimate
+    assert dm.bottleneck == "compute (1 of 2 devices idle)" and dm.costs["cpu_optimizer"] == 0  # no block on the host
+    # the devices take turns: the whole model's compute on one GPU at a time, twice ddp's over 2 GPUs
+    assert dm.costs["compute"] == pytest.approx(2 * by["ddp"].estimate.costs["compute"])
+    assert 0 < dm.costs["copies"] < dm.costs["compute"] / 100  # one hop there and one back, over NVLink
+
+
+def test_device_map_is_one_node(mixed_plan):
+    from bigfit.planning.search import plan
+
+    _, job, _, prof = mixed_plan
+    two = plan(prof, Hardware(gpu_bytes=(24 * GB, 8 * GB), nodes=2, cpu_ram=256 * GB), job, ("device_map",))
+    row = two.candidates[0]
+    assert row.fits and row.why_not.startswith("one process on one node: the other 1 node(s) would sit idle")
+    assert two.recommended is None and two.reason.startswith("nothing else fits (device_map one process on one node")
+
+
+def test_device_map_loses_to_data_parallel_when_that_fits():
+    from bigfit.planning.search import Job, plan_for_config
+
+    p = plan_for_config(llama_1b(), Hardware(gpu_bytes=(80 * GB, 80 * GB), cpu_ram=256 * GB), Job(batch_size=8, seq_len=256))
+    by = {c.estimate.name: c for c in p.candidates}
+    dm = by["device_map"]
+    assert dm.fits and dm.why_not is None and p.device_map["describe"].startswith("model 0-11 -> cuda:0")
+    assert p.recommended in ("ddp", "zero2", "zero3")
+    assert (f"device_map fits too but takes {dm.estimate.step_time_s:.3f} s/step, bound by compute (cuda:0; 1 GPU(s) "
+            "unused), where data parallelism keeps every GPU busy at once") in p.reason
+
+
+def test_device_map_step_time_sequential_or_gpipe():
+    from bigfit.planning.split import _compute
+
+    stages = {"cuda:0": 3.0, "cuda:1": 1.0}
+    assert _compute(stages, 1) == 4.0  # one device at a time
+    assert _compute(stages, 4) == pytest.approx(3.0 * (4 + 2 - 1) / 4)  # GPipe: paced by the slowest stage
 
 
 @pytest.mark.parametrize("family", ["t5", "llama"])
@@ -179,10 +269,18 @@ def test_plan_command_json_and_plot(tmp_path, capsys, model_dirs):
 
     png = tmp_path / "plan.png"
     assert main(["plan", "--model", str(model_dirs["llama"]), "--gpus", "2x8GB", "--seq-len", "64", "--json",
-                 "--plot", str(png)]) == 0
+                 "--plot", str(png), "--chunks", "2"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["recommended"] in [s["name"] for s in out["strategies"] if s["fits"]]
+    rows = {s["name"]: s for s in out["strategies"]}
+    assert set(rows["device_map"]) == set(rows["ddp"]) and set(rows["device_map"]["per_gpu_bytes"]) == set(
+        rows["ddp"]["per_gpu_bytes"])
+    assert out["device_map"]["chunks"] == 2 and out["job"]["chunks"] == 2
     assert png.stat().st_size > 10_000
+    # one GPU: a map onto it alone is no split (single is that job); the reason is shown under the table
+    assert main(["plan", "--model", str(model_dirs["llama"]), "--gpus", "8GB", "--seq-len", "64"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "device_map: no split: cuda:0 alone holds the job" in text and "recommended: device_map" not in text
     assert main(["plan", "--gpus", "2xlots"]) == 2
     assert "'lots' is not a size" in capsys.readouterr().err
 
@@ -212,3 +310,32 @@ def test_predictions_match_the_peaks_measured_on_an_h200():
         ratios[(r["family"], r["strategy"], r["batch"])] = predicted["total"] / r["measured"]
     print(ratios)
     assert len(ratios) == 9 and all(0.9 <= x <= 1.1 for x in ratios.values()), ratios
+
+
+def test_strategy_auto_choosing_device_map_trains_with_the_auto_map(monkeypatch, tmp_path, capsys, pairs_file):
+    """`bigfit train --strategy auto` given a device_map recommendation runs `--device-map auto`. The
+    planner's answer is stubbed: on this CPU machine the map is one device, never recommended."""
+    import bigfit.device_map.strategy as strategy
+    import bigfit.planning.command as command
+    from bigfit.cli import main
+    from conftest import read_jsonl
+
+    asked, specs, read_spec = [], [], strategy.read_spec
+    monkeypatch.setattr(strategy, "read_spec", lambda cfg: specs.append(cfg.device_map) or read_spec(cfg))
+
+    def recommend(cfg, world, one_process=True):
+        asked.append(one_process)
+        if not one_process:
+            raise BigfitError("stop: --nproc fixes the processes")
+        return "device_map", "stubbed"
+
+    monkeypatch.setattr(command, "auto_strategy", recommend)
+    common = ["--strategy", "auto", "--data", str(pairs_file), "--max-steps", "1", "--batch-size", "4", "--eval-samples",
+              "0", "--save-every", "0", "--no-consolidate", "--output-dir", str(tmp_path)]
+    assert main(["train", *common]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--strategy auto -> device_map: stubbed" in out and "device_map, precision" in out
+    assert specs and set(specs) == {"auto"}  # the map balanced as the plan's was (checked, then applied)
+    assert len(read_jsonl(tmp_path / "metrics.jsonl")) == 1
+    assert main(["train", *common, "--nproc", "2"]) == 2  # device_map is not offered to a fixed process count
+    assert asked == [True, False]

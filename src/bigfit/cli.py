@@ -75,12 +75,14 @@ def _plan_parser(sub) -> None:
     p.add_argument("--intra-gbps", type=float, help="GPU <-> GPU bandwidth inside a node, GB/s")
     p.add_argument("--inter-gbps", type=float, help="bandwidth between nodes, GB/s")
     p.add_argument("--nvme-gbps", type=float, help="NVMe bandwidth of one node, GB/s")
+    p.add_argument("--cpu-tflops", type=float, help="model TFLOP/s the host reaches on blocks a device map puts there")
     p.add_argument("--batch-size", type=int, default=32, help="global batch")
     p.add_argument("--micro-batch-size", type=int, help="default: batch / GPUs")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per sample (source side)")
     p.add_argument("--target-len", type=int, default=0, help="decoder tokens per sample (encoder-decoders)")
     p.add_argument("--precision", default="bf16", choices=PRECISIONS)
     p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--chunks", type=int, default=1, help="device_map: GPipe micro-batches per forward")
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     p.add_argument("--plot", help="write per-GPU memory bars to this PNG")
 
@@ -155,11 +157,14 @@ def train_command(argv: list[str], ns: argparse.Namespace) -> int:
     if cfg.strategy == "auto":
         from .planning.command import auto_strategy
 
-        name, reason = auto_strategy(cfg, _world(cfg.nproc, cfg))
+        # device_map is one process driving every GPU: a candidate unless --nproc or torchrun fix the processes
+        one_process = cfg.nproc is None and not launched_by_torchrun_env()
+        name, reason = auto_strategy(cfg, _world(cfg.nproc, cfg), one_process)
         if _speaks():
             print(f"--strategy auto -> {name}: {reason}")
-        cfg = dataclasses.replace(cfg, strategy=name)
-        argv = [*argv, "--strategy", name]  # workers start from the decision, not from "auto"
+        split = ["--device-map", "auto"] if name in SPLIT_STRATEGIES else []  # balanced as the plan was
+        cfg = dataclasses.replace(cfg, strategy=name, **({"device_map": "auto"} if split else {}))
+        argv = [*argv, "--strategy", name, *split]  # workers start from the decision, not from "auto"
     if "auto" in (cfg.batch_size, cfg.micro_batch_size):
         _check_gpus(_world(cfg.nproc, cfg))
         from .autobatch import choose_micro_batch

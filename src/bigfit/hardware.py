@@ -12,9 +12,11 @@ from .errors import BigfitError
 UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 # Defaults for what cannot be detected, from measurements on the lent H200 machine (NOTES-machines.md):
-# pinned PCIe ~55 GB/s each way, bf16 dense matmul ~760 TFLOP/s, fused CPU AdamW ~4 G params/s on 16 cores.
+# pinned PCIe ~55 GB/s each way, bf16 dense matmul ~760 TFLOP/s, fused CPU AdamW ~4 G params/s on 16 cores,
+# ~1 TFLOP/s of training (forward + backward, bf16 autocast) on those cores: T5-large's decoder mapped to
+# the host took ~1.1 s a step for ~1.2 TFLOP of model FLOPs (benchmarks/RESULTS.md, device maps).
 DEFAULTS = dict(gpu_tflops=760.0, pcie_gbps=55.0, intra_gbps=300.0, inter_gbps=25.0, cpu_adam_params_per_s=4e9,
-                nvme_gbps=3.0)  # nvme: a typical PCIe 4 drive, not measured here
+                nvme_gbps=3.0, cpu_tflops=1.0)  # nvme: a typical PCIe 4 drive, not measured here
 
 
 def parse_size(text: str, what: str = "size") -> int:
@@ -48,6 +50,7 @@ class Hardware:
     inter_gbps: float = DEFAULTS["inter_gbps"]  # between nodes, per node
     nvme_gbps: float = DEFAULTS["nvme_gbps"]  # NVMe read or write bandwidth of one node
     cpu_adam_params_per_s: float = DEFAULTS["cpu_adam_params_per_s"]  # host optimizer speed, one node
+    cpu_tflops: float = DEFAULTS["cpu_tflops"]  # model FLOP/s the host reaches training blocks mapped to it, in T
     device: str = "cuda"  # what the "GPUs" are: "cpu" when a CPU-only machine plans for itself
     notes: tuple[str, ...] = field(default_factory=tuple)
 

@@ -20,15 +20,25 @@ from ..hardware import parse_size
 from ..models import block_lists
 from ..precision import DTYPES
 from .balance import balance, loads, size
-from .maps import canonical_device, check_device
+from .maps import canonical_device, check_device, name_stacks, resolve_map
 
 
 @dataclass
 class Costs:
-    blocks: list[int]  # bytes of each block, in execution order
-    main: int  # bytes on the main device outside blocks
-    per_device: int  # bytes once on every device with a block (checkpointed recompute)
+    """Predicted bytes of the job by kind (planning.estimate.KEYS: params, grads, optimizer,
+    activations, buffers), per block and for the main device; the balancer sees their totals."""
+    parts: list[dict[str, int]]  # each block's bytes by kind, in execution order
+    main_parts: dict[str, int]  # on the main device outside blocks
+    per_device: int  # activation bytes once on every device with a block (checkpointed recompute)
     boundaries: list[int]  # positions where a new stack starts
+
+    @property
+    def blocks(self) -> list[int]:
+        return [sum(p.values()) for p in self.parts]
+
+    @property
+    def main(self) -> int:
+        return sum(self.main_parts.values())
 
 
 def parse_budgets(budgets) -> list[tuple[str, int]]:
@@ -54,52 +64,78 @@ def default_job(config):
 
 def costs(model: torch.nn.Module, found, job) -> Costs:
     """Per-block and main-device bytes for training `model` (real or on the meta device) on `job`."""
-    from ..planning.profile import profile_model
-
     config = getattr(model, "config", None)
     if config is None:
         raise BigfitError(f"device_map='auto' traces the model's activations from its Hugging Face config; "
                           f"{type(model).__name__} has none: give an explicit map")
     if [p for p, _ in block_lists(model)] != [s.path for s, _ in found]:
         raise BigfitError("device_map='auto' works on the stacks bigfit finds itself; with stacks=... give a map")
-    micro = job.micro(1)
-    prof = profile_model(config, micro, job.seq_len, job.target_len or job.seq_len, job.precision)
-    c = DTYPES[job.precision].itemsize
-    state = 16 + (c if c < 4 else 0)  # fp32 weight, gradient, two AdamW moments (+ autocast's copy)
+    # parameters counted on the model itself: it may not be the Auto class the trace builds from its config
     params = [sum(p.numel() for p in blk.parameters()) for _, stack in found for blk in stack]
-    saved = prof.block_inputs if job.checkpointing else prof.block_saved
-    blocks = [n * state + a for n, a in zip(params, saved)]
     root = sum(p.numel() for p in model.parameters()) - sum(params)
-    logits_grad = prof.logits_bytes // c * (4 + c) if c < 4 else prof.logits_bytes
-    bounds, at = [], 0
-    for s, _ in found[:-1]:
-        at += s.size
-        bounds.append(at)
-    return Costs(blocks=blocks, main=root * state + prof.other_saved + logits_grad,
-                 per_device=max(prof.block_saved, default=0) if job.checkpointing else 0, boundaries=bounds)
+    return profile_costs(profile_for(config, job), job, params, root, [s.size for s, _ in found])
 
 
-def assign(found, cost: Costs, budgets: list[tuple[str, int]], main=None) -> tuple[dict, dict[str, int]]:
-    """(the map in its user form, predicted bytes per device)."""
+def profile_for(config, job):
+    """The model traced as one process trains it: the whole micro-batch (no data-parallel split)."""
+    from ..planning.profile import profile_model
+
+    return profile_model(config, job.micro(1), job.seq_len, job.target_len or job.seq_len, job.precision)
+
+
+def _state(n: int, c: int) -> dict[str, int]:
+    """What training keeps for n parameters: fp32 weights, gradients, AdamW's two moments, and under
+    bf16/fp16 autocast's compute-dtype copy of the weights (a buffer)."""
+    return {"params": 4 * n, "grads": 4 * n, "optimizer": 8 * n, "buffers": c * n if c < 4 else 0}
+
+
+def profile_costs(prof, job, params=None, root=None, sizes=None) -> Costs:
+    """Costs from a ModelProfile alone (pure): its blocks' parameters and stacks unless given."""
+    params = prof.block_params if params is None else params
+    root = prof.root_params if root is None else root
+    sizes = [n for _, n in prof.stacks] if sizes is None else sizes
+    c = DTYPES[job.precision].itemsize
+    saved = prof.block_inputs if job.checkpointing else prof.block_saved
+    parts = [{**_state(n, c), "activations": a} for n, a in zip(params, saved)]
+    main = {**_state(root, c), "activations": prof.other_saved}
+    main["buffers"] += prof.logits_bytes // c * (4 + c) if c < 4 else prof.logits_bytes  # the logits' gradient
+    bounds = [sum(sizes[:i + 1]) for i in range(len(sizes) - 1)]
+    return Costs(parts=parts, main_parts=main, boundaries=bounds,
+                 per_device=max(prof.block_saved, default=0) if job.checkpointing else 0)
+
+
+def assign(stacks, cost: Costs, budgets: list[tuple[str, int]], main=None) -> tuple[dict, list[str], str]:
+    """(the map in its user form, the device of each block in execution order, the main device)."""
     main = canonical_device(main) if main is not None else None
     devices = balance(cost.blocks, budgets, main_bytes=cost.main, main=main, per_device_bytes=cost.per_device,
                       boundaries=cost.boundaries)
     main = main or budgets[0][0]
     spec: dict = {"main_device": main}
     at = 0
-    for s, _ in found:
+    for s in stacks:
         per: dict[str, list[int]] = {}
         for i in range(s.size):
             per.setdefault(devices[at + i], []).append(i)
         spec[s.name] = per
         at += s.size
-    return spec, loads(devices, cost.blocks, main, cost.main, cost.per_device)
+    return spec, devices, main
+
+
+def device_parts(assignment: list[str], cost: Costs, main: str) -> dict[str, dict[str, int]]:
+    """Predicted bytes by kind on each device of an assignment (balance.loads, kind by kind)."""
+    out: dict[str, dict[str, int]] = {}
+    for kind in cost.main_parts:
+        per = loads(assignment, [p[kind] for p in cost.parts], main, cost.main_parts[kind],
+                    cost.per_device if kind == "activations" else 0)
+        for dev, b in per.items():
+            out.setdefault(dev, {})[kind] = b
+    return out
 
 
 def auto_map(model, found, budgets, job=None, main=None) -> dict:
     """The balanced map (user form) for `model` under `budgets` ({device: size}) and a planning Job."""
     parsed = parse_budgets(budgets)
-    return assign(found, costs(model, found, job or default_job(model.config)), parsed, main)[0]
+    return assign([s for s, _ in found], costs(model, found, job or default_job(model.config)), parsed, main)[0]
 
 
 def plan_budgets(hw) -> list[tuple[str, int]]:
@@ -112,20 +148,24 @@ def plan_budgets(hw) -> list[tuple[str, int]]:
 
 
 def plan_map(config, budgets: list[tuple[str, int]], job) -> dict:
-    """What `bigfit plan` shows: the map auto would choose, and each device's predicted peak."""
-    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
+    """What `bigfit plan` shows: the map auto would choose for `config`, and each device's peak."""
+    return split_plan(profile_for(config, job), budgets, job)
 
-    from .hooks import find_stacks
 
-    auto = AutoModelForSeq2SeqLM if getattr(config, "is_encoder_decoder", False) else AutoModelForCausalLM
-    with torch.device("meta"):
-        model = auto.from_config(config)
-    found = find_stacks(model)
-    spec, per_device = assign(found, costs(model, found, job), budgets)
-    from .maps import resolve_map
-
-    dmap = resolve_map(spec, tuple(s for s, _ in found), check_devices=False)
+def split_plan(prof, budgets: list[tuple[str, int]], job) -> dict:
+    """The map auto would choose from a ModelProfile (pure): the map, the device of each block
+    ("assignment"), each device's predicted bytes (total and by kind) against its budget; or, when
+    no map fits, "map" None and the balancer's reason."""
+    stacks = name_stacks(prof.stacks)
+    cost = profile_costs(prof, job)
+    try:
+        spec, assignment, main = assign(stacks, cost, budgets)
+    except BigfitError as e:
+        return {"map": None, "why_not": str(e), "budgets": dict(budgets)}
+    parts = device_parts(assignment, cost, main)
     caps = dict(budgets)
-    return {"map": spec, "describe": dmap.describe(),
-            "devices": {d: {"predicted_bytes": b, "budget_bytes": caps[d]} for d, b in per_device.items()},
-            "text": ", ".join(f"{d} {size(b)} of {size(caps[d])}" for d, b in per_device.items())}
+    dmap = resolve_map(spec, tuple(stacks), check_devices=False)
+    return {"map": spec, "describe": dmap.describe(), "assignment": assignment, "main": main,
+            "devices": {d: {"predicted_bytes": sum(p.values()), "budget_bytes": caps[d], "parts": p}
+                        for d, p in parts.items()},
+            "text": ", ".join(f"{d} {size(sum(p.values()))} of {size(caps[d])}" for d, p in parts.items())}

@@ -20,7 +20,7 @@ import torch
 from ..errors import BigfitError
 from ..models import block_lists
 from . import pipeline
-from .maps import DeviceMap, Stack, canonical_device, real_device, resolve_map
+from .maps import DeviceMap, Stack, canonical_device, name_stacks, real_device, resolve_map
 from .moves import move, move_tree, settle, tag_tree
 
 ATTR = "_bigfit_layout"
@@ -78,9 +78,7 @@ def find_stacks(model: torch.nn.Module, paths=None) -> list[tuple[Stack, torch.n
             found.append((p, mod))
     if not found:
         raise BigfitError(f"found no block stack in {type(model).__name__}; name them with stacks=[...]")
-    tops = [p.split(".")[0] for p, _ in found]
-    return [(Stack(name=top if tops.count(top) == 1 else p, path=p, size=len(m)), m)
-            for top, (p, m) in zip(tops, found)]
+    return list(zip(name_stacks([(p, len(m)) for p, m in found]), (m for _, m in found)))
 
 
 def _placements(model, dmap: DeviceMap, stacks) -> tuple[dict[str, str], dict[str, str]]:

@@ -32,6 +32,12 @@ class Stack:
     size: int  # blocks
 
 
+def name_stacks(found: list[tuple[str, int]]) -> list[Stack]:
+    """Stacks from (path, blocks): named by their top-level part, or by their path when two share one."""
+    tops = [p.split(".")[0] for p, _ in found]
+    return [Stack(name=top if tops.count(top) == 1 else p, path=p, size=n) for top, (p, n) in zip(tops, found)]
+
+
 @dataclass(frozen=True)
 class DeviceMap:
     stacks: tuple[Stack, ...]

@@ -77,7 +77,7 @@ def _resolve(model, cfg, main) -> object:
     kind, spec = read_spec(cfg)
     if kind == "auto":
         budgets = parse_budgets(spec or machine_budgets())
-        spec, _ = assign(found, costs(model, found, _job(cfg)), budgets, main)
+        spec = assign([s for s, _ in found], costs(model, found, _job(cfg)), budgets, main)[0]
     names = {p for p, _ in model.named_modules(remove_duplicate=False)}
     dmap = resolve_map(spec, tuple(s for s, _ in found), None, names)
     if dmap.main_device != main and (not isinstance(spec, dict) or "main_device" not in spec):

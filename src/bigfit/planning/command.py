@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import json
 
+from ..config import SPLIT_STRATEGIES, STRATEGIES
 from ..errors import BigfitError
 from ..hardware import Hardware, detect, host_ram, parse_gpus, parse_size
 from ..models import load_config, locate
 from .search import Job, plan_for_config
+from .split import NAME as DEVICE_MAP
 
 
 def hardware_from_args(ns) -> Hardware:
@@ -17,7 +19,7 @@ def hardware_from_args(ns) -> Hardware:
     kw = {"nodes": ns.nodes, "nvme": parse_size(ns.nvme, "--nvme")}
     if ns.cpu_ram:
         kw["cpu_ram"] = parse_size(ns.cpu_ram, "--cpu-ram")
-    for name in ("pcie_gbps", "intra_gbps", "inter_gbps", "nvme_gbps"):
+    for name in ("pcie_gbps", "intra_gbps", "inter_gbps", "nvme_gbps", "cpu_tflops"):
         if getattr(ns, name):
             kw[name] = getattr(ns, name)
     return Hardware(**{**vars(base), **kw})
@@ -26,15 +28,15 @@ def hardware_from_args(ns) -> Hardware:
 def plan_command(ns) -> int:
     from rich.console import Console
 
-    for name in ("batch_size", "seq_len"):
+    for name in ("batch_size", "seq_len", "chunks"):
         if getattr(ns, name) <= 0:
             raise BigfitError(f"--{name.replace('_', '-')} must be positive, got {getattr(ns, name)}")
     hw = hardware_from_args(ns)
     config = load_config(locate(ns.model))
     job = Job(batch_size=ns.batch_size, seq_len=ns.seq_len, target_len=ns.target_len if config.is_encoder_decoder
-              else 0, micro_batch=ns.micro_batch_size, precision=ns.precision, checkpointing=ns.activation_checkpointing)
+              else 0, micro_batch=ns.micro_batch_size, precision=ns.precision, checkpointing=ns.activation_checkpointing,
+              chunks=ns.chunks)
     p = plan_for_config(config, hw, job)
-    p.device_map = _device_map(config, hw, job)
     if ns.json:
         print(json.dumps(p.to_json(), indent=1))
     else:
@@ -43,7 +45,7 @@ def plan_command(ns) -> int:
         console = Console(width=150)  # the table is wide; pipes would otherwise cut it at 80 columns
         console.print(plan_table(p))
         for c in p.candidates:
-            if not c.fits:
+            if c.why_not:
                 console.print(f"  {c.estimate.name}: {c.why_not}")
         console.print(f"[bold]recommended[/bold]: {p.recommended or 'none'}: {p.reason}")
         for note in p.notes:
@@ -60,26 +62,13 @@ def plan_command(ns) -> int:
     return 0
 
 
-def _device_map(config, hw: Hardware, job: Job) -> dict:
-    """The map `--strategy device_map --device-map auto` would use on one node: one process, so the
-    whole batch (or --micro-batch-size) at once; or why nothing fits."""
-    from dataclasses import replace
-
-    from ..device_map.auto import plan_budgets, plan_map
-
-    budgets = plan_budgets(hw)
-    try:
-        return plan_map(config, budgets, replace(job, micro_batch=job.micro_batch or job.batch_size))
-    except BigfitError as e:
-        return {"map": None, "why_not": str(e), "budgets": dict(budgets)}
-
-
-def _this_machine(world: int) -> Hardware:
-    """The GPUs a job of `world` local processes uses, or on a CPU-only machine its RAM split over them."""
+def _this_machine(world: int, strategy: str | None = None) -> Hardware:
+    """The GPUs a job of `world` local processes uses, or on a CPU-only machine its RAM split over them;
+    device_map's one process drives every GPU."""
     import torch
 
     hw = detect() if torch.cuda.is_available() else Hardware(gpu_bytes=(host_ram() // world,) * world, device="cpu")
-    return Hardware(**{**vars(hw), "gpu_bytes": hw.gpu_bytes[:world]})
+    return hw if strategy == DEVICE_MAP else Hardware(**{**vars(hw), "gpu_bytes": hw.gpu_bytes[:world]})
 
 
 def _job(cfg, config, batch: int, micro: int | None) -> Job:
@@ -88,15 +77,18 @@ def _job(cfg, config, batch: int, micro: int | None) -> Job:
     return Job(batch_size=batch, seq_len=cfg.max_source_len,
                target_len=cfg.max_target_len if config.is_encoder_decoder else 0, micro_batch=micro,
                precision=cfg.precision or auto_precision(), checkpointing=cfg.activation_checkpointing,
-               delayed_update=cfg.delayed_update, clipping=cfg.max_grad_norm > 0)
+               delayed_update=cfg.delayed_update, clipping=cfg.max_grad_norm > 0, chunks=cfg.chunks)
 
 
-def auto_strategy(cfg, world: int) -> tuple[str, str]:
-    """`--strategy auto`: plan for this machine and return the recommendation and why."""
+def auto_strategy(cfg, world: int, one_process: bool = True) -> tuple[str, str]:
+    """`--strategy auto`: plan for this machine and return the recommendation and why. device_map (one
+    process driving every GPU) is a candidate unless the job's processes are fixed (`one_process` False:
+    --nproc, torchrun)."""
     config = load_config(locate(cfg.model))
     micro = cfg.micro_batch_size if isinstance(cfg.micro_batch_size, int) else None
     batch = cfg.batch_size if isinstance(cfg.batch_size, int) else world
-    p = plan_for_config(config, _this_machine(world), _job(cfg, config, batch, micro))
+    strategies = STRATEGIES + (SPLIT_STRATEGIES if one_process else ())
+    p = plan_for_config(config, _this_machine(world), _job(cfg, config, batch, micro), strategies)
     if p.recommended is None:
         raise BigfitError(f"--strategy auto: {p.reason}")
     return p.recommended, p.reason
@@ -107,7 +99,7 @@ def auto_micro_batch(cfg, world: int) -> list[tuple[int, int, int]]:
     (micro-batch, global batch, predicted per-GPU bytes), starting at the largest predicted to fit for
     cfg.strategy: the probe walks down this list until one runs."""
     config = load_config(locate(cfg.model))
-    hw = _this_machine(world)
+    hw = _this_machine(world, cfg.strategy)
     if cfg.batch_size == "auto":  # no accumulation: powers of two per process
         sizes = [(m, m * world) for m in (2 ** k for k in range(10, -1, -1))]
     else:

@@ -6,7 +6,7 @@ Notation: N parameters, W GPUs in all, g per node, c bytes of the compute dtype 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 KEYS = ("params", "grads", "optimizer", "activations", "buffers")
 MFU = 0.48  # fraction of peak a dense training step reached on the H200 (plain PyTorch, 1.5B, bf16)
@@ -21,10 +21,12 @@ class Estimate:
     step_time_s: float
     costs: dict[str, float]  # seconds per step of compute, communication, pcie, cpu_optimizer, nvme
     nvme: float = 0.0  # bytes of optimizer files per node (zero2-offload-nvme)
+    labels: dict[str, str] = field(default_factory=dict)  # a cost's name as shown, where it says more (device_map)
 
     @property
     def bottleneck(self) -> str:
-        return max(self.costs, key=self.costs.get)
+        worst = max(self.costs, key=self.costs.get)
+        return self.labels.get(worst, worst)
 
 
 def _bytes(**kw) -> dict[str, int]:

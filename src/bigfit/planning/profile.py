@@ -35,6 +35,8 @@ class ModelProfile:
     logits_numel: int = 0  # elements of the head's output
     head_params: int = 0  # the output head's weight (tied or not): its gradient comes first in backward
     matmul_params: int = 0  # parameters of linear layers: what autocast copies to the compute dtype
+    block_params: list[int] = field(default_factory=list)  # each block's parameters, in execution order
+    stacks: list[tuple[str, int]] = field(default_factory=list)  # (path, blocks) of each stack (models.block_lists)
     notes: list[str] = field(default_factory=list)
 
     def activations(self, checkpointing: bool) -> int:
@@ -200,7 +202,8 @@ def _trace(model, seq2seq: bool, b: int, t: int, tt: int, skip=None) -> ModelPro
                         block_inputs=inputs, other_saved=other,
                         logits_bytes=logits.numel() * logits.element_size(), tokens=tokens, flops_per_token=flops,
                         loss_saved=loss, logits_numel=logits.numel(),
-                        head_params=model.get_output_embeddings().weight.numel(), matmul_params=_matmul_params(model))
+                        head_params=model.get_output_embeddings().weight.numel(), matmul_params=_matmul_params(model),
+                        block_params=block_params, stacks=[(p, len(s)) for p, s in stacks])
 
 
 def _matmul_params(model) -> int:

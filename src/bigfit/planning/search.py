@@ -5,9 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..config import STRATEGIES
+from ..config import SPLIT_STRATEGIES, STRATEGIES
 from ..precision import DTYPES
 from .estimate import RESERVE, Estimate, combine, memory, nvme_bytes, step_time
+from .split import device_map_row
+
+ALL = STRATEGIES + SPLIT_STRATEGIES
 
 
 @dataclass(frozen=True)
@@ -20,6 +23,7 @@ class Job:
     checkpointing: bool = False
     delayed_update: bool = False  # zero2-offload's host step overlaps the next step
     clipping: bool = True  # a global gradient norm is needed before the host step (max_grad_norm > 0)
+    chunks: int = 1  # device_map: GPipe micro-batches per forward
 
     def micro(self, world: int) -> int:
         """The micro-batch per process: given, or the whole per-process share (no accumulation)."""
@@ -29,8 +33,8 @@ class Job:
 @dataclass
 class Candidate:
     estimate: Estimate
-    fits: bool
-    why_not: str | None
+    fits: bool  # every device within its budget, host RAM and NVMe too
+    why_not: str | None  # why it cannot be recommended: it does not fit, or (device_map) would not split
     tokens_per_s: float
 
     def to_json(self) -> dict:
@@ -49,7 +53,7 @@ class Plan:
     hardware: str
     job: Job
     notes: list[str] = field(default_factory=list)
-    device_map: dict | None = None  # what device_map="auto" would choose on one node (device_map/auto.py)
+    device_map: dict | None = None  # the device_map row's map and every device's bytes (device_map/auto.py)
 
     def to_json(self) -> dict:
         return {"strategies": [c.to_json() for c in self.candidates], "recommended": self.recommended,
@@ -67,6 +71,10 @@ def _fit(e: Estimate, hw) -> str | None:
         worst = max(("params", "grads", "optimizer", "activations", "buffers"), key=e.per_gpu.get)
         return (f"needs {_gb(e.per_gpu['total'])} per GPU, {_gb(e.per_gpu['total'] - gpu_cap)} more than the "
                 f"smallest GPU offers (largest part: {worst} {_gb(e.per_gpu[worst])})")
+    return _host_fit(e, hw)
+
+
+def _host_fit(e: Estimate, hw) -> str | None:
     if e.per_host["total"] > hw.cpu_ram * 0.9:
         return f"needs {_gb(e.per_host['total'])} of host RAM per node, more than 90% of {_gb(hw.cpu_ram)}"
     if e.nvme > hw.nvme:
@@ -77,16 +85,22 @@ def _fit(e: Estimate, hw) -> str | None:
 AUTOCAST = ("single", "ddp", "zero1")  # mixed precision by autocast (the others cast the parameters)
 
 
-def plan(prof, hw, job: Job, strategies=STRATEGIES, autocast_prof=None) -> Plan:
+def plan(prof, hw, job: Job, strategies=ALL, autocast_prof=None, split_prof=None) -> Plan:
     """`autocast_prof`: the model traced as autocast runs it (fp32 weights, casts per op), for the
-    autocast strategies; `prof` otherwise."""
+    autocast strategies; `split_prof`: traced at one process's whole micro-batch, for device_map
+    (default `prof`, the same when there is one GPU); `prof` otherwise."""
     world = hw.world_size
     accum = max(1, job.batch_size // (job.micro(world) * world))
     c = DTYPES[job.precision].itemsize
     tokens = job.batch_size * (job.seq_len + job.target_len)
-    out = []
+    out, section = [], None
     for name in strategies:
         if name == "single" and world > 1:
+            continue
+        if name in SPLIT_STRATEGIES:
+            row = device_map_row(split_prof or prof, hw, job)
+            why, section = row.no_fit or _host_fit(row.estimate, hw), row.section
+            out.append(Candidate(row.estimate, why is None, why or row.no_split, tokens / row.estimate.step_time_s))
             continue
         gpu, host = memory(name, autocast_prof if name in AUTOCAST and autocast_prof else prof, hw, c,
                            job.checkpointing, accum)
@@ -95,13 +109,30 @@ def plan(prof, hw, job: Job, strategies=STRATEGIES, autocast_prof=None) -> Plan:
         e = Estimate(name, gpu, host, step_s, costs, nvme_bytes(prof.params, hw) if name.endswith("nvme") else 0)
         why = _fit(e, hw)
         out.append(Candidate(e, why is None, why, tokens / e.step_time_s))
-    fitting = sorted((c for c in out if c.fits), key=lambda c: (c.estimate.step_time_s, c.estimate.per_gpu["total"]))
-    if fitting:
-        best = fitting[0]
-        reason = (f"{best.estimate.name} is the fastest that fits: {best.estimate.step_time_s:.3f} s/step, "
-                  f"{_gb(best.estimate.per_gpu['total'])} per GPU, bound by {best.estimate.bottleneck}")
-        return Plan(out, best.estimate.name, reason, hw.describe(), job)
-    return Plan(out, None, _advice(out, job, hw), hw.describe(), job)
+    ok = sorted((c for c in out if not c.why_not), key=lambda c: (c.estimate.step_time_s, c.estimate.per_gpu["total"]))
+    if ok:
+        return Plan(out, ok[0].estimate.name, _reason(ok[0], out, world), hw.describe(), job, device_map=section)
+    return Plan(out, None, _advice(out, job, hw), hw.describe(), job, device_map=section)
+
+
+def _reason(best: Candidate, cands: list[Candidate], world: int) -> str:
+    """Why the fastest that fits wins; device_map against the data-parallel rows either way."""
+    e, by = best.estimate, {c.estimate.name: c for c in cands}
+    where = "on its fullest GPU" if e.name in SPLIT_STRATEGIES else "per GPU"
+    text = (f"{e.name} is the fastest that fits: {e.step_time_s:.3f} s/step, {_gb(e.per_gpu['total'])} {where}, "
+            f"bound by {e.bottleneck}")
+    if e.name in SPLIT_STRATEGIES:
+        others = sorted((c.estimate for c in cands if not c.why_not and c.estimate.name not in SPLIT_STRATEGIES),
+                        key=lambda o: o.step_time_s)
+        if all("offload" in o.name for o in others):
+            text += "; no data-parallel strategy fits without offload"
+        if others:
+            text += f"; the fastest data-parallel one that fits, {others[0].name}, takes {others[0].step_time_s:.3f} s"
+    elif "device_map" in by and not by["device_map"].why_not:
+        dm = by["device_map"].estimate
+        text += f"; device_map fits too but takes {dm.step_time_s:.3f} s/step, bound by {dm.bottleneck}" + (
+            ", where data parallelism keeps every GPU busy at once" if world > 1 else "")
+    return text
 
 
 def _engine_mode(job: Job) -> str:
@@ -114,7 +145,9 @@ def _engine_mode(job: Job) -> str:
 
 
 def _advice(cands: list[Candidate], job: Job, hw) -> str:
-    least = min(cands, key=lambda c: c.estimate.per_gpu["total"])
+    # device_map's per-GPU figure is one device of several budgets: not comparable with the smallest GPU
+    least = min([c for c in cands if c.estimate.name not in SPLIT_STRATEGIES] or cands,
+                key=lambda c: c.estimate.per_gpu["total"])
     short = least.estimate.per_gpu["total"] - (min(hw.gpu_bytes) - RESERVE)
     tips = []
     if not job.checkpointing:
@@ -122,18 +155,27 @@ def _advice(cands: list[Candidate], job: Job, hw) -> str:
     if (job.micro_batch or 2) > 1:
         tips.append("a smaller --micro-batch-size")
     tips += ["more GPUs (ZeRO-3 divides the model states by their number)", "zero3-offload with more host RAM"]
-    return (f"nothing fits: the most frugal, {least.estimate.name}, is {_gb(short)} over per GPU; try "
-            + ", ".join(tips))
+    unusable = [f"{c.estimate.name} {c.why_not}" for c in cands if c.fits]  # device_map: no split, or several nodes
+    head = f"nothing else fits ({'; '.join(unusable)})" if unusable else "nothing fits"
+    return f"{head}: the most frugal, {least.estimate.name}, is {_gb(short)} over per GPU; try " + ", ".join(tips)
 
 
-def plan_for_config(model_config, hw, job: Job, strategies=STRATEGIES) -> Plan:
+def plan_for_config(model_config, hw, job: Job, strategies=ALL) -> Plan:
+    from ..device_map.auto import profile_for
     from .profile import profile_model
 
     micro = job.micro(hw.world_size)
     lengths = (model_config, micro, job.seq_len, job.target_len or job.seq_len, job.precision, hw.device)
-    prof = profile_model(*lengths)
+    data_parallel = [s for s in strategies if s not in SPLIT_STRATEGIES]
+    split = None
+    # device_map's trace is the balancer's (device_map/auto.py): one process's whole micro-batch, CUDA's
+    # attention; with one GPU it is the data-parallel trace itself
+    if len(data_parallel) < len(strategies) and not (job.micro(1) == micro and hw.device == "cuda" and data_parallel):
+        split = profile_for(model_config, job)
+    prof = profile_model(*lengths) if data_parallel else split
     mixed = job.precision != "fp32" and hw.device == "cuda" and any(s in AUTOCAST for s in strategies)
-    result = plan(prof, hw, job, strategies, profile_model(*lengths, autocast=True) if mixed else None)
+    result = plan(prof, hw, job, strategies, profile_model(*lengths, autocast=True) if mixed else None, split)
+    traced = [f"micro-batch {micro}"] * bool(data_parallel) + [f"micro-batch {job.micro(1)} for device_map (one process)"] * bool(split)
     result.notes.append(f"model: {prof.params / 1e6:.1f}M parameters, {prof.n_blocks} blocks; activations traced at "
-                        f"micro-batch {micro}")
+                        + " and ".join(traced or [f"micro-batch {micro}"]))
     return result

@@ -1,0 +1,128 @@
+"""device_map as a row of the plan: one process drives every GPU of one node, host RAM as the overflow,
+with the blocks placed by the same balancer `--device-map auto` uses (device_map/auto.py). Pure, from
+a ModelProfile traced at the one process's whole micro-batch (nothing is divided over ranks).
+
+Memory: each device's bytes as the balancer counts them: its blocks' fp32 weights, gradients, AdamW
+moments, autocast's compute-dtype copy and saved activations, all at once (the main device adds the
+non-block parameters, what is saved outside blocks and the logits' gradient). The row's per-GPU figure
+is the GPU holding the most; it fits when every device fits its budget (the plan's `device_map`
+section has every device). Time (docs/planning.md): the devices take turns, so a step is the sum of
+each device's compute, plus the copies at each change of device, plus the host's AdamW for
+parameters mapped to `cpu`; with GPipe chunks the slowest stage sets the pace.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..device_map.auto import device_parts, plan_budgets, profile_costs, split_plan
+from .estimate import MFU, Estimate, _bytes
+
+NAME = "device_map"
+
+
+@dataclass
+class SplitRow:
+    estimate: Estimate
+    section: dict  # what the plan shows as its device map (device_map.auto.split_plan), with the chunks
+    no_fit: str | None  # why no map fits the devices' budgets (the balancer's words)
+    no_split: str | None  # why it cannot be recommended although it fits
+
+
+def budgets(hw) -> list[tuple[str, int]]:
+    """The devices one process drives: each GPU of one node, then host RAM; a CPU machine is one device."""
+    return [("cpu", int(hw.cpu_ram * 0.9))] if hw.device == "cpu" else plan_budgets(hw)
+
+
+def device_map_row(prof, hw, job) -> SplitRow:
+    section = {**split_plan(prof, budgets(hw), job), "chunks": job.chunks}
+    if section["map"] is None:  # nothing fits: show the whole job on the first device, and its time there
+        main, cost = budgets(hw)[0][0], profile_costs(prof, job)
+        assignment = [main] * len(cost.parts)
+        parts = device_parts(assignment, cost, main)
+    else:
+        main, assignment = section["main"], section["assignment"]
+        parts = {d: v["parts"] for d, v in section["devices"].items()}
+    # the per-GPU column: the GPU holding the most (host RAM is shown as host); budgets differ per device
+    gpus = {d: p for d, p in parts.items() if not d.startswith("cpu")} or parts
+    shown = max(gpus, key=lambda d: sum(gpus[d].values()))
+    section["shown"] = shown
+    stage = _stage_seconds(prof, hw, job, assignment, main)
+    costs = {"compute": _compute(stage, job.chunks), "copies": _copies(prof, hw, job, assignment, main),
+             "cpu_optimizer": _host_params(prof, assignment, main) / hw.cpu_adam_params_per_s}
+    e = Estimate(NAME, _bytes(**parts[shown]), _host(prof, parts.get("cpu")), sum(costs.values()), costs,
+                 labels={"compute": _label(stage, job.chunks, hw.gpus_per_node)})
+    return SplitRow(e, section, section.get("why_not"), _no_split(set(stage), hw, e))
+
+
+def _stage_seconds(prof, hw, job, assignment: list[str], main: str) -> dict[str, float]:
+    """Each device's compute per step. A block's model FLOPs are 6 x its parameters plus an equal share of
+    the attention term (encoder and decoder tokens are not told apart, as in every row); the main device
+    adds the non-embedding rest (an untied head). GPUs at MFU of their peak; the host at cpu_tflops."""
+    attn = (prof.flops_per_token - 6 * (prof.params - prof.embedding_params)) / max(prof.n_blocks, 1)
+    flops = {main: 6.0 * max(0, prof.root_params - prof.embedding_params)}
+    for dev, n in zip(assignment, prof.block_params):
+        flops[dev] = flops.get(dev, 0.0) + 6 * n + attn
+    tokens = job.batch_size * (job.seq_len + job.target_len) * (4 / 3 if job.checkpointing else 1)
+    return {d: f * tokens / _flops_per_s(d, hw) for d, f in flops.items()}
+
+
+def _flops_per_s(device: str, hw) -> float:
+    return hw.cpu_tflops * 1e12 if device.startswith("cpu") else hw.gpu_tflops * 1e12 * MFU
+
+
+def _compute(stage: dict[str, float], chunks: int) -> float:
+    """One device works at a time: the sum. GPipe over N chunks and p stages: N + p - 1 clocks of the
+    slowest stage's time per chunk (the fill and drain of forward and of backward)."""
+    if chunks == 1:
+        return sum(stage.values())
+    return max(stage.values()) * (chunks + len(stage) - 1) / chunks
+
+
+def _copies(prof, hw, job, assignment: list[str], main: str) -> float:
+    """Seconds of copies at each change of device along the forward: a block's floating-point inputs
+    (the hidden state, with the masks, position bias or encoder output that go with it) and, in
+    backward, as many bytes of gradients back; each stack's output returns to the main device. Over
+    PCIe when the host is one end, else GPU to GPU. Per micro-batch (accumulation repeats them)."""
+    accum = max(1, job.batch_size // job.micro(1))
+    path, at = [(main, 0)], 0
+    for _, size in prof.stacks:
+        path += [(assignment[i], prof.block_inputs[i]) for i in range(at, at + size)]
+        path.append((main, prof.block_inputs[at + size - 1]))  # the hidden state is as large as the last input
+        at += size
+    seconds = 0.0
+    for (a, _), (b, nbytes) in zip(path, path[1:]):
+        if a != b:
+            gbps = hw.pcie_gbps if "cpu" in (a[:3], b[:3]) else hw.intra_gbps
+            seconds += 2 * nbytes * accum / (gbps * 1e9)
+    return seconds
+
+
+def _host_params(prof, assignment: list[str], main: str) -> int:
+    """Parameters the host's AdamW steps: those of blocks (and the non-block parts) mapped to the host."""
+    on_host = sum(n for d, n in zip(assignment, prof.block_params) if d.startswith("cpu"))
+    return on_host + (prof.root_params if main.startswith("cpu") else 0)
+
+
+def _host(prof, cpu_parts: dict | None) -> dict[str, int]:
+    """One node's RAM: the larger of the fp32 model built there before its blocks move (4N, as every row
+    counts it) and what the map keeps on the host while training."""
+    return max(_bytes(buffers=4 * prof.params), _bytes(**(cpu_parts or {})), key=lambda b: b["total"])
+
+
+def _label(stage: dict[str, float], chunks: int, gpus: int) -> str:
+    p, slowest = len(stage), max(stage, key=stage.get)
+    if p == 1:  # the whole job on one device: the node's other GPUs do nothing
+        return f"compute ({slowest}" + (f"; {gpus - 1} GPU(s) unused)" if gpus > 1 else ")")
+    how = f"{p - 1} of {p} devices idle" if chunks == 1 else f"GPipe, {chunks} chunks, {p} stages"
+    return ("host compute" if slowest.startswith("cpu") else "compute") + f" ({how})"
+
+
+def _no_split(used: set[str], hw, e: Estimate) -> str | None:
+    """On one GPU, a map onto that GPU alone is the single strategy with hooks; on several, the largest
+    GPU alone can still be the one place the job fits, so it stays a candidate."""
+    if len(used) == 1 and hw.world_size == 1:
+        return (f"no split: {next(iter(used))} alone holds the job ({e.per_gpu['total'] / 1e9:.1f} GB); "
+                "single runs it without device-map hooks")
+    if hw.nodes > 1:
+        return f"one process on one node: the other {hw.nodes - 1} node(s) would sit idle (ddp and zero* span nodes)"
+    return None
