@@ -46,7 +46,9 @@ class TrainConfig:
     nproc: int | None = None  # local worker processes; None: one per GPU, or 2 on a CPU-only machine
     strategy: str = "zero3"  # one of STRATEGIES, or auto: the fastest that the planner predicts to fit
     device_map: str | None = None  # device_map strategy: MAP.json (docs/device_map.md) or auto: balanced over GPUs, then RAM
-    chunks: int = 1  # device_map and pipeline: pipeline micro-batches each micro-batch is cut into, so devices work at once
+    # device_map and pipeline: pipeline micro-batches each micro-batch is cut into, so devices work at once;
+    # None: 1 for device_map, for pipeline the fewest that divide the micro-batch and fill the stages
+    chunks: int | None = None
     pipeline_schedule: str | None = None  # --strategy pipeline: gpipe, 1f1b or interleaved (1F1B over several stages per process); None: 1f1b
     stages_per_rank: int | None = None  # --strategy pipeline: stages each process runs (interleaved: 2 or more); None: 2 for interleaved, else 1
     pipeline_degree: int | None = None  # --strategy pipeline: processes per pipeline; None: all (data parallel over pipelines is not supported yet)
@@ -168,9 +170,9 @@ def validate(cfg: TrainConfig) -> None:
                           f"{cfg.nproc}; use --nproc 1, or ddp / zero3 for several processes")
     if cfg.strategy != "device_map" and cfg.device_map is not None:
         raise BigfitError(f"--device-map belongs to --strategy device_map, not {cfg.strategy}")
-    if cfg.strategy not in ("device_map", "pipeline") and cfg.chunks != 1:
+    if cfg.strategy not in ("device_map", "pipeline") and cfg.chunks not in (None, 1):
         raise BigfitError(f"--chunks belongs to --strategy device_map or pipeline, not {cfg.strategy}")
-    if isinstance(cfg.chunks, bool) or not isinstance(cfg.chunks, int) or cfg.chunks < 1:
+    if cfg.chunks is not None and (isinstance(cfg.chunks, bool) or not isinstance(cfg.chunks, int) or cfg.chunks < 1):
         raise BigfitError(f"--chunks must be a positive integer, got {cfg.chunks!r}")
     _validate_pipeline(cfg)
 
@@ -212,13 +214,13 @@ def resolve(cfg: TrainConfig, world_size: int) -> TrainConfig:
             f"--micro-batch-size {micro} does not divide the per-process batch {per_rank} "
             f"(--batch-size {cfg.batch_size} / {data_ranks} data-parallel processes); valid: "
             + ", ".join(str(d) for d in range(1, per_rank + 1) if per_rank % d == 0))
-    if cfg.chunks > micro:
+    if (cfg.chunks or 1) > micro:
         raise BigfitError(f"--chunks {cfg.chunks} splits each micro-batch of {micro} samples; use at most {micro} "
                           "(or a larger --micro-batch-size)")
     out = dataclasses.replace(cfg, micro_batch_size=micro, precision=cfg.precision or auto_precision(),
-                              extra=dict(cfg.extra))
+                              chunks=cfg.chunks or 1, extra=dict(cfg.extra))
     if cfg.strategy == "pipeline":
-        out = _resolve_pipeline(out, world_size, micro)
+        out = _resolve_pipeline(dataclasses.replace(out, chunks=cfg.chunks), world_size, micro)
     out.extra.update(world_size=world_size, per_rank_batch=per_rank, grad_accum=per_rank // micro,
                      data_parallel=data_ranks)
     return out
@@ -233,16 +235,20 @@ def _resolve_pipeline(cfg: TrainConfig, world_size: int, micro: int) -> TrainCon
     if world_size < 2:
         raise BigfitError("--strategy pipeline runs one process per stage: use --nproc 2 or more (or device_map, "
                           "which splits the model over the devices of one process)")
-    if micro % cfg.chunks:
+    divisors = [d for d in range(1, micro + 1) if micro % d == 0]
+    if cfg.chunks is not None and micro % cfg.chunks:
         raise BigfitError(f"--chunks {cfg.chunks} must divide the micro-batch of {micro} samples evenly (pipeline "
-                          "stages keep one shape per chunk); valid: "
-                          + ", ".join(str(d) for d in range(1, micro + 1) if micro % d == 0))
+                          f"stages keep one shape per chunk); valid: {', '.join(map(str, divisors))}")
     schedule = cfg.pipeline_schedule or "1f1b"
     per = cfg.stages_per_rank or (2 if schedule == "interleaved" else 1)
+    stages = world_size * per
+    fill = [d for d in divisors if d >= stages and (schedule != "interleaved" or d % world_size == 0)]
+    chunks = cfg.chunks or (fill[0] if fill else micro)  # too small a micro-batch: the layout check says so
     from .pipeline.cut import PipelineLayout
 
-    PipelineLayout(world=world_size, stages_per_rank=per, schedule=schedule, chunks=cfg.chunks)  # checks
-    return dataclasses.replace(cfg, pipeline_schedule=schedule, stages_per_rank=per, pipeline_degree=world_size)
+    PipelineLayout(world=world_size, stages_per_rank=per, schedule=schedule, chunks=chunks)  # checks
+    return dataclasses.replace(cfg, chunks=chunks, pipeline_schedule=schedule, stages_per_rank=per,
+                               pipeline_degree=world_size)
 
 
 def auto_precision() -> str:

@@ -55,31 +55,41 @@ class PipelineLayout:
 
 
 def balance(costs: list[int], parts: int) -> list[tuple[int, int]]:
-    """Cut `costs` (one per block) into `parts` contiguous, non-empty runs [start, stop) so that the
-    largest run's total is as small as possible (ties: earlier cuts). Exact, O(n^2 * parts)."""
+    """Cut `costs` (one per block) into `parts` contiguous, non-empty runs [start, stop): the largest
+    run as small as possible (the slowest stage sets the pace), and among such cuts the most even
+    (least sum of squares), so that one heavy block does not leave the other runs lopsided. Exact
+    dynamic programs, O(n^2 * parts)."""
     n = len(costs)
     if parts > n:
         raise ValueError(f"{parts} parts of {n} blocks")
     prefix = [0]
     for c in costs:
         prefix.append(prefix[-1] + c)
+    run = lambda j, i: prefix[i] - prefix[j]  # noqa: E731
+    worst = _best_cuts(n, parts, lambda acc, j, i: max(acc, run(j, i)))[0]
+    _, cuts = _best_cuts(n, parts, lambda acc, j, i: acc + run(j, i) ** 2 if run(j, i) <= worst else float("inf"))
+    return cuts
+
+
+def _best_cuts(n: int, parts: int, add) -> tuple[float, list[tuple[int, int]]]:
+    """The cut of n blocks into `parts` runs minimising a cost built run by run: add(cost so far,
+    start, stop). best[k][i]: the least cost of the first i blocks in k runs."""
     inf = float("inf")
-    # best[k][i]: the smallest possible largest run when the first i blocks form k runs
     best = [[inf] * (n + 1) for _ in range(parts + 1)]
     cut_at = [[0] * (n + 1) for _ in range(parts + 1)]
     best[0][0] = 0
     for k in range(1, parts + 1):
         for i in range(k, n - (parts - k) + 1):
             for j in range(k - 1, i):
-                worst = max(best[k - 1][j], prefix[i] - prefix[j])
-                if worst < best[k][i]:
-                    best[k][i], cut_at[k][i] = worst, j
+                cost = add(best[k - 1][j], j, i)
+                if cost < best[k][i]:
+                    best[k][i], cut_at[k][i] = cost, j
     runs, i = [], n
     for k in range(parts, 0, -1):
         j = cut_at[k][i]
         runs.append((j, i))
         i = j
-    return runs[::-1]
+    return best[parts][n], runs[::-1]
 
 
 def check_depth(n_blocks: int, layout: PipelineLayout, stacks: str) -> None:

@@ -40,6 +40,7 @@ class PipelineApplied(Applied):
     tied: list = field(default_factory=list)  # (parameter, process group, counted here) per tied group
     device: torch.device | None = None
     generates: bool = False  # generate() would need every stage in one process: use the consolidated model
+    flat_optimizer_state: bool = True  # checkpoints key optimizer settings by parameter (ranks differ)
 
     def __post_init__(self):
         self._schedules: OrderedDict = OrderedDict()
