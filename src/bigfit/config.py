@@ -46,12 +46,10 @@ class TrainConfig:
     nproc: int | None = None  # local worker processes; None: one per GPU, or 2 on a CPU-only machine
     strategy: str = "zero3"  # one of STRATEGIES, or auto: the fastest that the planner predicts to fit
     device_map: str | None = None  # device_map strategy: MAP.json (docs/device_map.md) or auto: balanced over GPUs, then RAM
-    # device_map and pipeline: pipeline micro-batches each micro-batch is cut into, so devices work at once;
-    # None: 1 for device_map, for pipeline the fewest that divide the micro-batch and fill the stages
-    chunks: int | None = None
-    pipeline_schedule: str | None = None  # --strategy pipeline: gpipe, 1f1b or interleaved (1F1B over several stages per process); None: 1f1b
-    stages_per_rank: int | None = None  # --strategy pipeline: stages each process runs (interleaved: 2 or more); None: 2 for interleaved, else 1
-    pipeline_degree: int | None = None  # --strategy pipeline: processes per pipeline; None: all (data parallel over pipelines is not supported yet)
+    chunks: int | None = None  # device_map, pipeline: pipeline micro-batches per micro-batch; None: 1, pipeline: one per stage
+    pipeline_schedule: str | None = None  # pipeline: gpipe, 1f1b or interleaved (1F1B, several stages per process); None: 1f1b
+    stages_per_rank: int | None = None  # pipeline: stages per process (interleaved: 2 or more); None: 2 if interleaved, else 1
+    pipeline_degree: int | None = None  # pipeline: processes per pipeline; None: all (data parallel x pipeline: not yet)
     precision: str | None = "fp32"  # fp32, bf16 or fp16 (fp32 master weights either way); auto: bf16 where supported
     reduce_dtype: str = "fp32"  # dtype gradients are reduced in under bf16/fp16
     loss_scale: float = 0.0  # fp16: a static loss scale; 0 for dynamic scaling
@@ -140,7 +138,8 @@ def check_keys(values: dict, where: str) -> None:
 
 def validate(cfg: TrainConfig) -> None:
     """Checks that need no model, data or processes. Raises BigfitError naming the bad value."""
-    for name, valid in (("strategy", (*STRATEGIES, *SPLIT_STRATEGIES, *PIPELINE_STRATEGIES, "auto")), ("optimizer", OPTIMIZERS), ("lr_schedule", SCHEDULES),
+    strategies = (*STRATEGIES, *SPLIT_STRATEGIES, *PIPELINE_STRATEGIES, "auto")
+    for name, valid in (("strategy", strategies), ("optimizer", OPTIMIZERS), ("lr_schedule", SCHEDULES),
                         ("warmup_type", WARMUPS), ("reduce_dtype", REDUCE_DTYPES)):
         if getattr(cfg, name) not in valid:
             raise one_of(name.replace("_", "-"), getattr(cfg, name), valid)

@@ -65,8 +65,8 @@ def plan_split(model: nn.Module, layout: PipelineLayout) -> Split:
                           "does not know how to carry across stages; use device_map (one process) or zero3")
     if len(stacks) != (2 if encdec else 1):
         found = ", ".join(n for n, _ in stacks) or "none"
-        raise BigfitError(f"--strategy pipeline: {kind} should have {2 if encdec else 1} block stack(s), found {found}; "
-                          "use device_map or zero3 for this model")
+        raise BigfitError(f"--strategy pipeline: {kind} should have {2 if encdec else 1} block stack(s), found "
+                          f"{found}; use device_map or zero3 for this model")
     costs = [sum(p.numel() for p in block.parameters()) for _, blocks in stacks for block in blocks]
     check_depth(len(costs), layout, " + ".join(f"{len(b)} in {n}" for n, b in stacks))
     return Split(stacks, balance(costs, layout.stages), layout)
