@@ -1,7 +1,7 @@
 """`--strategy pipeline` on 2 gloo ranks against the single-process reference, through the real training
 loop: same global batch, data and seed; GPT-2 (tied wte/lm_head on different ranks), a Llama-style
 model (RoPE, GQA) and T5 (tied embeddings on both ranks, 2 encoder + 3 decoder blocks), with GPipe,
-1F1B and interleaved 1F1B (2 ranks x 2 stages); fp32 and bf16; gradient accumulation; clipping;
+1F1B and interleaved 1F1B (2 ranks x 2 stages); fp32, bf16, fp16; gradient accumulation; clipping;
 held-out loss; resume from a pipeline checkpoint; consolidation to a full model. All pipeline jobs
 run in one launch (a 2-rank launch costs ~10 s of imports on this machine).
 
@@ -10,7 +10,8 @@ differ only in the order of fp32 sums (worst seen: loss 1.2e-7 relative, paramet
 autocast rounds per chunk of 2 rows against the reference's whole micro-batches, and padded lengths
 change the bf16 matmul shapes; an element whose gradient is near zero can then flip sign, and AdamW
 moves it by up to 2 x lr per step the other way (bound over 3 steps at lr 3e-3: 1.8e-2; worst seen:
-loss 2.2e-5 relative, parameters 5.7e-3).
+loss 2.2e-5 relative, parameters 5.7e-3). fp16 (static loss scale 1024), likewise: loss 1.4e-6,
+parameters 3.2e-3. The Llama GPipe job also checkpoints its blocks' activations.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from transformers import GPT2Config, LlamaConfig, T5Config
 from conftest import read_jsonl
 from dist import run_ranks
 
-TOL = {"fp32": (1e-6, 4e-5), "bf16": (5e-4, 3e-2)}
+TOL = {"fp32": (1e-6, 4e-5), "bf16": (5e-4, 3e-2), "fp16": (2e-5, 3e-2)}
 STEPS = 3
 # (model, precision, schedule, micro-batch): each a pipeline job on 2 ranks, 2 chunks per micro-batch.
 # The cuts: GPT-2 and Llama 2 + 2 blocks (interleaved: 1 per stage); T5 2 + 3 puts the encoder and the
@@ -31,7 +32,7 @@ STEPS = 3
 # with it, the shared embedding used on rank 0 by both stacks and tied to the head on rank 1).
 CASES = [("gpt2", "fp32", "gpipe", 8), ("gpt2", "fp32", "1f1b", 4), ("llama", "fp32", "gpipe", 4),
          ("llama", "fp32", "1f1b", 8), ("gpt2", "fp32", "interleaved", 8), ("t5", "fp32", "1f1b", 4),
-         ("t5-3+2", "fp32", "interleaved", 8), ("llama", "bf16", "1f1b", 8)]
+         ("t5-3+2", "fp32", "interleaved", 8), ("llama", "bf16", "1f1b", 8), ("gpt2", "fp16", "gpipe", 4)]
 
 
 def t5(encoder: int, decoder: int) -> T5Config:
@@ -58,7 +59,7 @@ def job(model_dir, data, out, strategy, precision="fp32", **kw):
 
     values = dict(model=str(model_dir), data=str(data), output_dir=str(out), strategy=strategy, precision=precision,
                   max_steps=STEPS, batch_size=8, micro_batch_size=4, warmup_steps=0, eval_every=0, save_every=0,
-                  eval_samples=4, num_beams=2, max_new_tokens=4, lr=3e-3)
+                  eval_samples=4, num_beams=2, max_new_tokens=4, lr=3e-3, loss_scale=1024.0 if precision == "fp16" else 0.0)
     return TrainConfig(**{**values, **kw})
 
 
@@ -68,6 +69,8 @@ def pipeline_jobs(dirs, data, root) -> list:
         kw = dict(pipeline_schedule=schedule, chunks=2, micro_batch_size=micro)
         if (family, schedule) == ("gpt2", "1f1b"):
             kw["save_every"] = 2  # resumed below
+        if (family, schedule) == ("llama", "gpipe"):
+            kw["activation_checkpointing"] = True  # after the split, on this rank's blocks: same results
         out.append(job(dirs[family], data, root / f"{family}-{precision}-{schedule}", "pipeline", precision, **kw))
     # from the 1F1B GPT-2 run's step-2 checkpoint to the end, in a fresh output directory
     resume = root / "gpt2-fp32-1f1b" / "checkpoints" / "step-00000002"
