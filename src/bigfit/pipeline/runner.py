@@ -15,6 +15,7 @@
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 from collections import OrderedDict
@@ -27,6 +28,7 @@ import torch.nn.functional as F
 from ..data.tokenize import IGNORE
 from ..distributed import Runtime
 from ..strategies.base import Applied
+from ..train.step import target_tokens, token_loss
 from .cut import PipelineLayout
 
 PAD_TO = 8  # sequence lengths are padded to a multiple of this: fewer shapes, fewer schedules
@@ -64,8 +66,6 @@ class PipelineApplied(Applied):
         rows = batch["labels"].shape[0]
         batch = _fill_rows(batch, -rows % self.layout.chunks)
         loss = self._run(batch, seq2seq, 1.0, train=False)
-        from ..train.step import target_tokens
-
         return (loss.item(), target_tokens(batch["labels"], seq2seq)) if self._holds_last else (0.0, 0)
 
     def _run(self, batch: dict, seq2seq: bool, factor: float, train: bool) -> torch.Tensor:
@@ -84,8 +84,6 @@ class PipelineApplied(Applied):
         return torch.stack(sums).double().sum() if sums else torch.zeros((), dtype=torch.float64, device=self.device)
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor, seq2seq: bool) -> torch.Tensor:
-        from ..train.step import token_loss
-
         loss = token_loss(logits, labels, seq2seq)
         self._sums.append(loss.detach())
         return loss * self._factor
@@ -98,7 +96,7 @@ class PipelineApplied(Applied):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
         stages = [PipelineStage(m, m.index, self.layout.stages, self.device) for m in self.stage_modules]
-        loss = lambda logits, labels: self._loss(logits, labels, seq2seq)  # noqa: E731
+        loss = functools.partial(self._loss, seq2seq=seq2seq)
         if self.layout.schedule == "interleaved":
             schedule = ScheduleInterleaved1F1B(stages, self.layout.chunks, loss_fn=loss, scale_grads=False)
         else:

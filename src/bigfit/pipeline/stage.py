@@ -39,10 +39,10 @@ class StageModule(nn.Module):
         self.start, self.stop = split.runs[index]
         self.n = split.n_blocks
         self.enc = len(split.stacks[0][1]) if len(split.stacks) == 2 else None  # encoder depth (T5)
-        self._stacks = [(name, split.offsets[k], len(blocks)) for k, (name, blocks) in enumerate(split.stacks)]
-        self._views = [sparse_list({i: blocks[i] for i in range(len(blocks))
-                                    if self.start <= off + i < self.stop}) for (_, off, _), (_, blocks) in
-                       zip(self._stacks, split.stacks)]
+        self._stacks, self._views = [], []  # (path, global index of its block 0, depth); this stage's blocks
+        for (name, blocks), off in zip(split.stacks, split.offsets):
+            self._stacks.append((name, off, len(blocks)))
+            self._views.append(sparse_list({i: b for i, b in enumerate(blocks) if self.start <= off + i < self.stop}))
 
     @property
     def is_last(self) -> bool:
