@@ -11,7 +11,8 @@ import os
 import sys
 from pathlib import Path
 
-from .config import AUTO, PLANNED, PRECISIONS, SPLIT_STRATEGIES, STRATEGIES, TrainConfig, load_config_file, validate
+from .config import (AUTO, PIPELINE_STRATEGIES, PLANNED, PRECISIONS, SPLIT_STRATEGIES, STRATEGIES, TrainConfig,
+                     load_config_file, validate)
 from .distributed import launched_by_torchrun_env
 from .errors import BigfitError
 
@@ -54,7 +55,7 @@ def _train_parser(sub) -> None:
             continue
         kw = dict(help=helps.get(f.name, ""), type=_flag_type(f))
         if f.name == "strategy":
-            kw["help"] += f" ({', '.join(STRATEGIES + SPLIT_STRATEGIES)})"
+            kw["help"] += f" ({', '.join(STRATEGIES + SPLIT_STRATEGIES + PIPELINE_STRATEGIES)})"
         if f.name == "precision":
             kw["help"] += f" ({', '.join(PRECISIONS)})"
         p.add_argument("--" + f.name.replace("_", "-"), dest=f.name, **kw)
@@ -194,6 +195,10 @@ def train_command(argv: list[str], ns: argparse.Namespace) -> int:
         from .device_map.strategy import check
 
         check(job.cfg, job.model_config)
+    if cfg.strategy == "pipeline":  # the cut into stages, on the meta device
+        from .pipeline import check
+
+        check(job.cfg, job.model_config, nproc)
     if nproc == 1:
         from .train.loop import train
 

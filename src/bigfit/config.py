@@ -16,6 +16,9 @@ from .errors import BigfitError, one_of
 STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3", "zero2-offload", "zero3-offload", "zero2-offload-nvme")
 # ...and the model split over devices by one process (naive model parallelism, optionally GPipe chunks)
 SPLIT_STRATEGIES = ("device_map",)
+# ...and the model cut into stages, one process per stage (or more: interleaved), torch.distributed.pipelining
+PIPELINE_STRATEGIES = ("pipeline",)
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved")
 PRECISIONS = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("adamw", "adam")
 SCHEDULES = ("linear", "cosine", "constant")
@@ -43,7 +46,10 @@ class TrainConfig:
     nproc: int | None = None  # local worker processes; None: one per GPU, or 2 on a CPU-only machine
     strategy: str = "zero3"  # one of STRATEGIES, or auto: the fastest that the planner predicts to fit
     device_map: str | None = None  # device_map strategy: MAP.json (docs/device_map.md) or auto: balanced over GPUs, then RAM
-    chunks: int = 1  # --strategy device_map: GPipe micro-batches per forward, so the devices work at once
+    chunks: int | None = None  # device_map, pipeline: pipeline micro-batches per micro-batch; None: 1, pipeline: one per stage
+    pipeline_schedule: str | None = None  # pipeline: gpipe, 1f1b or interleaved (1F1B, several stages per process); None: 1f1b
+    stages_per_rank: int | None = None  # pipeline: stages per process (interleaved: 2 or more); None: 2 if interleaved, else 1
+    pipeline_degree: int | None = None  # pipeline: processes per pipeline; None: all (data parallel x pipeline: not yet)
     precision: str | None = "fp32"  # fp32, bf16 or fp16 (fp32 master weights either way); auto: bf16 where supported
     reduce_dtype: str = "fp32"  # dtype gradients are reduced in under bf16/fp16
     loss_scale: float = 0.0  # fp16: a static loss scale; 0 for dynamic scaling
@@ -132,7 +138,8 @@ def check_keys(values: dict, where: str) -> None:
 
 def validate(cfg: TrainConfig) -> None:
     """Checks that need no model, data or processes. Raises BigfitError naming the bad value."""
-    for name, valid in (("strategy", (*STRATEGIES, *SPLIT_STRATEGIES, "auto")), ("optimizer", OPTIMIZERS), ("lr_schedule", SCHEDULES),
+    strategies = (*STRATEGIES, *SPLIT_STRATEGIES, *PIPELINE_STRATEGIES, "auto")
+    for name, valid in (("strategy", strategies), ("optimizer", OPTIMIZERS), ("lr_schedule", SCHEDULES),
                         ("warmup_type", WARMUPS), ("reduce_dtype", REDUCE_DTYPES)):
         if getattr(cfg, name) not in valid:
             raise one_of(name.replace("_", "-"), getattr(cfg, name), valid)
@@ -160,10 +167,32 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.strategy in ("single", *SPLIT_STRATEGIES) and (cfg.nproc or 1) > 1:
         raise BigfitError(f"strategy {cfg.strategy!r} runs one process (which drives every device), but --nproc is "
                           f"{cfg.nproc}; use --nproc 1, or ddp / zero3 for several processes")
-    if cfg.strategy != "device_map" and (cfg.device_map is not None or cfg.chunks != 1):
-        raise BigfitError(f"--device-map and --chunks belong to --strategy device_map, not {cfg.strategy}")
-    if isinstance(cfg.chunks, bool) or not isinstance(cfg.chunks, int) or cfg.chunks < 1:
+    if cfg.strategy != "device_map" and cfg.device_map is not None:
+        raise BigfitError(f"--device-map belongs to --strategy device_map, not {cfg.strategy}")
+    if cfg.strategy not in ("device_map", "pipeline") and cfg.chunks not in (None, 1):
+        raise BigfitError(f"--chunks belongs to --strategy device_map or pipeline, not {cfg.strategy}")
+    if cfg.chunks is not None and (isinstance(cfg.chunks, bool) or not isinstance(cfg.chunks, int) or cfg.chunks < 1):
         raise BigfitError(f"--chunks must be a positive integer, got {cfg.chunks!r}")
+    _validate_pipeline(cfg)
+
+
+def _validate_pipeline(cfg: TrainConfig) -> None:
+    given = [f"--{n.replace('_', '-')}" for n in ("pipeline_schedule", "stages_per_rank", "pipeline_degree")
+             if getattr(cfg, n) is not None]
+    if cfg.strategy != "pipeline":
+        if given:
+            raise BigfitError(f"{', '.join(given)} belong(s) to --strategy pipeline, not {cfg.strategy}")
+        return
+    if cfg.pipeline_schedule is not None and cfg.pipeline_schedule not in PIPELINE_SCHEDULES:
+        raise one_of("--pipeline-schedule", cfg.pipeline_schedule, PIPELINE_SCHEDULES)
+    if cfg.stages_per_rank is not None and cfg.stages_per_rank < 1:
+        raise BigfitError(f"--stages-per-rank must be at least 1, got {cfg.stages_per_rank}")
+    if cfg.nproc == 1:
+        raise BigfitError("--strategy pipeline runs one process per stage: use --nproc 2 or more (or device_map, "
+                          "which splits the model over the devices of one process)")
+    if "auto" in (cfg.batch_size, cfg.micro_batch_size):
+        raise BigfitError("--strategy pipeline is not in the planner yet: give --batch-size and --micro-batch-size "
+                          "as numbers")
 
 
 def resolve(cfg: TrainConfig, world_size: int) -> TrainConfig:
@@ -172,24 +201,53 @@ def resolve(cfg: TrainConfig, world_size: int) -> TrainConfig:
     validate(cfg)
     if "auto" in (cfg.strategy, cfg.batch_size, cfg.micro_batch_size):
         raise BigfitError("'auto' strategy and batch sizes are planned before the job is resolved (bigfit train does)")
-    if cfg.batch_size % world_size:
+    data_ranks = 1 if cfg.strategy == "pipeline" else world_size  # every pipeline stage sees the whole batch
+    if cfg.batch_size % data_ranks:
         raise BigfitError(
             f"--batch-size {cfg.batch_size} is not divisible by the {world_size} processes; "
             f"use a multiple of {world_size}")
-    per_rank = cfg.batch_size // world_size
+    per_rank = cfg.batch_size // data_ranks
     micro = cfg.micro_batch_size or per_rank
     if per_rank % micro:
         raise BigfitError(
             f"--micro-batch-size {micro} does not divide the per-process batch {per_rank} "
-            f"(--batch-size {cfg.batch_size} / {world_size} processes); valid: "
+            f"(--batch-size {cfg.batch_size} / {data_ranks} data-parallel processes); valid: "
             + ", ".join(str(d) for d in range(1, per_rank + 1) if per_rank % d == 0))
-    if cfg.chunks > micro:
+    if (cfg.chunks or 1) > micro:
         raise BigfitError(f"--chunks {cfg.chunks} splits each micro-batch of {micro} samples; use at most {micro} "
                           "(or a larger --micro-batch-size)")
     out = dataclasses.replace(cfg, micro_batch_size=micro, precision=cfg.precision or auto_precision(),
-                              extra=dict(cfg.extra))
-    out.extra.update(world_size=world_size, per_rank_batch=per_rank, grad_accum=per_rank // micro)
+                              chunks=cfg.chunks or 1, extra=dict(cfg.extra))
+    if cfg.strategy == "pipeline":
+        out = _resolve_pipeline(dataclasses.replace(out, chunks=cfg.chunks), world_size, micro)
+    out.extra.update(world_size=world_size, per_rank_batch=per_rank, grad_accum=per_rank // micro,
+                     data_parallel=data_ranks)
     return out
+
+
+def _resolve_pipeline(cfg: TrainConfig, world_size: int, micro: int) -> TrainConfig:
+    if cfg.pipeline_degree not in (None, world_size):
+        raise BigfitError(f"--pipeline-degree {cfg.pipeline_degree} of {world_size} processes would run "
+                          f"{world_size / cfg.pipeline_degree:g} pipelines side by side (data parallel over "
+                          f"pipelines), which is not supported yet; use --pipeline-degree {world_size} (every "
+                          "process one pipeline position), or zero3 / ddp for data parallelism")
+    if world_size < 2:
+        raise BigfitError("--strategy pipeline runs one process per stage: use --nproc 2 or more (or device_map, "
+                          "which splits the model over the devices of one process)")
+    divisors = [d for d in range(1, micro + 1) if micro % d == 0]
+    if cfg.chunks is not None and micro % cfg.chunks:
+        raise BigfitError(f"--chunks {cfg.chunks} must divide the micro-batch of {micro} samples evenly (pipeline "
+                          f"stages keep one shape per chunk); valid: {', '.join(map(str, divisors))}")
+    schedule = cfg.pipeline_schedule or "1f1b"
+    per = cfg.stages_per_rank or (2 if schedule == "interleaved" else 1)
+    stages = world_size * per
+    fill = [d for d in divisors if d >= stages and (schedule != "interleaved" or d % world_size == 0)]
+    chunks = cfg.chunks or (fill[0] if fill else micro)  # too small a micro-batch: the layout check says so
+    from .pipeline.cut import PipelineLayout
+
+    PipelineLayout(world=world_size, stages_per_rank=per, schedule=schedule, chunks=chunks)  # checks
+    return dataclasses.replace(cfg, chunks=chunks, pipeline_schedule=schedule, stages_per_rank=per,
+                               pipeline_degree=world_size)
 
 
 def auto_precision() -> str:

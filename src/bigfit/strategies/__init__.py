@@ -3,8 +3,9 @@
 `apply_strategy` is the one place where they are applied, always in this order (torchtitan's):
     split (device map / pipeline stages) -> tensor parallel -> activation checkpointing
     -> compile -> sharding (DDP / ZeRO via FSDP2) -> offload
-The split by a device map is bigfit.device_map (one process drives every device); pipeline stages,
-tensor parallelism and compile are later work; each slots into its place here.
+The split by a device map is bigfit.device_map (one process drives every device); the split into
+pipeline stages across processes is bigfit.pipeline; tensor parallelism and compile are later
+work; each slots into its place here.
 """
 from __future__ import annotations
 
@@ -36,6 +37,13 @@ def apply_strategy(model: torch.nn.Module, cfg, rt: Runtime) -> Applied:
         from ..device_map.strategy import apply_device_map
 
         applied = apply_device_map(model, cfg, rt)
+        if cfg.activation_checkpointing:
+            applied.notes.append(f"activation checkpointing on {apply_activation_checkpointing(model)} blocks")
+        return applied
+    if cfg.strategy == "pipeline":  # split first: checkpointing then wraps only this rank's blocks
+        from ..pipeline import apply_pipeline
+
+        applied = apply_pipeline(model, cfg, rt)
         if cfg.activation_checkpointing:
             applied.notes.append(f"activation checkpointing on {apply_activation_checkpointing(model)} blocks")
         return applied

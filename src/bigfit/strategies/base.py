@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -19,6 +20,12 @@ class Applied:
     strategy: str
     autocast: torch.dtype | None = None  # autocast dtype for forward passes (mixed precision without FSDP)
     notes: list[str] = field(default_factory=list)  # what was applied, for the start-of-run table
+    generates: bool = True  # evaluation may call generate() (not across pipeline stages)
+
+    def data_runtime(self, rt):
+        """The ranks the global batch is divided over: every rank, except where ranks are pipeline
+        stages that all see the whole batch."""
+        return rt
 
     def forward_context(self):
         if self.autocast is None:
@@ -39,6 +46,16 @@ class Applied:
 
     def reshard(self) -> None:
         """Return parameters to their at-rest layout after forward passes without backward."""
+
+    def finish_backward(self) -> None:
+        """Combine gradients that the engine left apart (tied copies on pipeline stages); a no-op here."""
+
+    def clip_grad_norm(self, params: list, max_norm: float) -> float:
+        """The global gradient norm (clipped to `max_norm` when it is positive)."""
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf)
+        if hasattr(norm, "full_tensor"):  # a DTensor under FSDP2
+            norm = norm.full_tensor()
+        return float(norm)
 
     def make_optimizer(self, cls, **kw) -> torch.optim.Optimizer:
         return cls(self.model.parameters(), **kw)

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
-                                                     set_state_dict)
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_model_state_dict, set_state_dict)
 from torch.distributed.tensor import DTensor
 
 from ..distributed import Runtime, barrier
@@ -73,11 +73,17 @@ def _state(applied, optimizer) -> dict:
     if hasattr(optimizer, "checkpoint_state"):
         return optimizer.checkpoint_state(applied.module)
     if not hasattr(optimizer, "owned"):
-        model_sd, optim_sd = get_state_dict(applied.model, optimizer)
+        model_sd, optim_sd = get_state_dict(applied.model, optimizer, options=_options(applied))
         return {"model": model_sd, "optim": optim_sd}
     names = {id(p): n for n, p in applied.module.named_parameters()}
     states = {names[id(p)]: {k: _like(v, p) for k, v in st.items()} for p, st in optimizer.owned()}
     return {"model": get_model_state_dict(applied.model), "optim": {"state": states}}
+
+
+def _options(applied) -> StateDictOptions:
+    """Pipeline ranks hold different parameters: their optimizer's param_groups, one list per rank under
+    the same key, would overwrite each other in DCP; flattened, every entry is keyed by its parameter."""
+    return StateDictOptions(flatten_optimizer_state_dict=getattr(applied, "flat_optimizer_state", False))
 
 
 def _like(v: torch.Tensor, p) -> torch.Tensor:
@@ -145,7 +151,8 @@ def load(path: Path, applied, optimizer, rt: Runtime) -> dict:
     elif hasattr(optimizer, "owned"):  # states were loaded in place; the model goes through DCP's setter
         set_model_state_dict(applied.model, state["model"])
     else:
-        set_state_dict(applied.model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(applied.model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=_options(applied))
     trainer = json.loads((path / "trainer.json").read_text())
     rng_file = path / f"rank-{rt.rank}.pt"
     if trainer.get("world_size") == rt.world_size and rng_file.is_file():

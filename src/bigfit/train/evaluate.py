@@ -5,6 +5,8 @@ reference after whitespace normalisation).
 Every rank runs the same number of forward passes (sharded strategies gather parameters inside each
 forward, a collective): a rank whose share of the last batch is empty repeats a sample and drops its
 result, and generate() runs with synced_gpus so that ranks whose beams finish early keep stepping.
+Pipeline stages evaluate the held-out loss through their schedule; generate() would need every stage
+in one process, so under `--strategy pipeline` there is no BLEU: generate with the consolidated model.
 """
 from __future__ import annotations
 
@@ -37,13 +39,14 @@ def evaluate(applied: Applied, samples: list[dict], *, tokenizer, pad_id: int, s
     was_training = model.training
     model.eval()
     loss, tokens, pairs = 0.0, 0, []
+    generate = seq2seq and applied.generates
     try:
-        for items, n_real in shard_batches(samples, rt, batch_size):
+        for items, n_real in shard_batches(samples, applied.data_runtime(rt), batch_size):
             batch = collate(items, pad_id, rt.device)
-            l, n = loss_sum(applied, batch, seq2seq), target_tokens(batch["labels"], seq2seq)
+            l, n = _loss_and_tokens(applied, batch, seq2seq)
             if n_real:
-                loss, tokens = loss + l.item(), tokens + n
-            if seq2seq:
+                loss, tokens = loss + l, tokens + n
+            if generate:
                 texts = _generate(applied, batch, tokenizer, num_beams, max_new_tokens, rt)
                 pairs += [(t, s["target"]) for t, s in zip(texts[:n_real], items[:n_real])]
     finally:
@@ -52,11 +55,19 @@ def evaluate(applied: Applied, samples: list[dict], *, tokenizer, pad_id: int, s
     loss, tokens = all_reduce_sum([loss, tokens], rt)
     out = {"eval_loss": loss / max(tokens, 1.0)}
     out["eval_ppl"] = float(torch.tensor(out["eval_loss"]).exp())
-    if seq2seq:
+    if generate:
         gathered = gather_objects(pairs, rt)
         if rt.is_main:
             out.update(score([p for part in gathered for p in part]))
     return out
+
+
+def _loss_and_tokens(applied: Applied, batch: dict, seq2seq: bool) -> tuple[float, int]:
+    """This rank's share of the batch's summed loss and target tokens (pipeline ranks other than the
+    last stage's report zeros: the sum over ranks is the batch's)."""
+    if hasattr(applied, "eval_batch"):
+        return applied.eval_batch(batch, seq2seq)
+    return loss_sum(applied, batch, seq2seq).item(), target_tokens(batch["labels"], seq2seq)
 
 
 def _generate(applied: Applied, batch: dict, tokenizer, num_beams: int, max_new_tokens: int, rt: Runtime) -> list[str]:

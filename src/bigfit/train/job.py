@@ -53,12 +53,21 @@ def describe(job: Job, n_params: int, device, notes: list[str]) -> list[tuple[st
         ("data", f"{data}: {len(job.dataset.train)} train / {len(job.dataset.eval)} eval samples"),
         ("strategy", f"{c.strategy}, precision {c.precision}, on {x['world_size']} x {device.type}"
                      + "".join(f"; {n}" for n in notes)),
-        ("batch", f"global {c.batch_size} = {x['world_size']} processes x {x['grad_accum']} accumulation "
-                  f"x micro-batch {c.micro_batch_size}"),
+        ("batch", f"global {c.batch_size} = {x['data_parallel']} processes x {x['grad_accum']} accumulation "
+                  f"x micro-batch {c.micro_batch_size}" + (f" (all {x['world_size']} pipeline stages see it whole, "
+                                                           f"in {c.chunks} chunks)" if c.strategy == "pipeline" else "")),
         ("schedule", f"{c.max_steps} steps, {c.optimizer} lr {c.lr:g} ({c.warmup_type} warm-up {c.warmup_steps}, "
                      f"{c.lr_schedule} after), weight decay {c.weight_decay:g}, clip {c.max_grad_norm:g}, seed {c.seed}"),
-        ("eval", f"every {c.eval_every or 'end'}: loss" + (f", beam-{c.num_beams} generate, BLEU and exact match"
-                                                           if job.seq2seq else ", perplexity")),
+        ("eval", f"every {c.eval_every or 'end'}: loss" + _eval_extras(job)),
         ("checkpoints", f"every {c.save_every or 'end'} steps in {Path(c.output_dir) / 'checkpoints'}"
                         + (f"; resuming from {job.resume_from}" if job.resume_from else "")),
     ]
+
+
+def _eval_extras(job: Job) -> str:
+    c = job.cfg
+    if not job.seq2seq:
+        return ", perplexity"
+    if c.strategy == "pipeline":  # generate() would need every stage in one process
+        return "; no generate() across pipeline stages (generate with OUTPUT/model)"
+    return f", beam-{c.num_beams} generate, BLEU and exact match"

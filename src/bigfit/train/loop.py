@@ -82,7 +82,8 @@ def _train(job: Job, rt: Runtime) -> dict:
     last_eval, last_ckpt, t_start = first_eval, None, time.perf_counter()
     while step < cfg.max_steps:
         t0 = time.perf_counter()
-        micro = batcher.micro_batches(step, rt.rank, rt.world_size, cfg.micro_batch_size)
+        data = applied.data_runtime(rt)  # pipeline stages all read the whole batch
+        micro = batcher.micro_batches(step, data.rank, data.world_size, cfg.micro_batch_size)
         record = train_step(applied, optimizer, [[ds.train[i] for i in mb] for mb in micro], pad_id=ds.pad_id,
                             seq2seq=job.seq2seq, rt=rt, lr=lr_at(step, cfg), max_grad_norm=cfg.max_grad_norm,
                             scaler=scaler)

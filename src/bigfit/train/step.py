@@ -21,8 +21,7 @@ from ..strategies import Applied
 
 
 def loss_sum(applied: Applied, batch: dict, seq2seq: bool) -> torch.Tensor:
-    """Summed token cross-entropy (fp32, from the logits: some models compute their own loss in
-    the low-precision compute dtype); `target_tokens` counts the tokens it covers."""
+    """Summed token cross-entropy of one forward pass; `target_tokens` counts the tokens it covers."""
     labels = batch["labels"]
     with applied.forward_context():
         if seq2seq:
@@ -32,9 +31,16 @@ def loss_sum(applied: Applied, batch: dict, seq2seq: bool) -> torch.Tensor:
         else:
             logits = applied.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                                    use_cache=False).logits
-            logits, labels = logits[:, :-1], labels[:, 1:]
-    loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum")
-    return loss
+    return token_loss(logits, labels, seq2seq)
+
+
+def token_loss(logits: torch.Tensor, labels: torch.Tensor, seq2seq: bool) -> torch.Tensor:
+    """Summed token cross-entropy in fp32, from the logits (some models compute their own loss in
+    the low-precision compute dtype). A decoder-only model predicts position t+1 from t. Pipeline
+    stages compute this same loss on their last stage."""
+    if not seq2seq:
+        logits, labels = logits[:, :-1], labels[:, 1:]
+    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum")
 
 
 def _chunked_loss_sum(applied: Applied, batch: dict, seq2seq: bool) -> torch.Tensor:
@@ -79,20 +85,24 @@ def train_step(applied: Applied, optimizer, micro_batches: list[list[dict]], *, 
     host = [collate(mb, pad_id) for mb in micro_batches]
     local_tokens = sum(target_tokens(b["labels"], seq2seq) for b in host)  # counted on the host: no device sync
     batches = [{k: v.to(rt.device) for k, v in b.items()} for b in host]
-    total_tokens, = all_reduce_sum([local_tokens], rt)
+    data = applied.data_runtime(rt)  # the ranks the global batch is divided over
+    total_tokens, = all_reduce_sum([local_tokens], data)
     loss_scale = scaler.scale if scaler else 1.0
-    factor = loss_scale * rt.world_size / max(total_tokens, 1.0)
+    factor = loss_scale * data.world_size / max(total_tokens, 1.0)
     local_loss = torch.zeros((), dtype=torch.float64, device=rt.device)
     for group in optimizer.param_groups:  # before backward: the offload engine may step during it
         group["lr"] = lr
     for i, batch in enumerate(batches):
-        with applied.accumulation_context(sync=i == len(batches) - 1):
-            loss = _chunked_loss_sum(applied, batch, seq2seq)
-            (loss * factor).backward()
+        if hasattr(applied, "run_batch"):  # pipeline stages: forward and backward inside the schedule
+            loss = applied.run_batch(batch, seq2seq, factor)
+        else:
+            with applied.accumulation_context(sync=i == len(batches) - 1):
+                loss = _chunked_loss_sum(applied, batch, seq2seq)
+                (loss * factor).backward()
         local_loss += loss.detach()  # summed on the device: one sync per step, not per micro-batch
     grad_norm = _update(applied, optimizer, max_grad_norm, loss_scale)
     overflow = not math.isfinite(grad_norm)  # the norm is global: every rank skips the same steps
-    total_loss, = all_reduce_sum([local_loss.item()], rt)
+    total_loss, = all_reduce_sum([local_loss.item()], rt)  # pipeline: only the last stage's rank has it
     out = {"loss": total_loss / max(total_tokens, 1.0), "tokens": int(total_tokens), "grad_norm": grad_norm, "lr": lr}
     if scaler:
         scaler.update(overflow)
@@ -104,19 +114,13 @@ def _update(applied: Applied, optimizer, max_norm: float, loss_scale: float) -> 
     """Unscale, clip and step, unless the gradients overflowed; returns the global gradient norm."""
     if hasattr(optimizer, "clip_and_step"):  # the offload engine unscales and clips inside its host step
         return optimizer.clip_and_step(max_norm, loss_scale)
+    applied.finish_backward()
     params = [p for p in applied.model.parameters() if p.grad is not None]
     if loss_scale != 1.0:
         for p in params:
             p.grad.div_(loss_scale)
-    grad_norm = _clip(params, max_norm)
+    grad_norm = applied.clip_grad_norm(params, max_norm)
     if math.isfinite(grad_norm):
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return grad_norm
-
-
-def _clip(params, max_norm: float) -> float:
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf)
-    if hasattr(norm, "full_tensor"):  # a DTensor under FSDP2
-        norm = norm.full_tensor()
-    return float(norm)

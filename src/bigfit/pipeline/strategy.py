@@ -1,0 +1,124 @@
+"""`--strategy pipeline`: the split step of `strategies.apply_strategy` for pipelines across processes.
+
+Every rank plans the same split on its copy of the model (rank 0's is real, the others' are on the
+meta device), prunes it to its own stages, and only then gets weights: rank 0 sends each other rank
+just the tensors that rank kept, so no rank but 0 ever holds more than its stages.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..distributed import Runtime, gather_objects
+from ..errors import BigfitError
+from ..precision import compute_dtype
+from .cut import PipelineLayout
+from .runner import PipelineApplied
+from .split import Split, plan_split, prune, tied_groups
+from .stage import StageModule
+
+
+def layout_of(cfg, world: int) -> PipelineLayout:
+    return PipelineLayout(world=world, stages_per_rank=cfg.stages_per_rank, schedule=cfg.pipeline_schedule,
+                          chunks=cfg.chunks)
+
+
+def check(cfg, model_config, world: int) -> str:
+    """Every check of the split before any process or weight (on a meta-device model)."""
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+    auto = AutoModelForSeq2SeqLM if getattr(model_config, "is_encoder_decoder", False) else AutoModelForCausalLM
+    with torch.device("meta"):
+        model = auto.from_config(model_config)
+    split = plan_split(model, layout_of(cfg, world))
+    tied_groups(model, split)  # raises for models whose non-block modules cannot be placed
+    return describe(split)
+
+
+def describe(split: Split) -> str:
+    parts = []
+    for s, (a, b) in enumerate(split.runs):
+        first, last = split.where(a), split.where(b - 1)
+        name = lambda k, i: f"{split.stacks[k][0]}.{i}"  # noqa: E731
+        parts.append(f"stage {s} (rank {split.layout.rank_of(s)}): {name(*first)}" +
+                     (f"..{name(*last)}" if b - a > 1 else ""))
+    return "; ".join(parts)
+
+
+def apply_pipeline(model: torch.nn.Module, cfg, rt: Runtime) -> PipelineApplied:
+    if not rt.distributed:
+        raise BigfitError("--strategy pipeline runs one stage (or more) per process: use --nproc 2 or more, "
+                          "or device_map for one process")
+    layout = layout_of(cfg, rt.world_size)
+    split = plan_split(model, layout)
+    groups = tied_groups(model, split)
+    full = _all_tensors(model) if rt.is_main else {}
+    prune(model, split, layout.stages_of(rt.rank))
+    _materialise(model, full, rt)
+    del full
+    mods = [StageModule(model, split, s, compute_dtype(cfg.precision)) for s in layout.stages_of(rt.rank)]
+    tied = _tied(model, groups, rt)
+    notes = [f"pipeline {layout.schedule}, {layout.stages} stages, {layout.chunks} chunks per micro-batch: "
+             f"{describe(split)}"]
+    if tied:
+        notes.append(f"tied across stages (gradients summed each step): {', '.join(g[0][0] for g in groups)}")
+    if getattr(model.config, "is_encoder_decoder", False):
+        notes.append("evaluation: held-out loss only (generate() needs every stage in one process: use the "
+                     "consolidated model)")
+    if layout.chunks < layout.stages:
+        notes.append(f"only {layout.chunks} chunks for {layout.stages} stages: most stages wait; use --chunks "
+                     f"{layout.stages} or more")
+    return PipelineApplied(model=model, module=model, strategy="pipeline", notes=notes, stage_modules=mods,
+                           layout=layout, tied=tied, device=rt.device)
+
+
+def _all_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer by every name (references, not copies), before pruning."""
+    out = {n: p.detach() for n, p in model.named_parameters(remove_duplicate=False)}
+    out.update({n: b for n, b in model.named_buffers(remove_duplicate=False)})
+    return out
+
+
+@torch.no_grad()
+def _materialise(model: torch.nn.Module, full: dict, rt: Runtime) -> None:
+    """Rank 0's values into every rank's kept tensors, by point-to-point sends in a fixed order:
+    each rank lists what it kept (one tensor once, under its first name); rank 0 sends exactly that."""
+    from ..strategies import _to_empty
+
+    if rt.is_main:
+        model.to(rt.device)
+    elif any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+        _to_empty(model, rt.device)
+    mine = _kept(model)
+    wanted = gather_objects(list(mine), rt)
+    if rt.is_main:
+        for rank in range(1, rt.world_size):
+            for name in wanted[rank]:
+                dist.send(full[name].to(rt.device).contiguous(), dst=rank)
+    else:
+        for name, t in mine.items():
+            buf = torch.empty_like(t)
+            dist.recv(buf, src=0)
+            t.copy_(buf)
+
+
+def _kept(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    out, seen = {}, set()
+    for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        if id(t) not in seen:
+            seen.add(id(t))
+            out[name] = t
+    return out
+
+
+def _tied(model: torch.nn.Module, groups, rt: Runtime) -> list:
+    """(parameter, its ranks' process group, counted here) for the tied groups this rank is in.
+    Every rank creates every group, in the same order (new_group is collective)."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    out = []
+    for names, ranks in groups:
+        group = dist.new_group(ranks)
+        if rt.rank in ranks:
+            p = next(params[n] for n in names if n in params)
+            out.append((p, group, rt.rank == ranks[0]))
+    return out
