@@ -8,6 +8,8 @@
 #   bash benchmarks/gpu_runs.sh offload-scaling  issue 5 without accumulation alone on the host's CPU side
 #     (GPU 0), beside issue 7's scaling.py on 1 GPU (GPU 1) and on 2 GPUs (GPUs 2, 3)
 #   bash benchmarks/gpu_runs.sh scaling4       issue 7: scaling.py on 4 GPUs, then t5-3b over 2 GPUs
+#   bash benchmarks/gpu_runs.sh pipeline       issue 7: benchmarks/pipeline.py on 2 and 4 GPUs
+#   (peers12 and final: this session's 2-GPU calls, kept as they ran; RESULTS.md)
 # 16 cores is the core count of the single-GPU machine that issue 5's figures come from. Jobs that
 # share the host's memory bandwidth can slow each other's CPU optimizer: the offload jobs go on
 # different NUMA nodes where there are two. Everything lands in $OUT/<part>.tgz (one file back).
@@ -18,6 +20,8 @@ python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>&
 DS_BUILD_OPS=0 python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site \
   .whl/deepspeed-*.tar.gz 2>&1 | tail -1
 export BIGFIT_SKIP_INSTALL=1
+# DeepSpeed's FusedAdam build reads torch 2.11's arch list ("9.0a") and fails: name the arch
+export TORCH_CUDA_ARCH_LIST=9.0
 nproc; nvidia-smi -L; lscpu | grep -i "numa node"
 # cores by NUMA node: the offload jobs get the first 16 of the first and of the last node (the same
 # node's next 16 where there is one node); the light jobs get 8 each from the first node's end
@@ -74,8 +78,6 @@ peers12)  # 2 GPUs: a hang hunt on GPU 0 beside issue 7's peers on 1 GPU, then t
     --out $r/s2/scaling.jsonl
   ;;
 final)  # 2 GPUs: the delayed update after its fix (GPU 0) beside DeepSpeed ZeRO-3 on 1 GPU, then on 2
-  # DeepSpeed's FusedAdam build reads torch 2.11's arch list ("9.0a") and fails: name the arch
-  export TORCH_CUDA_ARCH_LIST=9.0
   mkdir -p $r/main $r/s1 $r/s2
   job main 0 "$c_main" 110 python3 benchmarks/strategies.py --size 3b --mbs 4 --seq 2048 \
     --steps 4 --warmup 2 --timeout 105 --strategies zero2-offload+delayed --out $r/main/offload.jsonl
@@ -84,6 +86,13 @@ final)  # 2 GPUs: the delayed update after its fix (GPU 0) beside DeepSpeed ZeRO
   wait
   job s2 0,1 "$c_main" 90 python3 benchmarks/scaling.py --gpus 2 --timeout 85 --methods ds-z3 --size 3b \
     --out $r/s2/scaling.jsonl
+  ;;
+pipeline)  # issue 7 item 2: schedules' bubbles and pipeline against zero3, on 2 GPUs then on 4
+  mkdir -p $r/pipe
+  job p2 0,1 "$c_main" 280 python3 benchmarks/pipeline.py --gpus 2 --size 3b --out $r/pipe/pipeline.jsonl
+  wait
+  job p4 0,1,2,3 "$(pick "$first_node" 1 $((n0 > 48 ? 48 : n0)))" 280 python3 benchmarks/pipeline.py --gpus 4 \
+    --size 3b --out $r/pipe/pipeline.jsonl
   ;;
 esac
 wait

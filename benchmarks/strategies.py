@@ -9,7 +9,8 @@ tokens), bf16, AdamW, micro-batch x sequence tokens per step. Each strategy runs
   python benchmarks/strategies.py --strategies zero2-offload,zero2-offload+delayed --accum 4 ...
 On one GPU, ddp and zero1 are the plain model (nothing to reduce or shard), so they are not repeated.
 "+delayed" runs the strategy with --delayed-update, "+eager" with --max-grad-norm 0 (no clipping: the
-offload engine then steps each bucket during backward). `--accum N`: N micro-batches per step.
+offload engine then steps each bucket during backward). "pipeline+SCHEDULE" (gpipe, 1f1b, interleaved;
+under torchrun, one stage per GPU) with `--chunks` micro-batches per micro-batch. `--accum N`: N micro-batches per step.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ SIZES = {"tiny": (64, 2, 4, 2, 128, 384),  # a smoke test of this script on a CP
 
 
 def run_one(strategy: str, size: str, mbs: int, seq: int, steps: int, warmup: int, accum: int = 1,
-            ckpt: bool = False) -> dict:
+            ckpt: bool = False, chunks: int | None = None) -> dict:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -45,10 +46,12 @@ def run_one(strategy: str, size: str, mbs: int, seq: int, steps: int, warmup: in
     name = strategy
     strategy, _, variant = strategy.partition("+")
     clip = 0.0 if variant == "eager" else 1.0  # the engine steps during backward only without clipping
-    cfg = resolve(TrainConfig(strategy=strategy, precision="bf16", batch_size=mbs * accum, micro_batch_size=mbs,
-                              lr=1e-4, delayed_update=variant == "delayed", activation_checkpointing=ckpt,
-                              max_grad_norm=clip), 1)
     rt = init_runtime(group_for_one=strategy in FSDP_STRATEGIES)
+    pipe = dict(pipeline_schedule=variant, chunks=chunks) if strategy == "pipeline" else {}
+    data = 1 if strategy == "pipeline" else rt.world_size  # pipeline stages all read the same batch
+    cfg = resolve(TrainConfig(strategy=strategy, precision="bf16", batch_size=mbs * accum * data,
+                              micro_batch_size=mbs, lr=1e-4, delayed_update=variant == "delayed",
+                              activation_checkpointing=ckpt, max_grad_norm=clip, **pipe), rt.world_size)
     torch.manual_seed(0)
     with torch.device("cpu" if strategy == "zero3-offload" else rt.device):
         model = LlamaForCausalLM(mc)
@@ -99,6 +102,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--accum", type=int, default=1)
+    ap.add_argument("--chunks", type=int, default=None, help="pipeline: micro-batches per micro-batch")
     ap.add_argument("--strategies", default=",".join(STRATEGIES))
     ap.add_argument("--timeout", type=int, default=300, help="seconds for one strategy's process")
     ap.add_argument("--out", default=None)
@@ -107,7 +111,7 @@ def main() -> None:
         if os.environ.get("BIGFIT_STACKS_AFTER"):  # a run that hangs shows where, every so many seconds
             faulthandler.dump_traceback_later(float(os.environ["BIGFIT_STACKS_AFTER"]), repeat=True)
         try:
-            r = run_one(a.strategy, a.size, a.mbs, a.seq, a.steps, a.warmup, a.accum)
+            r = run_one(a.strategy, a.size, a.mbs, a.seq, a.steps, a.warmup, a.accum, chunks=a.chunks)
         except Exception as e:  # OOM and friends: one line, keep going
             r = {"method": f"bigfit {a.strategy}", "error": f"{type(e).__name__}: {str(e)[:300]}"}
         if os.environ.get("RANK", "0") == "0":  # under torchrun (benchmarks/scaling.py): rank 0 reports

@@ -22,6 +22,8 @@ from dist import run_ranks
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "zero2-offload", "zero3-offload", "zero2-offload-nvme")
 PRECISIONS = ("fp32", "bf16", "fp16")
+# the NVMe tier only moves zero2-offload's states into files: its mixed precision is zero2-offload's
+CASES = [(s, p) for p in PRECISIONS for s in STRATEGIES if p == "fp32" or s != "zero2-offload-nvme"]
 # (loss relative, parameter absolute). Runs differ only in the order of fp32 gradient sums. Worst seen:
 # fp32 5e-8 / 2.1e-6; bf16 0 / 7.5e-9; fp16 1.3e-6 / 3.4e-4 (an fp32 master weight that differs in its
 # last bit can round differently into fp16, whose gradients, scaled by 1024, move AdamW's first steps).
@@ -49,6 +51,8 @@ def run_all(model_dirs, data, root, strategies, precisions, suffix=""):
 
     for precision in precisions:
         for strategy in strategies:
+            if strategy == "zero2-offload-nvme" and precision != "fp32":  # not in CASES
+                continue
             for family in FAMILIES:
                 out = root / f"{family}-{precision}-{strategy}{suffix}"
                 train(job(model_dirs[family], data, out, strategy, precision))
@@ -86,8 +90,7 @@ def compare(ref, got, precision: str, label: str, tol) -> None:
     assert worst <= param_tol, f"largest parameter difference {worst:.2e}"
 
 
-@pytest.mark.parametrize("precision", PRECISIONS)
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy,precision", CASES)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_matches_single_process(runs, family, strategy, precision):
     ref = runs / f"{family}-{precision}-{reference(strategy, precision)}"
