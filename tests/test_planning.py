@@ -343,3 +343,14 @@ def test_strategy_auto_choosing_device_map_trains_with_the_auto_map(monkeypatch,
     assert len(read_jsonl(tmp_path / "metrics.jsonl")) == 1
     assert main(["train", *common, "--nproc", "2"]) == 2  # device_map is not offered to a fixed process count
     assert asked == [True, False]
+
+
+def test_strategy_auto_plans_with_chunks_left_to_their_default(model_dirs):
+    """A TrainConfig's chunks stay None until resolved; the plan behind --strategy auto takes that as
+    each strategy's default (device_map's row once failed on it: auto without --nproc crashed)."""
+    from bigfit.config import TrainConfig
+    from bigfit.planning.command import auto_strategy
+
+    cfg = TrainConfig(model=str(model_dirs["llama"]), strategy="auto", batch_size=4, max_source_len=32)
+    name, reason = auto_strategy(cfg, 2, one_process=True)
+    assert cfg.chunks is None and "is the fastest that fits" in reason

@@ -23,7 +23,7 @@ class Job:
     checkpointing: bool = False
     delayed_update: bool = False  # zero2-offload's host step overlaps the next step
     clipping: bool = True  # a global gradient norm is needed before the host step (max_grad_norm > 0)
-    chunks: int = 1  # device_map: GPipe micro-batches per forward
+    chunks: int | None = None  # GPipe / pipeline micro-batches per micro-batch; None: device_map 1, pipeline one per stage
 
     def micro(self, world: int) -> int:
         """The micro-batch per process: given, or the whole per-process share (no accumulation)."""

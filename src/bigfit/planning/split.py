@@ -34,7 +34,8 @@ def budgets(hw) -> list[tuple[str, int]]:
 
 
 def device_map_row(prof, hw, job) -> SplitRow:
-    section = {**split_plan(prof, budgets(hw), job), "chunks": job.chunks}
+    chunks = job.chunks or 1  # None: the default, no GPipe
+    section = {**split_plan(prof, budgets(hw), job), "chunks": chunks}
     if section["map"] is None:  # nothing fits: show the whole job on the first device, and its time there
         main, cost = budgets(hw)[0][0], profile_costs(prof, job)
         assignment = [main] * len(cost.parts)
@@ -47,10 +48,10 @@ def device_map_row(prof, hw, job) -> SplitRow:
     shown = max(gpus, key=lambda d: sum(gpus[d].values()))
     section["shown"] = shown
     stage = _stage_seconds(prof, hw, job, assignment, main)
-    costs = {"compute": _compute(stage, job.chunks), "copies": _copies(prof, hw, job, assignment, main),
+    costs = {"compute": _compute(stage, chunks), "copies": _copies(prof, hw, job, assignment, main),
              "cpu_optimizer": _host_params(prof, assignment, main) / hw.cpu_adam_params_per_s}
     e = Estimate(NAME, _bytes(**parts[shown]), _host(prof, parts.get("cpu")), sum(costs.values()), costs,
-                 labels={"compute": _label(stage, job.chunks, hw.gpus_per_node)})
+                 labels={"compute": _label(stage, chunks, hw.gpus_per_node)})
     return SplitRow(e, section, section.get("why_not"), _no_split(set(stage), hw, e))
 
 
