@@ -191,8 +191,8 @@ def _validate_pipeline(cfg: TrainConfig) -> None:
         raise BigfitError("--strategy pipeline runs one process per stage: use --nproc 2 or more (or device_map, "
                           "which splits the model over the devices of one process)")
     if "auto" in (cfg.batch_size, cfg.micro_batch_size):
-        raise BigfitError("--strategy pipeline is not in the planner yet: give --batch-size and --micro-batch-size "
-                          "as numbers")
+        raise BigfitError("--strategy pipeline does not size its batches by probing yet (the probe runs data-parallel "
+                          "shares): give --batch-size and --micro-batch-size as numbers")
 
 
 def resolve(cfg: TrainConfig, world_size: int) -> TrainConfig:
