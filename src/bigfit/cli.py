@@ -11,8 +11,8 @@ import os
 import sys
 from pathlib import Path
 
-from .config import (AUTO, PIPELINE_STRATEGIES, PLANNED, PRECISIONS, SPLIT_STRATEGIES, STRATEGIES, TrainConfig,
-                     load_config_file, validate)
+from .config import (AUTO, PIPELINE_SCHEDULES, PIPELINE_STRATEGIES, PLANNED, PRECISIONS, SPLIT_STRATEGIES, STRATEGIES,
+                     TrainConfig, load_config_file, validate)
 from .distributed import launched_by_torchrun_env
 from .errors import BigfitError
 
@@ -83,7 +83,10 @@ def _plan_parser(sub) -> None:
     p.add_argument("--target-len", type=int, default=0, help="decoder tokens per sample (encoder-decoders)")
     p.add_argument("--precision", default="bf16", choices=PRECISIONS)
     p.add_argument("--activation-checkpointing", action="store_true")
-    p.add_argument("--chunks", type=int, default=1, help="device_map: GPipe micro-batches per forward")
+    p.add_argument("--chunks", type=int, help="device_map: GPipe micro-batches per forward (default 1); pipeline: "
+                   "micro-batches per micro-batch (default: the fewest that give every stage one)")
+    p.add_argument("--pipeline-schedule", choices=PIPELINE_SCHEDULES, help="pipeline: default 1f1b")
+    p.add_argument("--stages-per-rank", type=int, help="pipeline: stages per process (interleaved: default 2)")
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     p.add_argument("--plot", help="write per-GPU memory bars to this PNG")
 

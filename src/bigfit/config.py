@@ -191,8 +191,8 @@ def _validate_pipeline(cfg: TrainConfig) -> None:
         raise BigfitError("--strategy pipeline runs one process per stage: use --nproc 2 or more (or device_map, "
                           "which splits the model over the devices of one process)")
     if "auto" in (cfg.batch_size, cfg.micro_batch_size):
-        raise BigfitError("--strategy pipeline is not in the planner yet: give --batch-size and --micro-batch-size "
-                          "as numbers")
+        raise BigfitError("--strategy pipeline does not size its batches by probing yet (the probe runs data-parallel "
+                          "shares): give --batch-size and --micro-batch-size as numbers")
 
 
 def resolve(cfg: TrainConfig, world_size: int) -> TrainConfig:
@@ -234,20 +234,28 @@ def _resolve_pipeline(cfg: TrainConfig, world_size: int, micro: int) -> TrainCon
     if world_size < 2:
         raise BigfitError("--strategy pipeline runs one process per stage: use --nproc 2 or more (or device_map, "
                           "which splits the model over the devices of one process)")
-    divisors = [d for d in range(1, micro + 1) if micro % d == 0]
     if cfg.chunks is not None and micro % cfg.chunks:
+        divisors = [d for d in range(1, micro + 1) if micro % d == 0]
         raise BigfitError(f"--chunks {cfg.chunks} must divide the micro-batch of {micro} samples evenly (pipeline "
                           f"stages keep one shape per chunk); valid: {', '.join(map(str, divisors))}")
-    schedule = cfg.pipeline_schedule or "1f1b"
-    per = cfg.stages_per_rank or (2 if schedule == "interleaved" else 1)
-    stages = world_size * per
-    fill = [d for d in divisors if d >= stages and (schedule != "interleaved" or d % world_size == 0)]
-    chunks = cfg.chunks or (fill[0] if fill else micro)  # too small a micro-batch: the layout check says so
+    schedule, per, chunks = pipeline_defaults(cfg.pipeline_schedule, cfg.stages_per_rank, cfg.chunks, world_size, micro)
     from .pipeline.cut import PipelineLayout
 
     PipelineLayout(world=world_size, stages_per_rank=per, schedule=schedule, chunks=chunks)  # checks
     return dataclasses.replace(cfg, chunks=chunks, pipeline_schedule=schedule, stages_per_rank=per,
                                pipeline_degree=world_size)
+
+
+def pipeline_defaults(schedule: str | None, stages_per_rank: int | None, chunks: int | None, world_size: int,
+                      micro: int) -> tuple[str, int, int]:
+    """(schedule, stages per rank, chunks) of `--strategy pipeline`, None filled in: 1f1b; 2 stages per
+    rank for interleaved, else 1; the fewest chunks that divide the micro-batch and give every stage
+    one (interleaved: a multiple of the processes). The planner rates the same layout."""
+    schedule = schedule or "1f1b"
+    per = stages_per_rank or (2 if schedule == "interleaved" else 1)
+    fill = [d for d in range(1, micro + 1) if micro % d == 0 and d >= world_size * per
+            and (schedule != "interleaved" or d % world_size == 0)]
+    return schedule, per, chunks or (fill[0] if fill else micro)  # too small a micro-batch: the layout check says so
 
 
 def auto_precision() -> str:

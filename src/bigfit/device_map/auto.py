@@ -83,7 +83,7 @@ def profile_for(config, job):
     return profile_model(config, job.micro(1), job.seq_len, job.target_len or job.seq_len, job.precision)
 
 
-def _state(n: int, c: int) -> dict[str, int]:
+def state_bytes(n: int, c: int) -> dict[str, int]:
     """What training keeps for n parameters: fp32 weights, gradients, AdamW's two moments, and under
     bf16/fp16 autocast's compute-dtype copy of the weights (a buffer)."""
     return {"params": 4 * n, "grads": 4 * n, "optimizer": 8 * n, "buffers": c * n if c < 4 else 0}
@@ -96,8 +96,8 @@ def profile_costs(prof, job, params=None, root=None, sizes=None) -> Costs:
     sizes = [n for _, n in prof.stacks] if sizes is None else sizes
     c = DTYPES[job.precision].itemsize
     saved = prof.block_inputs if job.checkpointing else prof.block_saved
-    parts = [{**_state(n, c), "activations": a} for n, a in zip(params, saved)]
-    main = {**_state(root, c), "activations": prof.other_saved}
+    parts = [{**state_bytes(n, c), "activations": a} for n, a in zip(params, saved)]
+    main = {**state_bytes(root, c), "activations": prof.other_saved}
     main["buffers"] += prof.logits_bytes // c * (4 + c) if c < 4 else prof.logits_bytes  # the logits' gradient
     bounds = [sum(sizes[:i + 1]) for i in range(len(sizes) - 1)]
     return Costs(parts=parts, main_parts=main, boundaries=bounds,

@@ -139,6 +139,23 @@ def tied_groups(model: nn.Module, split: Split) -> list[tuple[list[str], list[in
     return sorted(groups, key=lambda g: order[g[0][0]])
 
 
+def anchors(model: nn.Module) -> list[tuple[int, tuple[int, ...]]]:
+    """Each parameter outside the blocks as (its elements, the global indices of the blocks it goes
+    with), whatever the cut: a cut puts it on the stages holding those blocks, a copy on each rank
+    (tied). Read off `module_stages` over a cut of one block per stage, so the planner places them as
+    training does. Raises BigfitError for a model the pipeline cannot cut."""
+    n = sum(len(b) for _, b in block_lists(model))
+    split = plan_split(model, PipelineLayout(world=max(n, 1), stages_per_rank=1, schedule="gpipe", chunks=1))
+    stages = module_stages(model, split)
+    out = []
+    for held in owners(model).values():
+        blocks = set().union(*(stages.get(id(mod), set()) for mod, _ in held))
+        if blocks:
+            mod, name = held[0]
+            out.append((mod._parameters[name].numel(), tuple(sorted(blocks))))
+    return out
+
+
 class Elsewhere(nn.Module):
     """Stands in for a module that lives on another stage. No parameters, so this rank's state dict
     holds only what it owns. An embedding's stand-in returns zeros of the right shape: the model's

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from ..config import SPLIT_STRATEGIES, STRATEGIES
+from ..config import PIPELINE_STRATEGIES, SPLIT_STRATEGIES, STRATEGIES
 from ..errors import BigfitError
 from ..hardware import Hardware, detect, host_ram, parse_gpus, parse_size
 from ..models import load_config, locate
@@ -28,14 +28,14 @@ def hardware_from_args(ns) -> Hardware:
 def plan_command(ns) -> int:
     from rich.console import Console
 
-    for name in ("batch_size", "seq_len", "chunks"):
-        if getattr(ns, name) <= 0:
+    for name in ("batch_size", "seq_len", "chunks", "stages_per_rank"):
+        if getattr(ns, name) is not None and getattr(ns, name) <= 0:
             raise BigfitError(f"--{name.replace('_', '-')} must be positive, got {getattr(ns, name)}")
     hw = hardware_from_args(ns)
     config = load_config(locate(ns.model))
     job = Job(batch_size=ns.batch_size, seq_len=ns.seq_len, target_len=ns.target_len if config.is_encoder_decoder
               else 0, micro_batch=ns.micro_batch_size, precision=ns.precision, checkpointing=ns.activation_checkpointing,
-              chunks=ns.chunks)
+              chunks=ns.chunks, pipeline_schedule=ns.pipeline_schedule, stages_per_rank=ns.stages_per_rank)
     p = plan_for_config(config, hw, job)
     if ns.json:
         print(json.dumps(p.to_json(), indent=1))
@@ -50,9 +50,10 @@ def plan_command(ns) -> int:
         console.print(f"[bold]recommended[/bold]: {p.recommended or 'none'}: {p.reason}")
         for note in p.notes:
             console.print(f"  {note}")
-        from .report import device_map_text
+        from .report import device_map_text, pipeline_text
 
         console.print(device_map_text(p.device_map))
+        console.print(pipeline_text(p.pipeline))
     if ns.plot:
         from .report import plot_plan
 
@@ -77,17 +78,23 @@ def _job(cfg, config, batch: int, micro: int | None) -> Job:
     return Job(batch_size=batch, seq_len=cfg.max_source_len,
                target_len=cfg.max_target_len if config.is_encoder_decoder else 0, micro_batch=micro,
                precision=cfg.precision or auto_precision(), checkpointing=cfg.activation_checkpointing,
-               delayed_update=cfg.delayed_update, clipping=cfg.max_grad_norm > 0, chunks=cfg.chunks)
+               delayed_update=cfg.delayed_update, clipping=cfg.max_grad_norm > 0, chunks=cfg.chunks,
+               pipeline_schedule=cfg.pipeline_schedule, stages_per_rank=cfg.stages_per_rank)
 
 
 def auto_strategy(cfg, world: int, one_process: bool = True) -> tuple[str, str]:
     """`--strategy auto`: plan for this machine and return the recommendation and why. device_map (one
     process driving every GPU) is a candidate unless the job's processes are fixed (`one_process` False:
-    --nproc, torchrun)."""
+    --nproc, torchrun); pipeline (one process per GPU, every stage reading the whole batch) when there
+    are 2 processes or more and the batch sizes are numbers (`auto` sizes probe data-parallel shares).
+    Picked, they run with their defaults (--device-map auto; pipeline: config.pipeline_defaults), as
+    planned."""
     config = load_config(locate(cfg.model))
     micro = cfg.micro_batch_size if isinstance(cfg.micro_batch_size, int) else None
     batch = cfg.batch_size if isinstance(cfg.batch_size, int) else world
-    strategies = STRATEGIES + (SPLIT_STRATEGIES if one_process else ())
+    sized = "auto" not in (cfg.batch_size, cfg.micro_batch_size)
+    strategies = (STRATEGIES + (SPLIT_STRATEGIES if one_process else ())
+                  + (PIPELINE_STRATEGIES if world > 1 and sized else ()))
     p = plan_for_config(config, _this_machine(world), _job(cfg, config, batch, micro), strategies)
     if p.recommended is None:
         raise BigfitError(f"--strategy auto: {p.reason}")

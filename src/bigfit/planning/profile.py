@@ -37,6 +37,9 @@ class ModelProfile:
     matmul_params: int = 0  # parameters of linear layers: what autocast copies to the compute dtype
     block_params: list[int] = field(default_factory=list)  # each block's parameters, in execution order
     stacks: list[tuple[str, int]] = field(default_factory=list)  # (path, blocks) of each stack (models.block_lists)
+    # parameters outside the blocks as (elements, the blocks a pipeline cut puts them with: pipeline.split.anchors)
+    outside: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)
+    pipeline_error: str | None = None  # why --strategy pipeline cannot cut this model
     notes: list[str] = field(default_factory=list)
 
     def activations(self, checkpointing: bool) -> int:
@@ -203,7 +206,18 @@ def _trace(model, seq2seq: bool, b: int, t: int, tt: int, skip=None) -> ModelPro
                         logits_bytes=logits.numel() * logits.element_size(), tokens=tokens, flops_per_token=flops,
                         loss_saved=loss, logits_numel=logits.numel(),
                         head_params=model.get_output_embeddings().weight.numel(), matmul_params=_matmul_params(model),
-                        block_params=block_params, stacks=[(p, len(s)) for p, s in stacks])
+                        block_params=block_params, stacks=[(p, len(s)) for p, s in stacks], **_outside(model))
+
+
+def _outside(model) -> dict:
+    """Where a pipeline cut puts the parameters outside the blocks, as pipeline/split.py decides it."""
+    from ..errors import BigfitError
+    from ..pipeline.split import anchors
+
+    try:
+        return {"outside": anchors(model)}
+    except BigfitError as e:
+        return {"pipeline_error": str(e)}
 
 
 def _matmul_params(model) -> int:

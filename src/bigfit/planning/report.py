@@ -21,8 +21,8 @@ def plan_table(p) -> Table:
         name = f"[bold]{e.name}[/bold]" if e.name == p.recommended else e.name
         t.add_row(name, mark, *(_gb(e.per_gpu[k]) for k in KEYS), _gb(e.per_gpu["total"]),
                   _gb(e.per_host["total"]), f"{e.step_time_s:.3f}", f"{c.tokens_per_s:,.0f}", e.bottleneck)
-    t.caption = ("per-GPU memory in GB (10^9 bytes; device_map: its fullest GPU, every device below); "
-                 "host: one node's RAM for offloaded state")
+    t.caption = ("per-GPU memory in GB (10^9 bytes; device_map and pipeline: their fullest GPU, every device "
+                 "below); host: one node's RAM for offloaded state")
     return t
 
 
@@ -35,6 +35,15 @@ def device_map_text(dm: dict | None) -> str:
     chunks = f", {dm['chunks']} GPipe chunks" if dm.get("chunks", 1) > 1 else ""
     return (f"[bold]device_map auto[/bold] (one process, every GPU and then host RAM{chunks}): {dm['describe']}\n"
             f"  predicted peak per device: {dm['text']}")
+
+
+def pipeline_text(pl: dict | None) -> str:
+    """The cut `--strategy pipeline` would make, with each rank's predicted bytes against its GPU."""
+    if not pl or pl["stages"] == 1:  # not cut: the row's reason, under the table, says why
+        return ""
+    per = f", {pl['stages_per_rank']} per rank" if pl["stages_per_rank"] > 1 else ""
+    return (f"[bold]pipeline[/bold] ({pl['schedule']}, {pl['stages']} stages{per}, {pl['chunks']} chunks per "
+            f"micro-batch): {pl['describe']}\n  predicted per rank: {pl['text']}")
 
 
 def plot_plan(p, gpu_capacity: int, path: str) -> None:
@@ -51,10 +60,9 @@ def plot_plan(p, gpu_capacity: int, path: str) -> None:
         ax.bar(names, vals, bottom=bottom, label=key)
         bottom = [b + v for b, v in zip(bottom, vals)]
     ax.axhline(gpu_capacity / 1e9, color="black", linestyle="--", label="smallest GPU")
-    shown = _device_map_capacity(p)
-    if shown is not None:  # device_map's bar is its fullest GPU, which need not be the smallest
-        x = names.index("device_map")
-        ax.hlines(shown[1] / 1e9, x - 0.45, x + 0.45, color="red", linestyle=":", label=f"{shown[0]} (device_map)")
+    for name, (device, capacity) in _own_capacities(p).items():  # these bars are their fullest GPU, not the smallest
+        x = names.index(name)
+        ax.hlines(capacity / 1e9, x - 0.45, x + 0.45, color="red", linestyle=":", label=f"{device} ({name})")
     ax.set_ylabel("per-GPU memory (GB)")
     ax.set_title(f"bigfit plan: {p.hardware}", fontsize=9)
     ax.legend(fontsize=8)
@@ -63,12 +71,14 @@ def plot_plan(p, gpu_capacity: int, path: str) -> None:
     plt.close(fig)
 
 
-def _device_map_capacity(p) -> tuple[str, int] | None:
-    """(device, its memory) of the GPU the device_map row shows, when there is a map."""
-    dm = p.device_map or {}
-    if not dm.get("map") or "device_map" not in [c.estimate.name for c in p.candidates]:
-        return None
+def _own_capacities(p) -> dict[str, tuple[str, int]]:
+    """Row -> (device, its memory) of the GPU the device_map and pipeline rows show (when there is a map)."""
     from .estimate import RESERVE
 
-    budget = dm["devices"][dm["shown"]]["budget_bytes"]
-    return dm["shown"], budget + (0 if dm["shown"].startswith("cpu") else RESERVE)  # budgets leave out the reserve
+    out = {}
+    for name, section in (("device_map", p.device_map), ("pipeline", p.pipeline)):
+        if section and section.get("devices") and name in [c.estimate.name for c in p.candidates]:
+            shown = section["shown"]
+            budget = section["devices"][shown]["budget_bytes"]
+            out[name] = shown, budget + (0 if shown.startswith("cpu") else RESERVE)  # budgets leave out the reserve
+    return out

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..config import SPLIT_STRATEGIES, STRATEGIES
+from ..config import PIPELINE_STRATEGIES, SPLIT_STRATEGIES, STRATEGIES
 from ..precision import DTYPES
 from .estimate import RESERVE, Estimate, combine, memory, nvme_bytes, step_time
 from .split import device_map_row
+from .stages import pipeline_row
 
-ALL = STRATEGIES + SPLIT_STRATEGIES
+ALL = STRATEGIES + SPLIT_STRATEGIES + PIPELINE_STRATEGIES
+# rows traced at one process's whole micro-batch, each device with its own bytes (not one share per GPU)
+WHOLE = SPLIT_STRATEGIES + PIPELINE_STRATEGIES
 
 
 @dataclass(frozen=True)
@@ -23,7 +26,9 @@ class Job:
     checkpointing: bool = False
     delayed_update: bool = False  # zero2-offload's host step overlaps the next step
     clipping: bool = True  # a global gradient norm is needed before the host step (max_grad_norm > 0)
-    chunks: int = 1  # device_map: GPipe micro-batches per forward
+    chunks: int | None = None  # GPipe / pipeline micro-batches per micro-batch; None: device_map 1, pipeline one per stage
+    pipeline_schedule: str | None = None  # pipeline: gpipe, 1f1b, interleaved; None: 1f1b (config.pipeline_defaults)
+    stages_per_rank: int | None = None  # pipeline: stages per process; None: 2 if interleaved, else 1
 
     def micro(self, world: int) -> int:
         """The micro-batch per process: given, or the whole per-process share (no accumulation)."""
@@ -54,11 +59,12 @@ class Plan:
     job: Job
     notes: list[str] = field(default_factory=list)
     device_map: dict | None = None  # the device_map row's map and every device's bytes (device_map/auto.py)
+    pipeline: dict | None = None  # the pipeline row's layout, cut and every rank's bytes (stages.py)
 
     def to_json(self) -> dict:
         return {"strategies": [c.to_json() for c in self.candidates], "recommended": self.recommended,
                 "reason": self.reason, "hardware": self.hardware, "job": vars(self.job), "notes": self.notes,
-                "device_map": self.device_map}
+                "device_map": self.device_map, "pipeline": self.pipeline}
 
 
 def _gb(n: float) -> str:
@@ -87,20 +93,20 @@ AUTOCAST = ("single", "ddp", "zero1")  # mixed precision by autocast (the others
 
 def plan(prof, hw, job: Job, strategies=ALL, autocast_prof=None, split_prof=None) -> Plan:
     """`autocast_prof`: the model traced as autocast runs it (fp32 weights, casts per op), for the
-    autocast strategies; `split_prof`: traced at one process's whole micro-batch, for device_map
-    (default `prof`, the same when there is one GPU); `prof` otherwise."""
+    autocast strategies; `split_prof`: traced at one process's whole micro-batch, for device_map and
+    pipeline (default `prof`, the same when there is one GPU); `prof` otherwise."""
     world = hw.world_size
     accum = max(1, job.batch_size // (job.micro(world) * world))
     c = DTYPES[job.precision].itemsize
     tokens = job.batch_size * (job.seq_len + job.target_len)
-    out, section = [], None
+    out, sections = [], {}
     for name in strategies:
         if name == "single" and world > 1:
             continue
-        if name in SPLIT_STRATEGIES:
-            row = device_map_row(split_prof or prof, hw, job)
-            why, section = row.no_fit or _host_fit(row.estimate, hw), row.section
-            out.append(Candidate(row.estimate, why is None, why or row.no_split, tokens / row.estimate.step_time_s))
+        if name in WHOLE:
+            row = (device_map_row if name in SPLIT_STRATEGIES else pipeline_row)(split_prof or prof, hw, job)
+            why, sections[name] = row.no_fit or _host_fit(row.estimate, hw), row.section
+            out.append(Candidate(row.estimate, why is None, why or row.not_candidate, tokens / row.estimate.step_time_s))
             continue
         gpu, host = memory(name, autocast_prof if name in AUTOCAST and autocast_prof else prof, hw, c,
                            job.checkpointing, accum)
@@ -110,28 +116,28 @@ def plan(prof, hw, job: Job, strategies=ALL, autocast_prof=None, split_prof=None
         why = _fit(e, hw)
         out.append(Candidate(e, why is None, why, tokens / e.step_time_s))
     ok = sorted((c for c in out if not c.why_not), key=lambda c: (c.estimate.step_time_s, c.estimate.per_gpu["total"]))
-    if ok:
-        return Plan(out, ok[0].estimate.name, _reason(ok[0], out, world), hw.describe(), job, device_map=section)
-    return Plan(out, None, _advice(out, job, hw), hw.describe(), job, device_map=section)
+    best = ok[0].estimate.name if ok else None
+    return Plan(out, best, _reason(ok[0], out, world) if ok else _advice(out, job, hw), hw.describe(), job,
+                device_map=sections.get("device_map"), pipeline=sections.get("pipeline"))
 
 
 def _reason(best: Candidate, cands: list[Candidate], world: int) -> str:
-    """Why the fastest that fits wins; device_map against the data-parallel rows either way."""
+    """Why the fastest that fits wins; device_map and pipeline against the data-parallel rows either way."""
     e, by = best.estimate, {c.estimate.name: c for c in cands}
-    where = "on its fullest GPU" if e.name in SPLIT_STRATEGIES else "per GPU"
+    where = "on its fullest GPU" if e.name in WHOLE else "per GPU"
     text = (f"{e.name} is the fastest that fits: {e.step_time_s:.3f} s/step, {_gb(e.per_gpu['total'])} {where}, "
             f"bound by {e.bottleneck}")
-    if e.name in SPLIT_STRATEGIES:
-        others = sorted((c.estimate for c in cands if not c.why_not and c.estimate.name not in SPLIT_STRATEGIES),
+    if e.name in WHOLE:
+        others = sorted((c.estimate for c in cands if not c.why_not and c.estimate.name not in WHOLE),
                         key=lambda o: o.step_time_s)
         if all("offload" in o.name for o in others):
             text += "; no data-parallel strategy fits without offload"
         if others:
             text += f"; the fastest data-parallel one that fits, {others[0].name}, takes {others[0].step_time_s:.3f} s"
-    elif "device_map" in by and not by["device_map"].why_not:
-        dm = by["device_map"].estimate
-        text += f"; device_map fits too but takes {dm.step_time_s:.3f} s/step, bound by {dm.bottleneck}" + (
-            ", where data parallelism keeps every GPU busy at once" if world > 1 else "")
+        return text
+    for o in (by[n].estimate for n in WHOLE if n in by and not by[n].why_not):
+        text += f"; {o.name} fits too but takes {o.step_time_s:.3f} s/step, bound by {o.bottleneck}" + (
+            ", where data parallelism keeps every GPU busy at once" if o.name in SPLIT_STRATEGIES and world > 1 else "")
     return text
 
 
@@ -145,8 +151,8 @@ def _engine_mode(job: Job) -> str:
 
 
 def _advice(cands: list[Candidate], job: Job, hw) -> str:
-    # device_map's per-GPU figure is one device of several budgets: not comparable with the smallest GPU
-    least = min([c for c in cands if c.estimate.name not in SPLIT_STRATEGIES] or cands,
+    # device_map's and pipeline's per-GPU figures are their fullest device: not comparable with the smallest GPU
+    least = min([c for c in cands if c.estimate.name not in WHOLE] or cands,
                 key=lambda c: c.estimate.per_gpu["total"])
     short = least.estimate.per_gpu["total"] - (min(hw.gpu_bytes) - RESERVE)
     tips = []
@@ -166,16 +172,18 @@ def plan_for_config(model_config, hw, job: Job, strategies=ALL) -> Plan:
 
     micro = job.micro(hw.world_size)
     lengths = (model_config, micro, job.seq_len, job.target_len or job.seq_len, job.precision, hw.device)
-    data_parallel = [s for s in strategies if s not in SPLIT_STRATEGIES]
+    data_parallel = [s for s in strategies if s not in WHOLE]
+    whole = [s for s in strategies if s in WHOLE]
     split = None
-    # device_map's trace is the balancer's (device_map/auto.py): one process's whole micro-batch, CUDA's
-    # attention; with one GPU it is the data-parallel trace itself
-    if len(data_parallel) < len(strategies) and not (job.micro(1) == micro and hw.device == "cuda" and data_parallel):
+    # device_map's and pipeline's trace is the balancer's (device_map/auto.py): one process's whole
+    # micro-batch, CUDA's attention; with one GPU it is the data-parallel trace itself
+    if whole and not (job.micro(1) == micro and hw.device == "cuda" and data_parallel):
         split = profile_for(model_config, job)
     prof = profile_model(*lengths) if data_parallel else split
     mixed = job.precision != "fp32" and hw.device == "cuda" and any(s in AUTOCAST for s in strategies)
     result = plan(prof, hw, job, strategies, profile_model(*lengths, autocast=True) if mixed else None, split)
-    traced = [f"micro-batch {micro}"] * bool(data_parallel) + [f"micro-batch {job.micro(1)} for device_map (one process)"] * bool(split)
+    traced = ([f"micro-batch {micro}"] * bool(data_parallel)
+              + [f"micro-batch {job.micro(1)} for {' and '.join(whole)} (whole micro-batch)"] * bool(split))
     result.notes.append(f"model: {prof.params / 1e6:.1f}M parameters, {prof.n_blocks} blocks; activations traced at "
                         + " and ".join(traced or [f"micro-batch {micro}"]))
     return result

@@ -25,7 +25,7 @@ class SplitRow:
     estimate: Estimate
     section: dict  # what the plan shows as its device map (device_map.auto.split_plan), with the chunks
     no_fit: str | None  # why no map fits the devices' budgets (the balancer's words)
-    no_split: str | None  # why it cannot be recommended although it fits
+    not_candidate: str | None  # why it cannot be recommended although it fits (no split, several nodes)
 
 
 def budgets(hw) -> list[tuple[str, int]]:
@@ -34,7 +34,8 @@ def budgets(hw) -> list[tuple[str, int]]:
 
 
 def device_map_row(prof, hw, job) -> SplitRow:
-    section = {**split_plan(prof, budgets(hw), job), "chunks": job.chunks}
+    chunks = job.chunks or 1  # None: the default, no GPipe
+    section = {**split_plan(prof, budgets(hw), job), "chunks": chunks}
     if section["map"] is None:  # nothing fits: show the whole job on the first device, and its time there
         main, cost = budgets(hw)[0][0], profile_costs(prof, job)
         assignment = [main] * len(cost.parts)
@@ -46,15 +47,15 @@ def device_map_row(prof, hw, job) -> SplitRow:
     gpus = {d: p for d, p in parts.items() if not d.startswith("cpu")} or parts
     shown = max(gpus, key=lambda d: sum(gpus[d].values()))
     section["shown"] = shown
-    stage = _stage_seconds(prof, hw, job, assignment, main)
-    costs = {"compute": _compute(stage, job.chunks), "copies": _copies(prof, hw, job, assignment, main),
+    stage = stage_seconds(prof, hw, job, assignment, main)
+    costs = {"compute": _compute(stage, chunks), "copies": _copies(prof, hw, job, assignment, main),
              "cpu_optimizer": _host_params(prof, assignment, main) / hw.cpu_adam_params_per_s}
     e = Estimate(NAME, _bytes(**parts[shown]), _host(prof, parts.get("cpu")), sum(costs.values()), costs,
-                 labels={"compute": _label(stage, job.chunks, hw.gpus_per_node)})
+                 labels={"compute": _label(stage, chunks, hw.gpus_per_node)})
     return SplitRow(e, section, section.get("why_not"), _no_split(set(stage), hw, e))
 
 
-def _stage_seconds(prof, hw, job, assignment: list[str], main: str) -> dict[str, float]:
+def stage_seconds(prof, hw, job, assignment: list[str], main: str) -> dict[str, float]:
     """Each device's compute per step. A block's model FLOPs are 6 x its parameters plus an equal share of
     the attention term (encoder and decoder tokens are not told apart, as in every row); the main device
     adds the non-embedding rest (an untied head). GPUs at MFU of their peak; the host at cpu_tflops."""
