@@ -50,7 +50,8 @@ def test_t5_3b_on_eight_16gb_gpus():
     host = by["zero3-offload"].estimate.per_host  # fp32 params, grads and moments of all ranks + rank 0's init copy
     assert (host["params"] + host["grads"] + host["optimizer"], host["buffers"]) == (16 * n, 4 * n)
     # ZeRO is bound by its all-gathers at this small batch: 8 stages beat it despite their bubble
-    assert p.recommended in ("zero2", "zero3", "pipeline") and by[p.recommended].fits
+    # pipeline's estimate comes within 10% of zero2 here: the tie goes to the data-parallel row (SPLIT_MARGIN)
+    assert p.recommended in ("zero2", "zero3") and by[p.recommended].fits
     assert set(p.to_json()["strategies"][0]) == {"name", "fits", "per_gpu_bytes", "per_host_bytes", "step_time_s",
                                                  "tokens_per_s", "bottleneck", "why_not", "per_node_nvme_bytes"}
     nvme = by["zero2-offload-nvme"]  # its master weights and moments go to disk: the default --nvme is 0
