@@ -9,10 +9,10 @@ runs at a time: their Python would take turns on the GIL anyway, and a fixed iss
 keeps every device's stream in GPipe order.
 
 The clock: micro-batch m runs its j-th device segment at tick m + j. Within a tick, segments on GPUs
-go first. They only queue kernels on their device's stream (copies wait on events, streams.py),
-so the host reaches the CPU segments at once: the CPU computes micro-batch i - 1 while the GPU runs
-what was just queued for micro-batch i, waiting only for the host copy of its own input. On the
-CPU alone the same schedule runs the segments one after another.
+go first, earliest stage first. They only queue kernels on their device's stream (copies wait on
+events, streams.py), so the host reaches the CPU segments at once: the CPU computes micro-batch
+i - 1 while the GPU runs what was just queued for micro-batch i, waiting only for the host copy of
+its own input. On the CPU alone the same schedule runs the segments one after another.
 
 Backward is one autograd call over the sum of the losses (pipeline.py says why). Autograd orders
 ready nodes by a sequence number that is counted per thread, so nodes of micro-batches built on
@@ -211,11 +211,13 @@ def idle() -> bool:
 
 
 def _schedule(workers: list[_Worker], trace: list | None) -> None:
-    """Micro-batch m runs its j-th segment at clock m + j; within a clock, GPU segments first."""
+    """Micro-batch m runs its j-th segment at clock m + j. Within a clock, GPU segments first (they
+    only queue work), and among them the earliest stage (the latest micro-batch) first: its output
+    is what the next stage needs at the next clock, so its copy is queued behind the least work."""
     clock = 0
     while not all(w.done for w in workers):
         due = [w for w in workers[:clock + 1] if not w.done]
-        for w in sorted(due, key=lambda w: (not is_cuda(w.place), w.index)):
+        for w in sorted(due, key=lambda w: (not is_cuda(w.place), -w.index)):
             if trace is not None:
                 trace.append((clock, w.index, w.place))
             w.resume()
