@@ -76,11 +76,6 @@ def run(name: str, base, spec, chunks: int, batch: dict, gen_batch: dict, args, 
     gen_time, gen_copies, tokens = _generate(model, gen_in, args, dtype)
     on_main = {k: v.to(torch.device(gpu)) for k, v in batch.items()}
     times, losses = [], []
-    syncs = _count_syncs(lambda: train_step(model, on_main, chunks=chunks), dtype)
-    opt.zero_grad(set_to_none=True)
-    if args.trace:
-        _trace(lambda: train_step(model, on_main, chunks=chunks), dtype, f"{args.trace}/{name.replace(' ', '_')}.json")
-        opt.zero_grad(set_to_none=True)
     for i in range(args.warmup + args.steps):
         _sync()
         t0 = time.perf_counter()
@@ -93,6 +88,10 @@ def run(name: str, base, spec, chunks: int, batch: dict, gen_batch: dict, args, 
             times.append(time.perf_counter() - t0)
         losses.append(float(loss))
     peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
+    syncs = _count_syncs(lambda: train_step(model, on_main, chunks=chunks), dtype)  # warm steps, not timed
+    if args.trace:
+        _trace(lambda: train_step(model, on_main, chunks=chunks), dtype, f"{args.trace}/{name.replace(' ', '_')}.json")
+    opt.zero_grad(set_to_none=True)
     return {"layout": name, "chunks": chunks, "step_s": sum(times) / len(times), "first_loss": losses[0],
             "copies_per_step": copies.forward + copies.backward, "copied_mb_per_step": copies.bytes / 1e6,
             "generate_s": gen_time, "copies_per_generate": gen_copies, "tokens": tokens, "peak_gpu_gb": peak / 1e9,

@@ -6,7 +6,9 @@ to work on micro-batch t - s at tick t, micro-batch t's call must stop where it 
 while another's goes on, so each call needs a stack of its own; a thread also keeps each call's
 thread-local state (grad mode, autocast, checkpointing's saved-tensor hooks) to itself. Only one
 runs at a time: their Python would take turns on the GIL anyway, and a fixed issue order is what
-keeps every device's stream in GPipe order.
+keeps every device's stream in GPipe order. Kernel launches being asynchronous is not enough without
+the switching: issued one micro-batch after another, the main GPU's stream would hold micro-batch
+m's head (which waits for the last stage's work on m) ahead of m + 1's first stage.
 
 The clock: micro-batch m runs its j-th device segment at tick m + j. Within a tick, segments on GPUs
 go first, earliest stage first. They only queue kernels on their device's stream (copies wait on
