@@ -2,7 +2,8 @@
 hooks, equal losses / gradients / generated tokens, copy counts, and the chunked (GPipe) schedule.
 
 Placements: on a CPU machine A, B, C are "cpu", "cpu:1", "cpu:2" (virtual CPU devices: real copies,
-counted, scheduled as devices); with CUDA the same tests also run with A = cuda:0, B = cpu.
+counted, scheduled as devices); with CUDA the same tests also run with A = cuda:0, B = cpu, and
+with two GPUs with A = cuda:0, B = cuda:1, C = cpu.
 """
 from __future__ import annotations
 
@@ -23,8 +24,9 @@ from bigfit.errors import BigfitError
 from bigfit.planning.search import Job
 from tiny import tiny_config
 
-PLACES = [("cpu", "cpu:1", "cpu:2")] + ([("cuda:0", "cpu", "cpu:1")] if torch.cuda.is_available() else [])
-TOL = {"cpu": dict(rtol=1e-6, atol=1e-7), "cuda:0": dict(rtol=1e-4, atol=1e-5)}  # CUDA kernels differ from CPU's
+PLACES = ([("cpu", "cpu:1", "cpu:2")] + ([("cuda:0", "cpu", "cpu:1")] if torch.cuda.is_available() else [])
+          + ([("cuda:0", "cuda:1", "cpu")] if torch.cuda.device_count() > 1 else []))  # GPU -> GPU copy streams
+TOL = {"cpu": dict(rtol=1e-6, atol=1e-7), "cuda:0": dict(rtol=1e-4, atol=1e-5)}  # keyed by A  # CUDA kernels differ from CPU's
 
 
 def models(family: str):
@@ -258,6 +260,24 @@ def test_copies_per_forward_and_backward_are_the_minimum(places):
             train_step(model, b, chunks=chunks)
         assert sorted(c.events) == sorted(alone.events)
         assert c.forward <= 4 * chunks and c.backward == 3 * chunks  # a micro-batch without padding sends no mask
+
+
+def test_gradient_from_a_gpu_lands_before_the_cpu_reads_it():
+    from bigfit.device_map.moves import _Land
+    from bigfit.device_map.streams import Landing
+
+    class Event:  # stands in for the CUDA event of the GPU -> host copy that _Copy's backward starts
+        waited = 0
+
+        def synchronize(self):
+            Event.waited += 1
+
+    x = torch.ones(3, requires_grad=True)
+    landing = Landing()
+    y = _Land.apply(x, landing)
+    landing.event = Event()
+    (2 * y).sum().backward()  # the CPU node waits for the copy's event, once, then hands the gradient on
+    assert Event.waited == 1 and landing.event is None and x.grad.tolist() == [2.0] * 3
 
 
 def test_tied_embeddings_never_travel():
