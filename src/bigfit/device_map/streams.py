@@ -51,6 +51,7 @@ def gpu_to_gpu(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
 
 def gpu_to_host(t: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
     """A pinned copy and the event that says it has landed."""
+    t = t.contiguous()  # else torch copies through a pageable temporary, which waits for the GPU
     side = copy_stream(t.device)
     side.wait_stream(torch.cuda.current_stream(t.device))
     with torch.cuda.stream(side):
@@ -62,6 +63,7 @@ def gpu_to_host(t: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
 
 
 def host_to_gpu(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    t = t.contiguous()  # a strided copy would go through a pageable temporary after all
     staged = t if t.is_pinned() else t.pin_memory()
     side = copy_stream(dev)
     with torch.cuda.stream(side):
