@@ -10,7 +10,10 @@ random tokens, fp32 master weights with autocast in --precision on both devices,
   python benchmarks/device_map.py --other cuda:1 --out device_map.jsonl   # two GPUs instead of GPU + host
   python benchmarks/device_map.py --tiny --out /tmp/dm.jsonl          # a smoke test on a CPU
 Each row: step time, generate time, cross-device copies per step and per generate, peak GPU memory,
-and the loss against the unsplit model's (the same weights and batch).
+and the loss against the unsplit model's (the same weights and batch); with CUDA, `host_syncs`: the
+synchronising CUDA calls of one step (torch's sync debug mode; the chunked forward should make none
+of its own: what remains comes from the model, e.g. a mask check). `--trace DIR` writes a Chrome
+trace of one step per layout (torch.profiler), where the devices' overlap can be seen.
 """
 from __future__ import annotations
 
@@ -85,9 +88,41 @@ def run(name: str, base, spec, chunks: int, batch: dict, gen_batch: dict, args, 
             times.append(time.perf_counter() - t0)
         losses.append(float(loss))
     peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
+    syncs = _count_syncs(lambda: train_step(model, on_main, chunks=chunks), dtype)  # warm steps, not timed
+    if args.trace:
+        _trace(lambda: train_step(model, on_main, chunks=chunks), dtype, f"{args.trace}/{name.replace(' ', '_')}.json")
+    opt.zero_grad(set_to_none=True)
     return {"layout": name, "chunks": chunks, "step_s": sum(times) / len(times), "first_loss": losses[0],
             "copies_per_step": copies.forward + copies.backward, "copied_mb_per_step": copies.bytes / 1e6,
-            "generate_s": gen_time, "copies_per_generate": gen_copies, "tokens": tokens, "peak_gpu_gb": peak / 1e9}
+            "generate_s": gen_time, "copies_per_generate": gen_copies, "tokens": tokens, "peak_gpu_gb": peak / 1e9,
+            "host_syncs": syncs}
+
+
+def _count_syncs(step, dtype) -> int | None:
+    """Synchronising CUDA calls during one step (None without CUDA)."""
+    if not torch.cuda.is_available():
+        return None
+    with warnings.catch_warnings(record=True) as caught, _autocast(dtype):
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def _trace(step, dtype, path: str) -> None:
+    import os
+
+    from torch.profiler import ProfilerActivity, profile
+
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof, _autocast(dtype):
+        step()
+        _sync()
+    prof.export_chrome_trace(path)
 
 
 @torch.no_grad()
@@ -128,6 +163,7 @@ def main() -> None:
     p.add_argument("--gen-batch", type=int, default=4)
     p.add_argument("--other", default="cpu", help="the second device (cpu; or cuda:1 on a two-GPU machine)")
     p.add_argument("--out", help="append one JSON line per layout here")
+    p.add_argument("--trace", help="write a Chrome trace of one step per layout into this folder")
     args = p.parse_args()
     if args.tiny:
         args.size, args.src_len, args.tgt_len, args.new_tokens = "tiny", 16, 8, 8
@@ -156,7 +192,7 @@ def main() -> None:
     print(f"T5 {args.size} ({meta['params_m']:.0f}M parameters) on {gpu} + {args.other}, batch {args.batch} x "
           f"{args.src_len}/{args.tgt_len}, {args.precision}; generate {args.gen_batch} x beams {args.beams} x {args.new_tokens} tokens")
     print(f"{'layout':<18}{'step s':>9}{'x unsplit':>10}{'copies':>8}{'MB':>9}{'gen s':>8}{'x unsplit':>10}"
-          f"{'gen copies':>11}{'GPU GB':>8}{'loss delta':>12}  same tokens")
+          f"{'gen copies':>11}{'GPU GB':>8}{'loss delta':>12}{'syncs':>7}  same tokens")
     for name, spec, chunks in layouts(cfg, gpu, args.other, args.chunks):
         r = {**meta, **run(name, base, spec, chunks, batch, gen, args, dtype, gpu)}
         rows.append(r)
@@ -164,6 +200,7 @@ def main() -> None:
         print(f"{name:<18}{r['step_s']:>9.3f}{r['step_s'] / ref['step_s']:>10.2f}{r['copies_per_step']:>8}"
               f"{r['copied_mb_per_step']:>9.1f}{r['generate_s']:>8.2f}{r['generate_s'] / ref['generate_s']:>10.2f}"
               f"{r['copies_per_generate']:>11}{r['peak_gpu_gb']:>8.2f}{r['first_loss'] - ref['first_loss']:>12.2e}"
+              f"{'-' if r['host_syncs'] is None else r['host_syncs']:>7}"
               f"  {r['tokens'] == ref['tokens']}", flush=True)
         if args.out:
             with open(args.out, "a") as f:

@@ -9,7 +9,11 @@
 #     (GPU 0), beside issue 7's scaling.py on 1 GPU (GPU 1) and on 2 GPUs (GPUs 2, 3)
 #   bash benchmarks/gpu_runs.sh scaling4       issue 7: scaling.py on 4 GPUs, then t5-3b over 2 GPUs
 #   bash benchmarks/gpu_runs.sh pipeline       issue 7: benchmarks/pipeline.py on 2 and 4 GPUs
-#   (peers12 and final: this session's 2-GPU calls, kept as they ran; RESULTS.md)
+#   bash benchmarks/gpu_runs.sh dm-host        issue 6's chunks after the overlap rewrite, GPU 0 + 16 cores:
+#     tests/test_device_map.py on real streams, then T5-large over cuda:0 + cpu
+#   bash benchmarks/gpu_runs.sh dm-gpus        the same over two GPUs (x2 or more): tests with the
+#     cuda:0 + cuda:1 placement, T5-large at batch 8 and at batch 32 (compute-bound), traces of batch 32
+#   (peers12 and final: the third session's 2-GPU calls, kept as they ran; RESULTS.md)
 # 16 cores is the core count of the single-GPU machine that issue 5's figures come from. Jobs that
 # share the host's memory bandwidth can slow each other's CPU optimizer: the offload jobs go on
 # different NUMA nodes where there are two. Everything lands in $OUT/<part>.tgz (one file back).
@@ -66,6 +70,19 @@ scaling4)  # issue 7 on 4 GPUs, then t5-3b's shape over 2 GPUs with device maps
     --out $r/s4/scaling.jsonl
   wait
   job dm2 0,1 "$c_main" 150 python3 benchmarks/device_map.py --size 3b --other cuda:1 --out $r/dm2/device_map.jsonl
+  ;;
+dm-host)  # chunks over cuda:0 + the host (docs/device_map.md): results on real streams, then the figures
+  mkdir -p $r/dmt $r/dm
+  job dmt 0 "$c_main" 200 python3 -m pytest tests/test_device_map.py -q -x
+  wait
+  job dm 0 "$c_main" 380 python3 benchmarks/device_map.py --out $r/dm/device_map.jsonl
+  ;;
+dm-gpus)  # chunks over two GPUs: launch-bound batch 8 and compute-bound batch 32, traced
+  mkdir -p $r/dmt $r/dm2
+  job dmt 0,1 "$c_main" 200 python3 -m pytest tests/test_device_map.py -q -x
+  wait
+  job dm2 0,1 "$c_main" 380 bash -c "python3 benchmarks/device_map.py --other cuda:1 --out $r/dm2/device_map.jsonl
+    python3 benchmarks/device_map.py --other cuda:1 --batch 32 --trace $r/dm2/trace --out $r/dm2/device_map.jsonl"
   ;;
 peers12)  # 2 GPUs: a hang hunt on GPU 0 beside issue 7's peers on 1 GPU, then the peers on 2 GPUs
   mkdir -p $r/main $r/s1 $r/s2

@@ -2,7 +2,8 @@
 hooks, equal losses / gradients / generated tokens, copy counts, and the chunked (GPipe) schedule.
 
 Placements: on a CPU machine A, B, C are "cpu", "cpu:1", "cpu:2" (virtual CPU devices: real copies,
-counted, scheduled as devices); with CUDA the same tests also run with A = cuda:0, B = cpu.
+counted, scheduled as devices); with CUDA the same tests also run with A = cuda:0, B = cpu, and
+with two GPUs with A = cuda:0, B = cuda:1, C = cpu.
 """
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
-from bigfit.device_map import count_copies, deparallelize, layout_of, parallelize, run_chunks, train_step
+from bigfit.device_map import (count_copies, deparallelize, layout_of, parallelize, run_chunks, split_batch,
+                                train_step)
 from bigfit.device_map.auto import plan_map, parse_budgets
 from bigfit.device_map.balance import balance
 from bigfit.device_map.maps import real_device
@@ -22,8 +24,9 @@ from bigfit.errors import BigfitError
 from bigfit.planning.search import Job
 from tiny import tiny_config
 
-PLACES = [("cpu", "cpu:1", "cpu:2")] + ([("cuda:0", "cpu", "cpu:1")] if torch.cuda.is_available() else [])
-TOL = {"cpu": dict(rtol=1e-6, atol=1e-7), "cuda:0": dict(rtol=1e-4, atol=1e-5)}  # CUDA kernels differ from CPU's
+PLACES = ([("cpu", "cpu:1", "cpu:2")] + ([("cuda:0", "cpu", "cpu:1")] if torch.cuda.is_available() else [])
+          + ([("cuda:0", "cuda:1", "cpu")] if torch.cuda.device_count() > 1 else []))  # GPU -> GPU copy streams
+TOL = {"cpu": dict(rtol=1e-6, atol=1e-7), "cuda:0": dict(rtol=1e-4, atol=1e-5)}  # keyed by A  # CUDA kernels differ from CPU's
 
 
 def models(family: str):
@@ -191,7 +194,7 @@ def test_loss_and_gradients_equal_the_unsplit_model(layout, places):
     tol = TOL[places[0]]
     torch.testing.assert_close(out.loss.cpu(), expected.loss, **tol)
     torch.testing.assert_close(grads(model), grads(ref), **tol)
-    for chunks in (2, 3):  # GPipe micro-batches: the same loss and gradients
+    for chunks in (1, 2, 4):  # GPipe micro-batches (4 does not divide 6): the same loss and gradients
         model.zero_grad(set_to_none=True)
         loss = train_step(model, on(b, places[0]), chunks=chunks)
         torch.testing.assert_close(loss.cpu(), expected.loss, **tol)
@@ -248,6 +251,33 @@ def test_copies_per_forward_and_backward_are_the_minimum(places):
     bwd = sorted((src, dst, shape) for p, src, dst, shape in c.events if p == "backward")
     assert bwd == sorted([(A, B, (6, 5, 32)), (B, A, (6, 5, 32)), (B, A, (6, 9, 32))])  # gradients of those three
     assert c.forward == 4 and c.backward == 3
+    for chunks in (2, 4):  # chunked: each micro-batch's own hops once (no more), 6 rows as 3 + 3 or 2 + 2 + 1 + 1
+        b = on(batch("t5"), A)
+        with count_copies() as alone:
+            for part in split_batch(b, chunks):
+                model(**part).loss.backward()
+        with count_copies() as c:
+            train_step(model, b, chunks=chunks)
+        assert sorted(c.events) == sorted(alone.events)
+        assert c.forward <= 4 * chunks and c.backward == 3 * chunks  # a micro-batch without padding sends no mask
+
+
+def test_gradient_from_a_gpu_lands_before_the_cpu_reads_it():
+    from bigfit.device_map.moves import _Land
+    from bigfit.device_map.streams import Landing
+
+    class Event:  # stands in for the CUDA event of the GPU -> host copy that _Copy's backward starts
+        waited = 0
+
+        def synchronize(self):
+            Event.waited += 1
+
+    x = torch.ones(3, requires_grad=True)
+    landing = Landing()
+    y = _Land.apply(x, landing)
+    landing.event = Event()
+    (2 * y).sum().backward()  # the CPU node waits for the copy's event, once, then hands the gradient on
+    assert Event.waited == 1 and landing.event is None and x.grad.tolist() == [2.0] * 3
 
 
 def test_tied_embeddings_never_travel():
@@ -283,6 +313,30 @@ def test_chunks_run_in_gpipe_order(places):
     for clock in {c for c, _, _ in trace}:  # within a clock, GPU segments are launched before CPU ones
         kinds = [p.startswith("cuda") for c, _, p in trace if c == clock]
         assert kinds == sorted(kinds, reverse=True)
+
+
+def test_backward_takes_micro_batches_one_at_a_time_last_first():
+    # micro-batches of 3, 2 and 1 rows tell them apart; stacking the losses releases every gradient
+    # at once, so only the order edges (not the sum's own chain) keep the micro-batches apart
+    ref, model = models("t5")
+    parallelize(model, LAYOUTS["t5-flat"][1](*PLACES[0]))
+    b = batch("t5")
+    parts = [{k: v[i:j] for k, v in b.items()} for i, j in ((0, 3), (3, 5), (5, 6))]
+    seen = {"encoder": [], "decoder": []}
+    handles = [blk.layer[0].SelfAttention.q.register_full_backward_pre_hook(  # inside each block's backward
+        lambda m, g, s=stack: seen[s].append(g[0].shape[0])) for stack in seen for blk in getattr(model, stack).block]
+    losses = run_chunks(lambda p: model(**p).loss, parts, "cpu", ordered_backward=True)
+    torch.stack(losses).sum().backward()
+    assert seen == {"encoder": [1] * 2 + [2] * 2 + [3] * 2, "decoder": [1] * 3 + [2] * 3 + [3] * 3}
+    for h in handles:
+        h.remove()
+    for part in parts:  # the edges carry no values: gradients are those of the plain sum
+        ref(**part).loss.backward()
+    torch.testing.assert_close(grads(model), grads(ref), **TOL["cpu"])
+    model.zero_grad(set_to_none=True)
+    for loss in run_chunks(lambda p: model(**p).loss, parts, "cpu"):  # unordered: each backward alone
+        loss.backward()
+    torch.testing.assert_close(grads(model), grads(ref), **TOL["cpu"])
 
 
 def test_chunk_errors_propagate_and_leave_nothing_running():

@@ -8,8 +8,9 @@
     deparallelize(model)                           # hooks gone, the model on one device again
 
 maps.py parses and checks maps; balance.py is the pure balancer behind "auto" and auto.py feeds it
-the planner's per-block bytes; hooks.py places the model; moves.py makes (and counts) every copy;
-pipeline.py runs chunks; strategy.py is `bigfit train --strategy device_map`. docs/device_map.md.
+the planner's per-block bytes; hooks.py places the model; moves.py makes (and counts) every copy,
+streams.py its CUDA streams and events; pipeline.py runs chunks on schedule.py's GPipe clock;
+strategy.py is `bigfit train --strategy device_map`. docs/device_map.md.
 """
 from .hooks import deparallelize, find_stacks, layout_of, parallelize
 from .maps import DeviceMap, Stack, canonical_device, resolve_map

@@ -45,20 +45,31 @@ class Layout:
 
     def enter(self, place: str, tree):
         """Inputs to `place`; in a chunked run, a change of device lets other micro-batches go first."""
-        moved = move_tree(tree, place, self.cpu_default)
-        pipeline.reached(place)
+        args, kwargs = move_tree(tree, place, self.cpu_default)
+        hidden = pipeline.reached(place, tree, _first(args))
         settle()
-        return moved
+        return ((hidden, *args[1:]) if hidden is not None else args), kwargs
 
     def leave(self, output):
         """The first output back to the main device (the hidden state every block returns first)."""
-        if isinstance(output, torch.Tensor):
-            output = move(output, self.main, self.cpu_default)
-        elif type(output) in (tuple, list) and output and isinstance(output[0], torch.Tensor):
-            output = type(output)([move(output[0], self.main, self.cpu_default), *output[1:]])
-        pipeline.reached(self.main)
+        first = _first(output)
+        if first is None:
+            pipeline.reached(self.main)
+            settle()
+            return output
+        hidden = pipeline.reached(self.main, first, move(first, self.main, self.cpu_default))
         settle()
-        return output
+        return hidden if isinstance(output, torch.Tensor) else type(output)([hidden, *output[1:]])
+
+
+def _first(obj) -> torch.Tensor | None:
+    """The hidden state: the tensor itself, or the first item of a tuple or list (Hugging Face blocks
+    take it first and return it first)."""
+    if isinstance(obj, torch.Tensor):
+        return obj
+    if type(obj) in (tuple, list) and obj and isinstance(obj[0], torch.Tensor):
+        return obj[0]
+    return None
 
 
 def find_stacks(model: torch.nn.Module, paths=None) -> list[tuple[Stack, torch.nn.Module]]:

@@ -11,9 +11,11 @@ Where a tensor lives: its torch device; a CPU tensor may carry a tag naming the 
 placement it was copied to or computed on (block outputs are tagged by the hooks). An untagged
 CPU tensor lives on the model's main device when that is a CPU placement, else on "cpu".
 
-GPU -> CPU copies are started without waiting (into pinned memory) and settled with an event before
-the CPU reads them; `settle()` does that. The chunked pipeline starts a stage's copies, lets other
-micro-batches run, and settles only when this one resumes.
+Copies touching a GPU never block the host (streams.py: copy streams and events). The host waits
+only where the CPU reads a GPU's result: in forward, `settle()` waits for this thread's GPU -> CPU
+copies (the chunked pipeline starts a stage's copies, lets other micro-batches run, and settles
+when this one resumes); in backward, the gradient of a CPU -> GPU copy lands through `_Land`, a
+node on the CPU side that autograd runs on the CPU thread, so the GPU's device thread never waits.
 """
 from __future__ import annotations
 
@@ -23,7 +25,9 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from . import streams
 from .maps import real_device
+from .streams import Landing
 
 TAG = "_bigfit_place"
 _memo = WeakIdKeyDictionary()  # source tensor -> {place: (version, copy, event)}
@@ -70,17 +74,22 @@ def place_of(t: torch.Tensor, cpu_default: str) -> str:
     return f"{t.device.type}:{t.device.index or 0}"
 
 
-def _raw_copy(t: torch.Tensor, dst: str) -> torch.Tensor:
+def _raw_copy(t: torch.Tensor, dst: str, landing: Landing | None = None) -> torch.Tensor:
+    """`t` copied to placement `dst`. A GPU -> host copy is waited for by `landing` when given (in
+    backward), else by this thread's next `settle()`."""
     dev = real_device(dst)
     if t.device == dev:  # between virtual CPU placements: a real copy all the same
         out = t.clone()
     elif t.is_cuda and dev.type == "cpu":
-        out = t.to(dev, non_blocking=True)  # pinned; the event below says when it has landed
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(t.device))
-        pending().append(event)
+        out, event = streams.gpu_to_host(t)
+        if landing is not None:
+            landing.event = event
+        else:
+            pending().append(event)
+    elif t.is_cuda:
+        out = streams.gpu_to_gpu(t, dev)
     else:
-        out = t.to(dev, non_blocking=True)  # to a GPU: ordered on its stream, nothing to wait for here
+        out = streams.host_to_gpu(t, dev)
     if dev.type == "cpu":
         setattr(out, TAG, dst)
     return out
@@ -88,8 +97,8 @@ def _raw_copy(t: torch.Tensor, dst: str) -> torch.Tensor:
 
 class _Copy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, t, src: str, dst: str):
-        ctx.places = (src, dst)
+    def forward(ctx, t, src: str, dst: str, landing):
+        ctx.places, ctx.landing = (src, dst), landing
         _record("forward", src, dst, t)
         return _raw_copy(t, dst)
 
@@ -97,9 +106,33 @@ class _Copy(torch.autograd.Function):
     def backward(ctx, grad):
         src, dst = ctx.places
         _record("backward", dst, src, grad)
-        out = _raw_copy(grad, src)
-        settle()  # autograd hands the gradient on at once
-        return out, None, None
+        landing = ctx.landing or Landing()
+        out = _raw_copy(grad, src, landing)
+        if ctx.landing is None:  # no CPU node waits for it (the forward's input needed no gradient)
+            landing.wait()
+        return out, None, None, None
+
+
+class _Land(torch.autograd.Function):
+    """Identity in forward; in backward, on the CPU thread, waits for the gradient's copy from the
+    GPU (made by the `_Copy` it feeds, on the GPU's device thread) before handing it on."""
+
+    @staticmethod
+    def forward(ctx, t, landing):
+        ctx.landing = landing
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.landing.wait()
+        return grad, None
+
+
+def _copy(t: torch.Tensor, src: str, dst: str) -> torch.Tensor:
+    if t.device.type == "cpu" and real_device(dst).type == "cuda" and t.requires_grad and torch.is_grad_enabled():
+        landing = Landing()
+        return _Copy.apply(_Land.apply(t, landing), src, dst, landing)
+    return _Copy.apply(t, src, dst, None)
 
 
 def pending() -> list:
@@ -128,7 +161,7 @@ def move(t: torch.Tensor, dst: str, cpu_default: str) -> torch.Tensor:
                 pending().append(hit[2])  # copied by a micro-batch that has not settled yet
             return hit[1]
     before = len(pending())
-    out = _Copy.apply(t, src, dst)
+    out = _copy(t, src, dst)
     if not no_memo:
         event = pending()[-1] if len(pending()) > before else None
         _memo.setdefault(t, {})[dst] = (t._version, out, event)
