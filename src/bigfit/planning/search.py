@@ -126,9 +126,13 @@ def plan(prof, hw, job: Job, strategies=ALL, autocast_prof=None, split_prof=None
 SPLIT_MARGIN = 1.10
 
 
-def _rank(c: Candidate) -> tuple[float, int]:
+def _rank(c: Candidate) -> tuple[float, float, int]:
+    """Fastest first; on a tie (communication hidden under compute) the one that communicates less,
+    since hidden traffic still competes for the GPU (zero2 ran 3.6% faster than zero3 on 2 H200s
+    where both were predicted compute-bound, benchmarks/RESULTS.md); then the one using less memory."""
     e = c.estimate
-    return e.step_time_s * (SPLIT_MARGIN if e.name in WHOLE else 1.0), e.per_gpu["total"]
+    return (round(e.step_time_s * (SPLIT_MARGIN if e.name in WHOLE else 1.0), 6), e.costs.get("communication", 0.0),
+            e.per_gpu["total"])
 
 
 def _reason(best: Candidate, cands: list[Candidate], world: int) -> str:
