@@ -7,34 +7,21 @@ with two GPUs with A = cuda:0, B = cuda:1, C = cpu.
 """
 from __future__ import annotations
 
-import copy
 import threading
 import warnings
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
-from bigfit.device_map import (count_copies, deparallelize, layout_of, parallelize, run_chunks, split_batch,
-                                train_step)
-from bigfit.device_map.auto import plan_map, parse_budgets
-from bigfit.device_map.balance import balance
+from bigfit.device_map import count_copies, deparallelize, parallelize, run_chunks, split_batch, train_step
 from bigfit.device_map.maps import real_device
 from bigfit.errors import BigfitError
 from bigfit.planning.search import Job
-from tiny import tiny_config
+from tiny import tiny_config, twin_models
 
 PLACES = ([("cpu", "cpu:1", "cpu:2")] + ([("cuda:0", "cpu", "cpu:1")] if torch.cuda.is_available() else [])
           + ([("cuda:0", "cuda:1", "cpu")] if torch.cuda.device_count() > 1 else []))  # GPU -> GPU copy streams
 TOL = {"cpu": dict(rtol=1e-6, atol=1e-7), "cuda:0": dict(rtol=1e-4, atol=1e-5)}  # keyed by A  # CUDA kernels differ from CPU's
-
-
-def models(family: str):
-    """(reference, copy to split): the same random weights, dropout off in the tiny configs."""
-    torch.manual_seed(0)
-    auto = AutoModelForSeq2SeqLM if family == "t5" else AutoModelForCausalLM
-    ref = auto.from_config(tiny_config(family))
-    return ref, copy.deepcopy(ref)
 
 
 def batch(family: str, n: int = 6) -> dict:
@@ -66,90 +53,6 @@ def grads(model) -> dict:
     return {n: p.grad.detach().cpu() for n, p in model.named_parameters() if p.grad is not None}
 
 
-# --- maps and their errors, before anything moves ---------------------------------------------------
-
-BAD_MAPS = [
-    ({"encoder": {"cpu": [0]}, "decoder": {"cpu": [0, 1, 2]}}, "misses block(s) 1"),
-    ({"encoder": {"cpu": [0, 1], "cpu:1": [1]}, "decoder": {"cpu": [0, 1, 2]}}, "block 1 of stack 'encoder' is mapped twice"),
-    ({"encoder": {"cpu": [0, 1, 2]}, "decoder": {"cpu": [0, 1, 2]}}, "names block 2"),
-    ({"encoder": {"cpu": [0, 1]}, "decodr": {"cpu": [0, 1, 2]}}, "stack 'decodr'"),
-    ({"encoder": {"cpu": [0, 1]}}, "places no block of stack 'decoder'"),
-    ({"cpu": [0, 1]}, "give one map per stack"),
-    ({"encoder": {"gpu0": [0, 1]}, "decoder": {"cpu": [0, 1, 2]}}, "'gpu0' is not a device"),
-    ({"encoder": {f"cuda:{torch.cuda.device_count()}": [0, 1]}, "decoder": {"cpu": [0, 1, 2]}}, "does not exist"),
-    ({"encoder": {"cpu": [0, 1]}, "decoder": {"cpu": [0, 1, 2]}, "lm_hed": "cpu:1"}, "module 'lm_hed'"),
-    ({"encoder": {"cpu": [0, 1]}, "decoder": {"cpu": [0, 1, 2]}, "decoder.block.1.layer": "cpu:1"}, "part of) a block"),
-    ({"encoder": {"cpu": [0, 1]}, "decoder": {"cpu": [0, 1, 2]}, "lm_head": "cpu:1"}, "tied to shared.weight"),
-]
-
-
-@pytest.mark.parametrize("spec,message", BAD_MAPS, ids=[m for _, m in BAD_MAPS])
-def test_bad_map_is_an_error_naming_it_and_nothing_moves(spec, message):
-    _, model = models("t5")
-    before = {n: (p.device, p.data_ptr()) for n, p in model.named_parameters()}
-    with pytest.raises(BigfitError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        parallelize(model, spec)
-    assert layout_of(model) is None
-    assert {n: (p.device, p.data_ptr()) for n, p in model.named_parameters()} == before
-    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
-
-
-def test_map_forms_and_describe():
-    _, model = models("gpt2")
-    dmap = parallelize(model, {"cpu:1": [1], "cpu": [0]})  # one stack: its map alone
-    assert dmap.blocks == {"transformer": ("cpu", "cpu:1")} and dmap.main_device == "cpu"
-    assert dmap.describe() == "transformer 0 -> cpu, 1 -> cpu:1; other modules on cpu"
-    assert dmap.hops() == 2
-    deparallelize(model)
-    with pytest.raises(BigfitError, match="not parallelized"):
-        deparallelize(model)
-    dmap2 = parallelize(model, dmap.to_json())  # the JSON form reads back to the same map
-    assert dmap2 == dmap
-    with pytest.raises(BigfitError, match="already parallelized"):
-        parallelize(model, dmap.to_json())
-    deparallelize(model)
-
-
-# --- the balancer (pure) ----------------------------------------------------------------------------
-
-def test_balance_fewest_devices_then_by_budget():
-    assert balance([1] * 8, [("a", 8), ("b", 8)]) == ["a"] * 8  # fits on the first: no device change
-    assert balance([1] * 16, [("a", 8), ("b", 24)]) == ["a"] * 4 + ["b"] * 12  # larger device, more blocks
-    assert balance([1] * 8, [("a", 6), ("b", 6)]) == ["a"] * 4 + ["b"] * 4
-    # the main device's own bytes (embeddings, head) count against its budget
-    assert balance([1] * 8, [("a", 6), ("b", 6)], main_bytes=2) == ["a"] * 3 + ["b"] * 5
-
-
-def test_balance_host_is_overflow_and_boundary_is_preferred():
-    cpu_last = [("cuda:0", 4), ("cuda:1", 3), ("cpu", 100)]
-    assert balance([1] * 8, cpu_last, main_bytes=2) == ["cuda:0"] * 2 + ["cuda:1"] * 3 + ["cpu"] * 3
-    enc_dec = [2] * 4 + [3] * 4  # decoder blocks are larger (cross-attention)
-    assert balance(enc_dec, [("a", 12), ("b", 12)]) == ["a"] * 5 + ["b"] * 3  # balanced: 10 and 9
-    assert balance(enc_dec, [("a", 12), ("b", 12)], boundaries=[4]) == ["a"] * 4 + ["b"] * 4  # 8 and 12: taken
-    assert balance(enc_dec, [("a", 8), ("b", 24)], boundaries=[4]) == ["a"] * 2 + ["b"] * 6  # too unbalanced
-
-
-def test_balance_errors():
-    with pytest.raises(BigfitError, match=r"does not fit the budgets: it needs about 10 B .* give 4 B"):
-        balance([1] * 8, [("a", 2), ("b", 2)], main_bytes=2)
-    with pytest.raises(BigfitError, match="main device c has no budget"):
-        balance([1], [("a", 2)], main="c")
-    with pytest.raises(BigfitError, match="budget of cpu .7XB. is not a size"):
-        parse_budgets({"cpu": "7XB"})
-
-
-def test_auto_map_from_the_planner_fits_its_budgets():
-    job = Job(batch_size=4, seq_len=16, target_len=8)
-    shown = plan_map(tiny_config("t5"), parse_budgets({"cpu": "1MB", "cpu:1": "1MB"}), job)
-    assert shown["map"] == {"main_device": "cpu", "encoder": {"cpu": [0, 1]}, "decoder": {"cpu:1": [0, 1, 2]}}
-    assert all(d["predicted_bytes"] <= d["budget_bytes"] for d in shown["devices"].values())
-    _, model = models("t5")
-    dmap = parallelize(model, "auto", budgets={"cpu": "1MB", "cpu:1": "1MB"}, job=job)
-    assert dmap.to_json() == shown["map"]  # parallelize("auto") takes the map the plan shows
-    deparallelize(model)
-    with pytest.raises(BigfitError, match="does not fit"):
-        parallelize(model, "auto", budgets={"cpu": "300KB", "cpu:1": "300KB"}, job=job)
-
 
 # --- reversible hooks ---------------------------------------------------------------------------------
 
@@ -162,7 +65,7 @@ def _snapshot(model):
 
 @pytest.mark.parametrize("places", PLACES)
 def test_deparallelize_leaves_the_model_as_before(places):
-    ref, model = models("t5")
+    ref, model = twin_models("t5")
     before = _snapshot(model)
     parallelize(model, LAYOUTS["t5-split"][1](*places))
     assert model.lm_head.weight is model.shared.weight  # the tie is one parameter, on main
@@ -184,7 +87,7 @@ def test_deparallelize_leaves_the_model_as_before(places):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_loss_and_gradients_equal_the_unsplit_model(layout, places):
     family, make = LAYOUTS[layout]
-    ref, model = models(family)
+    ref, model = twin_models(family)
     parallelize(model, make(*places))
     b = batch(family)
     out = model(**on(b, places[0]))
@@ -215,7 +118,7 @@ def _generate(model, b: dict, beams: int):
 @pytest.mark.parametrize("places", PLACES)
 @pytest.mark.parametrize("beams", [1, 3])
 def test_generate_equal_tokens_and_cache_stays_on_its_layer(beams, places):
-    ref, model = models("t5")
+    ref, model = twin_models("t5")
     ref.eval(), model.eval()
     dmap = parallelize(model, LAYOUTS["t5-split"][1](*places))
     b = batch("t5", n=2)
@@ -240,7 +143,7 @@ def test_generate_equal_tokens_and_cache_stays_on_its_layer(beams, places):
 @pytest.mark.parametrize("places", PLACES)
 def test_copies_per_forward_and_backward_are_the_minimum(places):
     A, B, _ = places
-    _, model = models("t5")
+    _, model = twin_models("t5")
     parallelize(model, LAYOUTS["t5-flat"][1](*places))  # encoder on main (A), decoder on B
     with count_copies() as c:
         model(**on(batch("t5"), A)).loss.backward()
@@ -281,7 +184,7 @@ def test_gradient_from_a_gpu_lands_before_the_cpu_reads_it():
 
 
 def test_tied_embeddings_never_travel():
-    _, model = models("gpt2")  # wte is tied to lm_head; blocks on two devices
+    _, model = twin_models("gpt2")  # wte is tied to lm_head; blocks on two devices
     parallelize(model, {"cpu:1": [0], "cpu:2": [1]}, main_device="cpu")
     with count_copies() as c:
         for _ in range(2):
@@ -298,7 +201,7 @@ def test_tied_embeddings_never_travel():
 @pytest.mark.parametrize("places", PLACES)
 def test_chunks_run_in_gpipe_order(places):
     A, B, _ = places
-    _, model = models("t5")
+    _, model = twin_models("t5")
     parallelize(model, LAYOUTS["t5-flat"][1](*places))
     trace = []
     parts = [on(batch("t5", n=2), A) for _ in range(3)]
@@ -318,7 +221,7 @@ def test_chunks_run_in_gpipe_order(places):
 def test_backward_takes_micro_batches_one_at_a_time_last_first():
     # micro-batches of 3, 2 and 1 rows tell them apart; stacking the losses releases every gradient
     # at once, so only the order edges (not the sum's own chain) keep the micro-batches apart
-    ref, model = models("t5")
+    ref, model = twin_models("t5")
     parallelize(model, LAYOUTS["t5-flat"][1](*PLACES[0]))
     b = batch("t5")
     parts = [{k: v[i:j] for k, v in b.items()} for i, j in ((0, 3), (3, 5), (5, 6))]
@@ -342,7 +245,7 @@ def test_backward_takes_micro_batches_one_at_a_time_last_first():
 def test_chunk_errors_propagate_and_leave_nothing_running():
     from bigfit.device_map import pipeline
 
-    _, model = models("gpt2")
+    _, model = twin_models("gpt2")
     parallelize(model, {"cpu": [0], "cpu:1": [1]})
 
     def fn(p):
@@ -428,7 +331,7 @@ def test_plan_shows_the_auto_device_map():
 def test_activation_checkpointing_inside_placed_blocks():
     from bigfit.strategies.checkpointing import apply_activation_checkpointing, remove_activation_checkpointing
 
-    ref, model = models("t5")
+    ref, model = twin_models("t5")
     parallelize(model, LAYOUTS["t5-split"][1](*PLACES[0]))  # split first, then checkpointing (the documented order)
     assert apply_activation_checkpointing(model) == 5
     b = {**batch("t5"), "use_cache": False}  # as bigfit trains: a cache filled in forward breaks the recompute

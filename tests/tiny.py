@@ -1,6 +1,7 @@
 """Tiny models of the three families that break naive parallelism, and small data, built in the test."""
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -24,6 +25,17 @@ def tiny_config(family: str):
                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                            tie_word_embeddings=False, pad_token_id=0, eos_token_id=1, bos_token_id=1)
     raise ValueError(family)
+
+
+def twin_models(family: str):
+    """(reference, copy to split or shard): the same random weights, dropout off in the tiny configs."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+    torch.manual_seed(0)
+    auto = AutoModelForSeq2SeqLM if family == "t5" else AutoModelForCausalLM
+    ref = auto.from_config(tiny_config(family))
+    return ref, copy.deepcopy(ref)
 
 
 def write_model_dirs(root: Path) -> dict[str, Path]:
