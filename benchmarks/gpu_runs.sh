@@ -111,7 +111,35 @@ pipeline)  # issue 7 item 2: schedules' bubbles and pipeline against zero3, on 2
   job p4 0,1,2,3 "$(pick "$first_node" 1 $((n0 > 48 ? 48 : n0)))" 280 python3 benchmarks/pipeline.py --gpus 4 \
     --size 3b --out $r/pipe/pipeline.jsonl
   ;;
+x2a)  # fourth session, 2 GPUs: issue 6 over cuda:0 + host (GPU 0) beside issue 5's accumulation and
+  # DeepSpeed ZeRO-2 on 1 GPU (GPU 1); then issue 7 on both GPUs: DeepSpeed ZeRO-2 and t5-3b's device maps
+  mkdir -p $r/dmh $r/one $r/two
+  job dmh 0 "$c_main" 280 bash -c "python3 -m pytest tests/test_device_map.py -q -x 2>&1 | tail -3
+    python3 benchmarks/device_map.py --out $r/dmh/device_map.jsonl"
+  common="--size 3b --mbs 4 --seq 2048 --steps 4 --warmup 2"
+  job one 1 "$c_accum" 280 bash -c "python3 benchmarks/strategies.py $common --accum 4 --timeout 110 \
+      --strategies zero2-offload+delayed --out $r/one/offload-accum.jsonl
+    python3 .whl/peers.py all $common --accum 4 --methods torch | tee -a $r/one/peers-accum.txt
+    python3 benchmarks/scaling.py --gpus 1 --timeout 120 --methods ds-z2 --size 3b --out $r/one/scaling.jsonl"
+  wait
+  df -h /tmp | tee $r/disk.txt; dd if=/dev/zero of=/tmp/dd.bin bs=1M count=4096 oflag=direct 2>&1 | tail -1 | tee -a $r/disk.txt
+  dd if=/tmp/dd.bin of=/dev/null bs=1M iflag=direct 2>&1 | tail -1 | tee -a $r/disk.txt; rm -f /tmp/dd.bin
+  job two 0,1 "$(pick "$first_node" 1 $((n0 > 32 ? 32 : n0)))" 260 bash -c "python3 benchmarks/scaling.py --gpus 2 \
+      --timeout 100 --methods ds-z2 --size 3b --out $r/two/scaling.jsonl
+    python3 benchmarks/device_map.py --size 3b --other cuda:1 --out $r/two/device_map-t5-3b.jsonl"
+  ;;
+x2b)  # fourth session, 2 GPUs: issue 7's pipeline schedules (m = 4, 8) against zero3, then T5-large's chunks
+  mkdir -p $r/pipe $r/dm2
+  job p2 0,1 "$c_main" 330 python3 benchmarks/pipeline.py --gpus 2 --size 3b --ms 4,8 --timeout 100 \
+    --out $r/pipe/pipeline.jsonl
+  wait
+  job dm2 0,1 "$c_main" 200 python3 benchmarks/device_map.py --other cuda:1 --batch 32 --trace $r/dm2/trace \
+    --out $r/dm2/device_map.jsonl
+  ;;
 esac
 wait
 for f in $r/*.log; do echo "== $f"; tail -25 "$f"; done
-tar czf "$out/$part.tgz" -C "$r" .
+# Chrome traces apart: one file back is at most 16 MiB
+traces=$(cd $r && find . -type d -name trace)
+[ -n "$traces" ] && tar czf "$out/$part-trace.tgz" -C "$r" $traces
+tar czf "$out/$part.tgz" --exclude=./*/trace -C "$r" .
