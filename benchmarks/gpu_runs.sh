@@ -136,6 +136,30 @@ x2b)  # fourth session, 2 GPUs: issue 7's pipeline schedules (m = 4, 8) against 
   job dm2 0,1 "$c_main" 200 python3 benchmarks/device_map.py --other cuda:1 --batch 32 --trace $r/dm2/trace \
     --out $r/dm2/device_map.jsonl
   ;;
+capacity)  # issue 5's largest model, on the single-GPU machine (its 125 GiB of RAM and its disk), one
+  # attempt at a time: DeepSpeed ZeRO-2 offload at 32 layers (8.0B), then 36 or 28; bigfit at 1.5x the
+  # largest that DeepSpeed fitted, gradients on the GPU, 95 GB of states in RAM and the rest on disk
+  mkdir -p $r/cap; df -h /tmp | tee $r/cap/disk.txt; free -g | tee -a $r/cap/disk.txt
+  python3 -c "import torch; from deepspeed.ops.adam import DeepSpeedCPUAdam; DeepSpeedCPUAdam([torch.nn.Parameter(torch.zeros(8))])" 2>&1 | tail -1
+  python3 benchmarks/strategies.py --size tiny --seq 64 --steps 2 --strategies zero2-offload+devgrads,zero2-offload-nvme+devgrads \
+    --timeout 60 --out $r/cap/cuda-smoke.jsonl | cut -c1-300
+  lm() { python3 benchmarks/largest_model.py --out $r/cap/largest.jsonl "$@" | tail -1; }
+  if lm --methods ds-z2-offload --layers 32 --timeout 140 | grep -q '"ds-z2-offload"'; then
+    lm --methods ds-z2-offload --layers 36 --timeout 140; big=51
+  else
+    lm --methods ds-z2-offload --layers 28 --timeout 140; big=45
+  fi
+  # states in RAM: what is available less 22 GB (gradient slots, CUDA, Python, page cache); the rest
+  # on disk, less 4 GB: if RAM and disk hold fewer than $big layers' 12 bytes per parameter, fewer layers
+  read host_gb big < <(python3 -c "import os, shutil
+avail = int([l.split()[1] for l in open('/proc/meminfo') if l.startswith('MemAvailable')][0]) * 1024 / 1e9
+host = int(avail - 22); disk = shutil.disk_usage('/tmp').free / 1e9 - 4
+fit = int(((host + disk) / 12 - 1.051) / 0.2181)
+print(host, min($big, fit))")
+  echo "states in RAM: $host_gb GB; layers: $big"
+  BIGFIT_NVME_HOST_GB=$host_gb lm --methods zero2-offload-nvme+devgrads --layers $big --timeout 260
+  df -h /tmp | tee -a $r/cap/disk.txt
+  ;;
 esac
 wait
 for f in $r/*.log; do echo "== $f"; tail -25 "$f"; done

@@ -4,7 +4,10 @@ engine against DeepSpeed's ZeRO-2/3 offload (../shared/bench/peers.py, carried i
 
   python benchmarks/largest_model.py --layers 32,48,64 --methods zero2-offload,ds-z2-offload,ds-z3-offload
 Each (method, size) runs in its own process with a timeout; a size fits when its 2 steps finish (an
-out-of-memory error, a kill by the kernel's OOM killer or the timeout count as not fitting). Sizes
+out-of-memory error, a kill by the kernel's OOM killer or the timeout count as not fitting).
+bigfit methods take strategies.py's variants: `zero2-offload+devgrads` (gradients wait on the GPU:
+12 bytes of host RAM per parameter), `zero2-offload-nvme+devgrads` (BIGFIT_NVME_HOST_GB of states in
+RAM, the rest in files under BIGFIT_NVME_DIR, emptied before each attempt). Sizes
 are hidden 4096 / 32 heads / 8 KV heads / 14336 MLP / vocabulary 128256 (8B at 32 layers), by layers.
 Prints one JSON line per attempt and the largest size that fitted per method.
 """
@@ -13,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -42,6 +46,7 @@ def attempt(method: str, layers: int, timeout: int, tiny: bool = False) -> dict:
     code = ATTEMPT.format(here=HERE, whl=os.path.join(HERE, "..", ".whl"), shape=shape, method=method,
                           seq=64 if tiny else 2048,
                           bigfit=not method.startswith(("ds-", "fsdp", "torch")))
+    shutil.rmtree(os.environ.get("BIGFIT_NVME_DIR", "/tmp/bigfit-nvme"), ignore_errors=True)
     try:
         p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:

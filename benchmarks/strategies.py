@@ -44,14 +44,20 @@ def run_one(strategy: str, size: str, mbs: int, seq: int, steps: int, warmup: in
                      intermediate_size=inter, vocab_size=vocab, max_position_embeddings=8192,
                      attn_implementation="sdpa", tie_word_embeddings=False, use_cache=False)
     name = strategy
-    strategy, _, variant = strategy.partition("+")
-    clip = 0.0 if variant == "eager" else 1.0  # the engine steps during backward only without clipping
+    strategy, *variants = strategy.split("+")
+    variant = variants[0] if variants else ""
+    clip = 0.0 if "eager" in variants else 1.0  # the engine steps during backward only without clipping
+    # +devgrads: gradients wait on the GPU (offload_grads device); NVMe: BIGFIT_NVME_DIR, BIGFIT_NVME_HOST_GB
+    tier = dict(offload_grads="device") if "devgrads" in variants else {}
+    if strategy == "zero2-offload-nvme":
+        tier.update(nvme_dir=os.environ.get("BIGFIT_NVME_DIR", "/tmp/bigfit-nvme"),
+                    nvme_host_gb=float(os.environ.get("BIGFIT_NVME_HOST_GB", "0")))
     rt = init_runtime(group_for_one=strategy in FSDP_STRATEGIES)
     pipe = dict(pipeline_schedule=variant, chunks=chunks) if strategy == "pipeline" else {}
     data = 1 if strategy == "pipeline" else rt.world_size  # pipeline stages all read the same batch
     cfg = resolve(TrainConfig(strategy=strategy, precision="bf16", batch_size=mbs * accum * data,
-                              micro_batch_size=mbs, lr=1e-4, delayed_update=variant == "delayed",
-                              activation_checkpointing=ckpt, max_grad_norm=clip, **pipe), rt.world_size)
+                              micro_batch_size=mbs, lr=1e-4, delayed_update="delayed" in variants,
+                              activation_checkpointing=ckpt, max_grad_norm=clip, **pipe, **tier), rt.world_size)
     torch.manual_seed(0)
     with torch.device("cpu" if strategy == "zero3-offload" else rt.device):
         model = LlamaForCausalLM(mc)

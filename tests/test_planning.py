@@ -59,6 +59,24 @@ def test_t5_3b_on_eight_16gb_gpus():
     assert nvme.estimate.per_host["optimizer"] == 0 and nvme.estimate.per_gpu == by["zero2-offload"].estimate.per_gpu
 
 
+def test_offload_grads_on_device_and_states_kept_in_ram_move_bytes_where_asked():
+    """offload_grads device: the host loses the gradients' 4 bytes per parameter (3 slots stay), the
+    GPU gains them at the end of backward; nvme_host_gb: those bytes of states leave the files."""
+    from bigfit.planning.search import Job, plan_for_config
+
+    hw, n = Hardware(gpu_bytes=(16 * GB,) * 8, cpu_ram=256 * GB, nvme=10**13), 2851598336
+    job = dict(batch_size=8, seq_len=256, target_len=64, precision="bf16", checkpointing=True)
+    base, moved = (
+        {c.estimate.name: c.estimate for c in plan_for_config(t5_3b(), hw, Job(**job, **kw)).candidates}
+        for kw in ({}, dict(offload_grads="device", nvme_host_gb=12.0)))
+    assert base["zero2-offload"].per_host["grads"] == 4 * n
+    assert moved["zero2-offload"].per_host["grads"] < 0.1 * 4 * n  # three slots of the largest bucket
+    assert moved["zero2-offload"].per_gpu["grads"] >= 4 * n // 8
+    assert base["zero2-offload-nvme"].nvme - moved["zero2-offload-nvme"].nvme == 12e9
+    assert moved["zero2-offload-nvme"].per_host["optimizer"] == 12e9
+    assert moved["zero2-offload-nvme"].costs["nvme"] < base["zero2-offload-nvme"].costs["nvme"]
+
+
 def test_nothing_fits_says_by_how_much_and_what_would_help():
     from bigfit.planning.search import Job, plan_for_config
 

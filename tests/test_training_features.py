@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from bigfit.cli import config_from_args, parse_args
 from bigfit.errors import BigfitError
@@ -126,35 +127,51 @@ def test_keep_checkpoints_rotates_the_oldest(model_dirs, pairs_file, tmp_path):
     assert names == ["step-00000004", "step-00000006"]
 
 
-@pytest.mark.parametrize("mode", ["after-backward", "delayed", "eager"])
-def test_host_optimizer_is_adamw_and_the_delayed_one_lags_exactly_one_step(mode):
-    """The offload engine's host step gives torch AdamW's iterates, whether it starts after backward
-    or (eager: no clipping, no loss scale) during it. Delayed (documented semantics): the forward and
-    backward of step t (1-based) use the parameters after update t-2 (the initial ones for t = 1, 2);
-    each gradient is applied to the latest master weights."""
-    import torch
+class _Stack(torch.nn.Module):
+    """Five offload buckets (four blocks and the head): more than the engine's three gradient slots."""
 
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(4))
+        self.head = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return self.head(x)
+
+
+@pytest.mark.parametrize("grads", ["host", "device"])
+@pytest.mark.parametrize("mode", ["after-backward", "delayed", "eager"])
+def test_host_optimizer_is_adamw_and_the_delayed_one_lags_exactly_one_step(mode, grads):
+    """The offload engine's host step gives torch AdamW's iterates, whether it starts after backward
+    or (eager: no clipping, no loss scale) during it, and whether gradients wait in host buffers or on
+    the device (copied down through the slots just before their step). Delayed (documented
+    semantics): the forward and backward of step t (1-based) use the parameters after update t-2 (the
+    initial ones for t = 1, 2); each gradient is applied to the latest master weights."""
     from bigfit.distributed import Runtime
     from bigfit.strategies.offload import apply_offload
 
     torch.manual_seed(0)
-    model = torch.nn.Linear(4, 3)
+    model = _Stack()
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
     x, used, grads = torch.randn(8, 4), [], []
     for n, p in model.named_parameters():  # registered first: runs before the engine takes the gradient
         p.register_post_accumulate_grad_hook(lambda p, n=n: grads[-1].__setitem__(n, p.grad.clone()))
     delayed = mode == "delayed"
     applied = apply_offload(model, "zero2-offload", Runtime(0, 1, 0, torch.device("cpu")), None, delayed=delayed,
-                            nvme_dir=None, eager=mode == "eager")
+                            nvme_dir=None, eager=mode == "eager", grads_on_device=grads == "device")
+    assert (applied.engine.slots is not None) == (grads == "device") and len(applied.engine.buckets) == 5
     opt = applied.make_optimizer(torch.optim.AdamW, lr=0.1, fused=True)
-    # the host step runs beside the next forward: what a step uses is seen inside it, after the engine's wait
-    model.register_forward_pre_hook(lambda *_: used.append({n: p.detach().clone() for n, p in model.named_parameters()}))
+    # the host step runs beside the next forward: what a step uses is seen inside it, once the engine
+    # has waited for every bucket (the head's is the last)
+    model.head.register_forward_pre_hook(lambda *_: used.append({n: p.detach().clone() for n, p in model.named_parameters()}))
     for _ in range(5):
         grads.append({})
         model(x).pow(2).sum().backward()
         opt.clip_and_step(0.0)
     opt.flush()
-    ref = torch.nn.Linear(4, 3)
+    ref = _Stack()
     ref.load_state_dict(start)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.1, fused=True)
     iterates = [start]

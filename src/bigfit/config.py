@@ -73,6 +73,8 @@ class TrainConfig:
     ddp_bucket_mb: float = 25.0  # gradient all-reduce bucket size (ddp, zero1)
     nvme_dir: str | None = None  # zero2-offload-nvme: a directory on a fast local disk; None: OUTPUT/nvme
     delayed_update: bool = False  # zero2-offload: the host optimizer step overlaps the next step (one-step-stale parameters)
+    offload_grads: str = "host"  # zero2-offload: where gradients wait for the host step: host (4 more bytes/param of RAM) or device
+    nvme_host_gb: float = 0.0  # zero2-offload-nvme: GB of optimizer states kept in host RAM (first blocks); the rest in files
     max_source_len: int = 128  # tokens kept per source / text sample
     max_target_len: int = 128  # tokens kept per target (encoder-decoder models)
     save_every: int = 200  # save a checkpoint every N steps (and always at the end); 0: only at the end
@@ -164,6 +166,7 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.delayed_update and not cfg.strategy.startswith("zero2-offload"):
         raise BigfitError(f"--delayed-update needs --strategy zero2-offload (its host optimizer step is what is "
                           f"delayed), not {cfg.strategy}")
+    _validate_offload(cfg)
     if cfg.strategy in ("single", *SPLIT_STRATEGIES) and (cfg.nproc or 1) > 1:
         raise BigfitError(f"strategy {cfg.strategy!r} runs one process (which drives every device), but --nproc is "
                           f"{cfg.nproc}; use --nproc 1, or ddp / zero3 for several processes")
@@ -174,6 +177,16 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.chunks is not None and (isinstance(cfg.chunks, bool) or not isinstance(cfg.chunks, int) or cfg.chunks < 1):
         raise BigfitError(f"--chunks must be a positive integer, got {cfg.chunks!r}")
     _validate_pipeline(cfg)
+
+
+def _validate_offload(cfg: TrainConfig) -> None:
+    if cfg.offload_grads not in ("host", "device"):
+        raise one_of("--offload-grads", cfg.offload_grads, ("host", "device"))
+    if cfg.offload_grads != "host" and not cfg.strategy.startswith("zero2-offload"):
+        raise BigfitError(f"--offload-grads belongs to --strategy zero2-offload(-nvme), not {cfg.strategy}")
+    if cfg.nvme_host_gb < 0 or (cfg.nvme_host_gb and cfg.strategy != "zero2-offload-nvme"):
+        raise BigfitError(f"--nvme-host-gb must be 0 or more and belongs to --strategy zero2-offload-nvme; got "
+                          f"{cfg.nvme_host_gb} with {cfg.strategy}")
 
 
 def _validate_pipeline(cfg: TrainConfig) -> None:

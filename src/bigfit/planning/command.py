@@ -78,7 +78,8 @@ def _job(cfg, config, batch: int, micro: int | None) -> Job:
     return Job(batch_size=batch, seq_len=cfg.max_source_len,
                target_len=cfg.max_target_len if config.is_encoder_decoder else 0, micro_batch=micro,
                precision=cfg.precision or auto_precision(), checkpointing=cfg.activation_checkpointing,
-               delayed_update=cfg.delayed_update, clipping=cfg.max_grad_norm > 0, chunks=cfg.chunks,
+               delayed_update=cfg.delayed_update, offload_grads=cfg.offload_grads, nvme_host_gb=cfg.nvme_host_gb,
+               clipping=cfg.max_grad_norm > 0, chunks=cfg.chunks,
                pipeline_schedule=cfg.pipeline_schedule, stages_per_rank=cfg.stages_per_rank)
 
 

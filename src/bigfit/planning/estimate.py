@@ -36,7 +36,7 @@ def _bytes(**kw) -> dict[str, int]:
 
 
 def memory(strategy: str, prof, hw, c: int, checkpointing: bool, accum: int = 1,
-           backend: str = "nccl") -> tuple[dict, dict]:
+           backend: str = "nccl", grads_on_device: bool = False, nvme_host: float = 0.0) -> tuple[dict, dict]:
     """(per-GPU bytes, per-host bytes) for one rank's GPU and one node's host RAM.
 
     The GPU figure is the step's peak: the largest of three moments, each counted with what is alive
@@ -52,7 +52,9 @@ def memory(strategy: str, prof, hw, c: int, checkpointing: bool, accum: int = 1,
     Gradients live from backward to the optimizer's zero_grad(set_to_none): with one micro-batch per
     step (`accum` 1) there are none at the loss; with accumulation the earlier micro-batches' are held.
     `backend` "gloo" adds the copies gloo's reduce-scatter makes (CPU runs, the tests). The host
-    always holds rank 0's full fp32 model while it is sharded (a transient, counted under buffers)."""
+    always holds rank 0's full fp32 model while it is sharded (a transient, counted under buffers).
+    zero2-offload: `grads_on_device` (offload_grads device) keeps the gradients on the GPU until the
+    host step (gradslots.py); `nvme_host` is the node's bytes of optimizer states kept in RAM (nvme)."""
     n, w, u, r, v = prof.params, hw.world_size, prof.largest_unit_params, prof.root_params, prof.head_params
     act, loss_act = prof.activations(checkpointing), prof.activations(checkpointing) - prof.loss_saved
     lc, l32 = prof.logits_bytes, (prof.logits_numel or prof.logits_bytes // c) * 4
@@ -71,9 +73,13 @@ def memory(strategy: str, prof, hw, c: int, checkpointing: bool, accum: int = 1,
     g = hw.gpus_per_node
     if strategy.startswith("zero2-offload"):  # the offload engine (strategies/offload.py)
         bucket = (c + 4 + 4 / w) * max(u, v)  # a bucket's gradients, packed in fp32, reduce-scattered
+        waiting = dict(update=dict(grads=4 * n * held + shard, buffers=bucket)) if grads_on_device else {}
         gpu = _peak(dict(params=c * n, grads=4 * n * held),  # compute-dtype parameters; fp32 accumulators
-                    loss=dict(activations=act, buffers=2 * l32), head=dict(activations=loss_act, buffers=lc + bucket))
-        return gpu, _bytes(grads=shard * g, optimizer=0 if strategy.endswith("nvme") else 3 * shard * g, buffers=init)
+                    loss=dict(activations=act, buffers=2 * l32), head=dict(activations=loss_act, buffers=lc + bucket),
+                    **waiting)
+        slots = 3 * 4 * max(u, v) / w * g if grads_on_device else shard * g  # three slots of the largest bucket
+        optim = min(nvme_host, 3 * shard * g) if strategy.endswith("nvme") else 3 * shard * g
+        return gpu, _bytes(grads=slots, optimizer=optim, buffers=init)
     # FSDP2: zero2 keeps every unit gathered from its forward to its backward. zero3 reshards each
     # after its forward (the root too) and gathers it again for backward: an all-gather's output and
     # the unsharded copy made from it (gloo: and its own copy of the output) exist together.
@@ -100,7 +106,8 @@ def _peak(common: dict, **moments: dict) -> dict[str, int]:
     return max((_bytes(**{**common, **parts}) for parts in moments.values()), key=lambda m: m["total"])
 
 
-def step_time(strategy: str, prof, hw, c: int, checkpointing: bool, tokens_per_step: int, accum: int) -> dict:
+def step_time(strategy: str, prof, hw, c: int, checkpointing: bool, tokens_per_step: int, accum: int,
+              nvme_host: float = 0.0) -> dict:
     """Seconds per optimizer step of each cost; the step is their overlapped combination."""
     n, w = prof.params, hw.world_size
     flops = prof.flops_per_token * tokens_per_step * (4 / 3 if checkpointing else 1)
@@ -124,13 +131,14 @@ def step_time(strategy: str, prof, hw, c: int, checkpointing: bool, tokens_per_s
         pcie = moved / (hw.pcie_gbps * 1e9)
         cpu = n / w * hw.gpus_per_node / hw.cpu_adam_params_per_s  # the node's ranks share its cores
     if strategy.endswith("nvme"):  # read and write back 12 bytes per parameter, the node's ranks together
-        disk = 2 * nvme_bytes(n, hw) / (hw.nvme_gbps * 1e9)
+        disk = 2 * nvme_bytes(n, hw, nvme_host) / (hw.nvme_gbps * 1e9)
     return {"compute": compute, "communication": comm, "pcie": pcie, "cpu_optimizer": cpu, "nvme": disk}
 
 
-def nvme_bytes(n: int, hw) -> float:
-    """One node's optimizer files under zero2-offload-nvme: fp32 master weights and two moments."""
-    return 12 * n / hw.world_size * hw.gpus_per_node
+def nvme_bytes(n: int, hw, nvme_host: float = 0.0) -> float:
+    """One node's optimizer files under zero2-offload-nvme: fp32 master weights and two moments,
+    less the `nvme_host` bytes kept in RAM."""
+    return max(0.0, 12 * n / hw.world_size * hw.gpus_per_node - nvme_host)
 
 
 def combine(costs: dict, engine: str | None = None, accum: int = 1) -> float:

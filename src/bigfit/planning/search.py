@@ -25,6 +25,8 @@ class Job:
     precision: str = "bf16"
     checkpointing: bool = False
     delayed_update: bool = False  # zero2-offload's host step overlaps the next step
+    offload_grads: str = "host"  # zero2-offload: where gradients wait for the host step (host or device)
+    nvme_host_gb: float = 0.0  # zero2-offload-nvme: GB of optimizer states per node kept in host RAM
     clipping: bool = True  # a global gradient norm is needed before the host step (max_grad_norm > 0)
     chunks: int | None = None  # GPipe / pipeline micro-batches per micro-batch; None: device_map 1, pipeline one per stage
     pipeline_schedule: str | None = None  # pipeline: gpipe, 1f1b, interleaved; None: 1f1b (config.pipeline_defaults)
@@ -108,11 +110,12 @@ def plan(prof, hw, job: Job, strategies=ALL, autocast_prof=None, split_prof=None
             why, sections[name] = row.no_fit or _host_fit(row.estimate, hw), row.section
             out.append(Candidate(row.estimate, why is None, why or row.not_candidate, tokens / row.estimate.step_time_s))
             continue
+        kept = job.nvme_host_gb * 1e9
         gpu, host = memory(name, autocast_prof if name in AUTOCAST and autocast_prof else prof, hw, c,
-                           job.checkpointing, accum)
-        costs = step_time(name, prof, hw, c, job.checkpointing, tokens, accum)
+                           job.checkpointing, accum, grads_on_device=job.offload_grads == "device", nvme_host=kept)
+        costs = step_time(name, prof, hw, c, job.checkpointing, tokens, accum, nvme_host=kept)
         step_s = combine(costs, engine=_engine_mode(job) if name.startswith("zero2-offload") else None, accum=accum)
-        e = Estimate(name, gpu, host, step_s, costs, nvme_bytes(prof.params, hw) if name.endswith("nvme") else 0)
+        e = Estimate(name, gpu, host, step_s, costs, nvme_bytes(prof.params, hw, kept) if name.endswith("nvme") else 0)
         why = _fit(e, hw)
         out.append(Candidate(e, why is None, why, tokens / e.step_time_s))
     ok = sorted((c for c in out if not c.why_not), key=_rank)

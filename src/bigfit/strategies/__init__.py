@@ -57,7 +57,9 @@ def apply_strategy(model: torch.nn.Module, cfg, rt: Runtime) -> Applied:
         materialise_from_rank0(model, full, rt, "cpu" if cfg.strategy == "zero3-offload" else rt.device)
     elif cfg.strategy in OFFLOAD_STRATEGIES:
         applied = apply_offload(model, cfg.strategy, rt, compute, delayed=cfg.delayed_update, nvme_dir=_nvme_dir(cfg),
-                                eager=cfg.max_grad_norm <= 0 and cfg.precision != "fp16")
+                                eager=cfg.max_grad_norm <= 0 and cfg.precision != "fp16",
+                                nvme_host_bytes=cfg.nvme_host_gb * 1e9 / _local_ranks(),
+                                grads_on_device=cfg.offload_grads == "device")
     elif cfg.strategy in ("ddp", "zero1") and rt.distributed:
         _to(model, rt.device)
         applied = apply_ddp(model, cfg.strategy, rt, compute, cfg.ddp_bucket_mb)  # DDP broadcasts rank 0's
@@ -110,6 +112,11 @@ def build_optimizer(applied: Applied, cfg) -> torch.optim.Optimizer:
     # step of zero3-offload 4.5x slower than FSDP2's own offload with fused AdamW (benchmarks/RESULTS.md)
     return applied.make_optimizer(cls, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
                                   weight_decay=cfg.weight_decay, fused=True)
+
+
+def _local_ranks() -> int:
+    """The node's ranks share its host RAM budget (--nvme-host-gb is per node)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
 def _nvme_dir(cfg) -> str | None:

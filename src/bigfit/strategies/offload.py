@@ -15,6 +15,11 @@ One step, per bucket (buckets.py: a block, or a run of non-block parameters):
    starts while the host still updates the blocks behind it.
 Without clipping and loss scaling (`eager=True`) no global norm is needed first: the host thread
 starts at the first bucket of backward and steps each bucket as it lands, under the rest of backward.
+Where gradients wait for the host step (`grads_on_device`, config `offload_grads`): in pinned host
+buffers of their own, copied down during backward (the default), or on the device, copied down
+through a few pinned slots just ahead of the host step (gradslots.py): 12 bytes of host RAM per
+parameter instead of 16, for the largest models. The NVMe tier keeps the first buckets' states in
+host RAM up to `nvme_host_bytes` and the rest in files (nvme.py).
 Collectives of the backward hooks and of the host thread use two process groups of their own, so
 each group sees the same order of operations on every rank.
 
@@ -42,6 +47,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..models import block_lists
 from .base import Applied
 from .buckets import Bucket, group_parameters, make_buckets, pack, unpack
+from .gradslots import GradientSlots
 from .nvme import NVMeStore
 from .placement import materialise, owners, place_frozen, rows_as_dtensor, waiting_modules
 from .transfer import Transfers
@@ -51,18 +57,21 @@ class OffloadEngine:
     """Built when the strategy is applied (it places the model); the optimizer once `attach`ed."""
 
     def __init__(self, model: torch.nn.Module, rt, compute: torch.dtype | None, *, delayed: bool = False,
-                 eager: bool = False, nvme_dir=None, bucket_numel: int = 32 << 20):
+                 eager: bool = False, nvme_dir=None, nvme_host_bytes: float = 0, grads_on_device: bool = False,
+                 bucket_numel: int = 32 << 20):
         self.rt, self.delayed, self.eager = rt, delayed, eager and not delayed
         self.dtype = compute or torch.float32
         prefixes = [f"{name}.{i}" for name, blocks in block_lists(model) for i in range(len(blocks))]
         self.buckets = make_buckets(group_parameters(model, prefixes, bucket_numel), rt.world_size)
         self.io = Transfers(rt)
-        self.store = NVMeStore(nvme_dir, [b.numel for b in self.buckets]) if nvme_dir else None
+        sizes = [b.numel for b in self.buckets]
+        self.store = NVMeStore(nvme_dir, sizes, nvme_host_bytes) if nvme_dir else None
         held = owners(model)
         self.masters = [materialise(b, self._new_master(b), self.io, rt.rank, self.dtype, held) for b in self.buckets]
         place_frozen(model, self.io, self.dtype, held)
         self.io.place_buffers(model)
-        self.grad_buffers = [self.io.host_zeros(b.numel) for b in self.buckets]
+        self.slots = GradientSlots(self.io, sizes) if grads_on_device else None
+        self.grad_buffers = None if grads_on_device else [self.io.host_zeros(b.numel) for b in self.buckets]
         for b in self.buckets:
             b.state.update(ready=0, acc=None, sq=None, free=threading.Event(), issued=threading.Event(),
                            reduced=threading.Event())
@@ -82,15 +91,18 @@ class OffloadEngine:
 
     # -- building ---------------------------------------------------------------------------------
     def _new_master(self, b: Bucket) -> torch.Tensor:
-        return self.store.views["master"][b.index] if self.store else self.io.host_zeros(b.numel)
+        return self.store.views["master"][b.index] if self._on_disk(b) else self.io.host_zeros(b.numel)
+
+    def _on_disk(self, b: Bucket) -> bool:
+        return self.store is not None and self.store.holds(b.index)
 
     def attach(self, cls, **kw) -> "OffloadEngine":
         """One torch optimizer per bucket over its flat master (fused kernels: one call per bucket);
         the states exist from the start, as views that checkpoints and the NVMe files share."""
         for b, master in zip(self.buckets, self.masters):
-            master.grad = self.grad_buffers[b.index]
+            master.grad = self.grad_buffers[b.index] if self.grad_buffers else None  # slots: set at each step
             inner = cls([master], **kw)
-            kinds = {k: self.store.views[k][b.index] for k in ("exp_avg", "exp_avg_sq")} if self.store else \
+            kinds = {k: self.store.views[k][b.index] for k in ("exp_avg", "exp_avg_sq")} if self._on_disk(b) else \
                 {k: torch.zeros_like(master) for k in ("exp_avg", "exp_avg_sq")}
             inner.state[master] = {"step": torch.tensor(0.0), **kinds}
             self.inners.append(inner)
@@ -128,7 +140,7 @@ class OffloadEngine:
         st["acc"] = None
         st["free"].wait()  # the host step of the previous update has read this bucket's host gradients
         st["free"].clear()
-        self.io.reduce_to_host(flat, self.grad_buffers[b.index], st)
+        self.io.reduce_to_host(flat, self.grad_buffers[b.index] if self.grad_buffers else None, st)
         st["reduced"].set()
         if self.eager and not self._eager_started:  # no global norm to wait for: step buckets as they land
             self._eager_started = True
@@ -186,19 +198,29 @@ class OffloadEngine:
 
     @torch.no_grad()
     def _host_steps(self, order: list[Bucket], upload: bool) -> None:
-        done = 0  # buckets fully handed back; only the others are released if this thread fails
+        done, freed = 0, set()  # buckets handed back, and whose gradients were read (see `finally`)
         try:
             self.io.enter_thread()
+            if self.slots:
+                self.slots.reset()
             for i, b in enumerate(order):
                 with self._span("wait-gradients", b):
-                    b.state["reduced"].wait()
-                    b.state["reduced"].clear()
+                    if self.slots:
+                        self.masters[b.index].grad = self.slots.take(order, i)
+                    else:
+                        b.state["reduced"].wait()
+                        b.state["reduced"].clear()
                     self.io.wait_landed(b.state)
+                if self.slots:  # in host RAM now: the next backward may reduce this bucket again
+                    b.state["free"].set()
+                    freed.add(b.index)
                 if self.store and i + 1 < len(order):
                     self.store.prefetch(order[i + 1].index)  # the disk reads ahead while this bucket updates
                 with self._span("cpu-adam", b):
                     self.inners[b.index].step()
-                b.state["free"].set()
+                if b.index not in freed:
+                    b.state["free"].set()
+                    freed.add(b.index)
                 if upload:
                     with self._span("upload", b):
                         self._upload(b)
@@ -211,7 +233,8 @@ class OffloadEngine:
             # eager modes overlap it with this thread) may have cleared it and refilled the bucket's
             # host gradients, and a second `free` would let a third write land before they are read.
             for b in order[done:]:
-                b.state["free"].set()
+                if b.index not in freed:
+                    b.state["free"].set()
                 b.state["issued"].set()
 
     @contextlib.contextmanager
@@ -330,8 +353,10 @@ class OffloadApplied(Applied):
 
 
 def apply_offload(model: torch.nn.Module, strategy: str, rt, compute: torch.dtype | None, *, delayed: bool,
-                  nvme_dir, eager: bool = False) -> OffloadApplied:
+                  nvme_dir, eager: bool = False, nvme_host_bytes: float = 0,
+                  grads_on_device: bool = False) -> OffloadApplied:
     """`eager`: the job neither clips nor scales its loss (so the engine may step during backward)."""
-    engine = OffloadEngine(model, rt, compute, delayed=delayed, eager=eager, nvme_dir=nvme_dir)
+    engine = OffloadEngine(model, rt, compute, delayed=delayed, eager=eager, nvme_dir=nvme_dir,
+                           nvme_host_bytes=nvme_host_bytes, grads_on_device=grads_on_device)
     notes = [f"offload engine: {len(engine.buckets)} buckets" + (", delayed update" if delayed else "")]
     return OffloadApplied(model=model, module=model, strategy=strategy, notes=notes, engine=engine)

@@ -20,6 +20,7 @@ class Transfers:
         self.up_group = dist.new_group() if self.world > 1 else None
         self.down = torch.cuda.Stream(self.device) if self.cuda else None
         self.up = torch.cuda.Stream(self.device) if self.cuda else None
+        self.back = torch.cuda.Stream(self.device) if self.cuda else None  # gradient slots (gradslots.py)
 
     # -- memory -----------------------------------------------------------------------------------
     def host_zeros(self, n: int) -> torch.Tensor:
@@ -57,9 +58,10 @@ class Transfers:
         return torch.cuda.stream(stream)
 
     @torch.no_grad()
-    def reduce_to_host(self, flat: torch.Tensor, host: torch.Tensor, state: dict) -> None:
+    def reduce_to_host(self, flat: torch.Tensor, host: torch.Tensor | None, state: dict) -> None:
         """(world, S) fp32 gradients -> this rank's averaged S values in `host`; their squared norm
-        into state["sq"], the copy's completion into state["landed"]."""
+        into state["sq"], the copy's completion into state["landed"]. `host` None: the values stay
+        on the device as state["dev_grad"] (gradslots.py), "landed" marking their reduction."""
         with self._on(self.down):
             if self.world > 1:
                 out = torch.empty(flat.shape[1], dtype=flat.dtype, device=self.device)
@@ -68,7 +70,10 @@ class Transfers:
             else:
                 out = flat[0]
             state["sq"] = out.pow(2).sum()
-            host.copy_(out, non_blocking=True)
+            if host is None:
+                state["dev_grad"] = out  # one rank: a view of `flat`, which nothing else uses
+            else:
+                host.copy_(out, non_blocking=True)
             if self.cuda:
                 flat.record_stream(self.down)  # allocated on the training stream, used on this one
                 state["landed"] = torch.cuda.Event()
@@ -84,6 +89,23 @@ class Transfers:
         return float(s)
 
     # -- the host thread --------------------------------------------------------------------------
+    @torch.no_grad()
+    def fetch(self, state: dict, slot: torch.Tensor) -> torch.Tensor:
+        """A bucket's device gradients (state["dev_grad"]) into the front of a pinned slot, on a
+        stream of their own; the copy's completion becomes state["fetched"]."""
+        grad = state.pop("dev_grad")
+        view = slot[:grad.numel()]
+        if not self.cuda:
+            view.copy_(grad)
+            return view
+        with torch.cuda.stream(self.back):
+            self.back.wait_event(state["landed"])
+            view.copy_(grad, non_blocking=True)
+            grad.record_stream(self.back)  # made on the down stream, freed once this copy is done
+            state["fetched"] = torch.cuda.Event()
+            state["fetched"].record(self.back)
+        return view
+
     def enter_thread(self) -> None:
         if self.cuda:
             torch.cuda.set_device(self.device)
@@ -91,7 +113,7 @@ class Transfers:
     def wait_landed(self, state: dict) -> None:
         """Before the host reads a bucket's gradients and writes its masters: the gradients are in,
         and the previous upload has finished reading the masters."""
-        for key in ("landed", "arrived"):
+        for key in ("landed", "fetched", "arrived"):
             if self.cuda and state.get(key) is not None:
                 state[key].synchronize()
 
