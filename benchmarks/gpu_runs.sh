@@ -160,6 +160,15 @@ print(host, min($big, fit))")
   BIGFIT_NVME_HOST_GB=$host_gb lm --methods zero2-offload-nvme+devgrads --layers $big --timeout 260
   df -h /tmp | tee -a $r/cap/disk.txt
   ;;
+capacity2)  # the same machine: DeepSpeed ZeRO-2 offload at 24 layers (6.3B; it was killed at 28), bigfit
+  # with everything in RAM (gradients on the GPU) at 40 layers (9.8B), and the 3.6B step with gradients on the GPU
+  mkdir -p $r/cap
+  python3 -c "import torch; from deepspeed.ops.adam import DeepSpeedCPUAdam; DeepSpeedCPUAdam([torch.nn.Parameter(torch.zeros(8))])" 2>&1 | tail -1
+  python3 benchmarks/largest_model.py --out $r/cap/largest.jsonl --methods ds-z2-offload --layers 24 --timeout 130 | tail -1
+  python3 benchmarks/largest_model.py --out $r/cap/largest.jsonl --methods zero2-offload+devgrads --layers 40 --timeout 150 | tail -1
+  python3 benchmarks/strategies.py --size 3b --mbs 4 --seq 2048 --steps 4 --warmup 2 --timeout 75 \
+    --strategies zero2-offload+devgrads,zero2-offload+delayed+devgrads --out $r/cap/offload-devgrads.jsonl | cut -c1-250
+  ;;
 esac
 wait
 for f in $r/*.log; do echo "== $f"; tail -25 "$f"; done
