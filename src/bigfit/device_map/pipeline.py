@@ -15,9 +15,9 @@ one call, schedule.py's order edges make each stage take the micro-batches one a
 first, and hand each on as soon as it is done.
 
 Losses and gradients equal the unchunked ones; dropout draws differ (a different call order), as
-in any pipeline. Each micro-batch pays again for what a step does per parameter (autocast casts a
-weight once per micro-batch, because its cache is per thread; each micro-batch's weight gradient
-is added into the fp32 `.grad`): chunks pay off on compute-bound stages (docs/device_map.md).
+in any pipeline. Under autocast, `train_step` casts each weight once per step (casts.py), not once
+per micro-batch; each micro-batch's weight gradient is still cast to fp32 and added into `.grad`:
+chunks pay off on compute-bound stages (docs/device_map.md).
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ import contextlib
 import torch
 
 from ..errors import BigfitError
+from .casts import autocasting, cast_once
 from .schedule import idle, reached, run_chunks
 
 __all__ = ["idle", "reached", "run_chunks", "split_batch", "train_step"]
@@ -76,7 +77,8 @@ def train_step(model: torch.nn.Module, batch: dict, chunks: int = 1) -> torch.Te
     total = sum(counts)
     if total == 0:
         raise BigfitError("train_step: the batch has no target tokens (every label is -100)")
-    losses = run_chunks(lambda part: model(**part).loss, parts, layout.main, ordered_backward=True)
+    with cast_once(model, enabled=chunks > 1 and autocasting()):  # one micro-batch: autocast's cache serves it
+        losses = run_chunks(lambda part: model(**part).loss, parts, layout.main, ordered_backward=True)
     loss = sum(l * (n / total) for l, n in zip(losses, counts) if n)  # a chunk with no targets adds nothing
     with _autocast_off():
         loss.backward()
