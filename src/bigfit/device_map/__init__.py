@@ -9,13 +9,15 @@
 
 maps.py parses and checks maps; balance.py is the pure balancer behind "auto" and auto.py feeds it
 the planner's per-block bytes; hooks.py places the model; moves.py makes (and counts) every copy,
-streams.py its CUDA streams and events; pipeline.py runs chunks on schedule.py's GPipe clock;
-strategy.py is `bigfit train --strategy device_map`. docs/device_map.md.
+streams.py its CUDA streams and events; pipeline.py runs chunks on schedule.py's GPipe clock, and
+casts.py casts each weight once per chunked step under autocast; strategy.py is `bigfit train
+--strategy device_map`. docs/device_map.md.
 """
+from .casts import cast_once
 from .hooks import deparallelize, find_stacks, layout_of, parallelize
 from .maps import DeviceMap, Stack, canonical_device, resolve_map
 from .moves import CopyCount, count_copies
 from .pipeline import run_chunks, split_batch, train_step
 
-__all__ = ["CopyCount", "DeviceMap", "Stack", "canonical_device", "count_copies", "deparallelize", "find_stacks",
-           "layout_of", "parallelize", "resolve_map", "run_chunks", "split_batch", "train_step"]
+__all__ = ["CopyCount", "DeviceMap", "Stack", "canonical_device", "cast_once", "count_copies", "deparallelize",
+           "find_stacks", "layout_of", "parallelize", "resolve_map", "run_chunks", "split_batch", "train_step"]

@@ -15,15 +15,18 @@ one call, schedule.py's order edges make each stage take the micro-batches one a
 first, and hand each on as soon as it is done.
 
 Losses and gradients equal the unchunked ones; dropout draws differ (a different call order), as
-in any pipeline. Each micro-batch pays again for what a step does per parameter (autocast casts a
-weight once per micro-batch, because its cache is per thread; each micro-batch's weight gradient
-is added into the fp32 `.grad`): chunks pay off on compute-bound stages (docs/device_map.md).
+in any pipeline. Under autocast, `train_step` casts each weight once per step (casts.py), not once
+per micro-batch; each micro-batch's weight gradient is still cast to fp32 and added into `.grad`:
+chunks pay off on compute-bound stages (docs/device_map.md).
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
 from ..errors import BigfitError
+from .casts import autocasting, cast_once
 from .schedule import idle, reached, run_chunks
 
 __all__ = ["idle", "reached", "run_chunks", "split_batch", "train_step"]
@@ -42,6 +45,15 @@ def split_batch(batch: dict, chunks: int) -> list[dict]:
     return [{k: parts[k][i] for k in batch} for i in range(chunks)]
 
 
+@contextlib.contextmanager
+def _autocast_off():
+    """For a backward called inside the caller's autocast region: autocast is for the forward
+    (PyTorch's advice). Left on, backward formulas go through it too: on the tiny T5, 40 more casts
+    and gradients 1e-2 of their largest entry away from a backward outside autocast."""
+    with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
+        yield
+
+
 def _target_tokens(model, part: dict) -> int:
     """Tokens a Hugging Face loss averages over: labels other than -100 (shifted by one for causal LMs)."""
     labels = part["labels"]
@@ -53,7 +65,8 @@ def train_step(model: torch.nn.Module, batch: dict, chunks: int = 1) -> torch.Te
     """Forward and backward of `batch` (with `labels`) through a parallelized model, as `chunks`
     micro-batches run in GPipe order. The model's own loss is a token mean per call, so each
     chunk's loss is weighted by its share of the batch's target tokens: loss and gradients are
-    those of one unchunked call. Returns the (detached) loss; the optimizer step is the caller's."""
+    those of one unchunked call. Autocast, if on, covers the forward only. Returns the (detached)
+    loss; the optimizer step is the caller's."""
     from .hooks import layout_of
 
     layout = layout_of(model)
@@ -64,7 +77,9 @@ def train_step(model: torch.nn.Module, batch: dict, chunks: int = 1) -> torch.Te
     total = sum(counts)
     if total == 0:
         raise BigfitError("train_step: the batch has no target tokens (every label is -100)")
-    losses = run_chunks(lambda part: model(**part).loss, parts, layout.main, ordered_backward=True)
+    with cast_once(model, enabled=chunks > 1 and autocasting()):  # one micro-batch: autocast's cache serves it
+        losses = run_chunks(lambda part: model(**part).loss, parts, layout.main, ordered_backward=True)
     loss = sum(l * (n / total) for l, n in zip(losses, counts) if n)  # a chunk with no targets adds nothing
-    loss.backward()
+    with _autocast_off():
+        loss.backward()
     return loss.detach()

@@ -46,14 +46,16 @@ def token_loss(logits: torch.Tensor, labels: torch.Tensor, seq2seq: bool) -> tor
 def _chunked_loss_sum(applied: Applied, batch: dict, seq2seq: bool) -> torch.Tensor:
     """`loss_sum`; under device_map with --chunks, the sum over GPipe micro-batches run by
     device_map.pipeline (a summed token loss needs no reweighting across chunks), which the caller
-    backpropagates in one call (the pipeline's backward order needs it)."""
+    backpropagates in one call (the pipeline's backward order needs it). Under autocast each weight
+    is cast once for all chunks (device_map/casts.py)."""
     chunks = getattr(applied, "chunks", 1)
     if chunks == 1:
         return loss_sum(applied, batch, seq2seq)
-    from ..device_map import run_chunks, split_batch
+    from ..device_map import cast_once, run_chunks, split_batch
 
-    return sum(run_chunks(lambda part: loss_sum(applied, part, seq2seq), split_batch(batch, chunks), applied.main,
-                          ordered_backward=True))
+    with cast_once(applied.model, enabled=applied.autocast is not None):  # each call enters autocast itself
+        return sum(run_chunks(lambda part: loss_sum(applied, part, seq2seq), split_batch(batch, chunks), applied.main,
+                              ordered_backward=True))
 
 
 def target_tokens(labels: torch.Tensor, seq2seq: bool) -> int:
