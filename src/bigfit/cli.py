@@ -87,6 +87,10 @@ def _plan_parser(sub) -> None:
                    "micro-batches per micro-batch (default: the fewest that give every stage one)")
     p.add_argument("--pipeline-schedule", choices=PIPELINE_SCHEDULES, help="pipeline: default 1f1b")
     p.add_argument("--stages-per-rank", type=int, help="pipeline: stages per process (interleaved: default 2)")
+    p.add_argument("--delayed-update", action="store_true", help="zero2-offload: the host step overlaps the next step")
+    p.add_argument("--offload-grads", default="host", choices=("host", "device"),
+                   help="zero2-offload: gradients wait for the host step in RAM (host) or on the GPU (device)")
+    p.add_argument("--nvme-host-gb", type=float, default=0.0, help="zero2-offload-nvme: GB of states per node kept in RAM")
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     p.add_argument("--plot", help="write per-GPU memory bars to this PNG")
 
