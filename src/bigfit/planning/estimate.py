@@ -79,7 +79,9 @@ def memory(strategy: str, prof, hw, c: int, checkpointing: bool, accum: int = 1,
                     **waiting)
         slots = 3 * 4 * max(u, v) / w * g if grads_on_device else shard * g  # three slots of the largest bucket
         optim = min(nvme_host, 3 * shard * g) if strategy.endswith("nvme") else 3 * shard * g
-        return gpu, _bytes(grads=slots, optimizer=optim, buffers=init)
+        # rank 0's fp32 copy is not on top of the states: placing the model swaps each parameter's
+        # host data for the device copy (placement._put) before the moments are allocated (attach)
+        return gpu, _bytes(grads=slots, optimizer=optim, buffers=max(0.0, init - slots - optim))
     # FSDP2: zero2 keeps every unit gathered from its forward to its backward. zero3 reshards each
     # after its forward (the root too) and gathers it again for backward: an all-gather's output and
     # the unsharded copy made from it (gloo: and its own copy of the output) exist together.
