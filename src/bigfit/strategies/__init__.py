@@ -20,6 +20,7 @@ from .checkpointing import apply_activation_checkpointing
 from .offload import apply_offload
 from .placement import owners
 from .sharding import apply_ddp, apply_fsdp
+from .streamed import stream_host_steps
 
 __all__ = ["FSDP_STRATEGIES", "OFFLOAD_STRATEGIES", "Applied", "apply_strategy", "build_optimizer", "local"]
 
@@ -48,6 +49,7 @@ def apply_strategy(model: torch.nn.Module, cfg, rt: Runtime) -> Applied:
             applied.notes.append(f"activation checkpointing on {apply_activation_checkpointing(model)} blocks")
         return applied
     notes = []
+    eager = cfg.max_grad_norm <= 0 and cfg.precision != "fp16"  # no global norm needed before a host step
     if cfg.activation_checkpointing:
         notes.append(f"activation checkpointing on {apply_activation_checkpointing(model)} blocks")
     if cfg.strategy in FSDP_STRATEGIES:
@@ -55,9 +57,11 @@ def apply_strategy(model: torch.nn.Module, cfg, rt: Runtime) -> Applied:
         applied = apply_fsdp(model, cfg.strategy, rt, compute, DTYPES[cfg.reduce_dtype])
         # zero3-offload's shards live in host RAM; FSDP2 copies them to the device for compute
         materialise_from_rank0(model, full, rt, "cpu" if cfg.strategy == "zero3-offload" else rt.device)
+        if cfg.strategy == "zero3-offload" and eager:
+            applied = stream_host_steps(applied, rt.device)
     elif cfg.strategy in OFFLOAD_STRATEGIES:
         applied = apply_offload(model, cfg.strategy, rt, compute, delayed=cfg.delayed_update, nvme_dir=_nvme_dir(cfg),
-                                eager=cfg.max_grad_norm <= 0 and cfg.precision != "fp16",
+                                eager=eager,
                                 nvme_host_bytes=cfg.nvme_host_gb * 1e9 / _local_ranks(),
                                 grads_on_device=cfg.offload_grads == "device")
     elif cfg.strategy in ("ddp", "zero1") and rt.distributed:

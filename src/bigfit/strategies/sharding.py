@@ -8,6 +8,8 @@
 | zero3-offload | FSDP2 + CPUOffloadPolicy                 | as zero3                           | + parameters, gradients  |
 
 zero2-offload and zero2-offload-nvme are the offload engine's (offload.py).
+zero3-offload without clipping or fp16 loss scaling steps its host optimizer per unit during
+backward (streamed.py).
 (*) FSDP2 also keeps zero2's parameters sharded between steps; within a step they are gathered once
 for forward and kept until backward ends, so no layer is gathered twice: ZeRO-2's communication
 and peak, with ZeRO-3's memory at rest.
