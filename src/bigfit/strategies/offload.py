@@ -6,8 +6,8 @@ One step, per bucket (buckets.py: a block, or a run of non-block parameters):
    into one fp32 buffer and, on a side stream, reduce-scatters it (each rank keeps its rows), adds
    its squared norm to the step's sum and copies it into a pinned host buffer. The copies of early
    buckets run while the device computes the gradients of the next ones.
-2. `clip_and_step`: one sync for the global gradient norm; a host thread then steps the buckets in
-   forward order with torch's fused CPU AdamW (multi-threaded, GIL released), which also unscales
+2. `clip_and_step`: one sync for the global gradient norm; a host thread (hoststep.py) then steps
+   the buckets in forward order with torch's fused CPU AdamW (multi-threaded, GIL released), which also unscales
    (fp16) and clips: it divides each gradient by `grad_scale`, so no pass over the gradients is
    spent on either. After each bucket it copies the master weights up, casts them on the device and
    all-gathers them (side stream, CUDA events).
@@ -37,7 +37,6 @@ import contextlib
 import functools
 import math
 import threading
-import time
 import weakref
 from dataclasses import dataclass
 
@@ -46,14 +45,15 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..models import block_lists
 from .base import Applied
-from .buckets import Bucket, group_parameters, make_buckets, pack, unpack
+from .buckets import Bucket, group_parameters, make_buckets, pack
 from .gradslots import GradientSlots
+from .hoststep import HostSteps, join_at_exit
 from .nvme import NVMeStore
 from .placement import materialise, owners, place_frozen, rows_as_dtensor, waiting_modules
 from .transfer import Transfers
 
 
-class OffloadEngine:
+class OffloadEngine(HostSteps):
     """Built when the strategy is applied (it places the model); the optimizer once `attach`ed."""
 
     def __init__(self, model: torch.nn.Module, rt, compute: torch.dtype | None, *, delayed: bool = False,
@@ -85,7 +85,7 @@ class OffloadEngine:
         self.sync, self._worker, self._error, self._unuploaded, self._eager_started = True, None, None, False, False
         # a daemon host thread still inside torch when the interpreter exits aborts the process
         # ("terminate called without an active exception"): a process that ends without flush() waits
-        atexit.register(_join_at_exit, weakref.ref(self))
+        atexit.register(join_at_exit, weakref.ref(self))
         self.trace: list | None = None  # set to [] to record (what, bucket, start, end) host times: benchmarks
         self.param_groups, self.inners = [{}], []
 
@@ -184,82 +184,6 @@ class OffloadEngine:
             self._start_host_step(loss_scale / clip, self.buckets, upload=True)
         return norm
 
-    def _start_host_step(self, grad_scale: float, order: list[Bucket], upload: bool) -> None:
-        self._join()
-        scale = torch.tensor(grad_scale)  # fused AdamW divides every gradient by it: unscale and clip
-        for inner in self.inners:
-            inner.grad_scale = scale
-            inner.param_groups[0].update(self.param_groups[0])
-        if upload:
-            for b in order:
-                b.state["issued"].clear()
-        self._worker = threading.Thread(target=self._host_steps, args=(order, upload), daemon=True)
-        self._worker.start()
-
-    @torch.no_grad()
-    def _host_steps(self, order: list[Bucket], upload: bool) -> None:
-        done, freed = 0, set()  # buckets handed back, and whose gradients were read (see `finally`)
-        try:
-            self.io.enter_thread()
-            if self.slots:
-                self.slots.reset()
-            for i, b in enumerate(order):
-                with self._span("wait-gradients", b):
-                    if self.slots:
-                        self.masters[b.index].grad = self.slots.take(order, i)
-                    else:
-                        b.state["reduced"].wait()
-                        b.state["reduced"].clear()
-                    self.io.wait_landed(b.state)
-                if self.slots:  # in host RAM now: the next backward may reduce this bucket again
-                    b.state["free"].set()
-                    freed.add(b.index)
-                if self.store and i + 1 < len(order):
-                    self.store.prefetch(order[i + 1].index)  # the disk reads ahead while this bucket updates
-                with self._span("cpu-adam", b):
-                    self.inners[b.index].step()
-                if b.index not in freed:
-                    b.state["free"].set()
-                    freed.add(b.index)
-                if upload:
-                    with self._span("upload", b):
-                        self._upload(b)
-                    b.state["issued"].set()
-                done = i + 1
-        except BaseException as e:  # re-raised on the training thread, which would otherwise wait forever
-            self._error = e
-        finally:
-            # Never set `free` again for a bucket already handed back: the next backward (delayed and
-            # eager modes overlap it with this thread) may have cleared it and refilled the bucket's
-            # host gradients, and a second `free` would let a third write land before they are read.
-            for b in order[done:]:
-                if b.index not in freed:
-                    b.state["free"].set()
-                b.state["issued"].set()
-
-    @contextlib.contextmanager
-    def _span(self, what: str, b: Bucket | None = None):
-        start = time.perf_counter()
-        yield
-        if self.trace is not None:
-            self.trace.append((what, b.index if b else -1, start, time.perf_counter()))
-
-    def _upload(self, b: Bucket) -> None:
-        with self.io.uploading(b.state):
-            gathered = self.io.gather(self.masters[b.index], self.dtype)
-            for s in b.slots:
-                unpack(gathered, s, s.param.data)
-
-    @torch.no_grad()
-    def _upload_pending(self) -> None:
-        """Delayed mode: copy the finished host step up (after the device is done with this step)."""
-        self._join()
-        if self._unuploaded:
-            self.io.after_current_work()
-            for b in reversed(self.buckets):  # the order the next host step reads the masters in
-                self._upload(b)
-            self._unuploaded = False
-
     def _await_hook(self, buckets, module, args) -> None:
         self._await(buckets)
 
@@ -270,17 +194,6 @@ class OffloadEngine:
                     b.state["issued"].wait()
             self._raise()
             self.io.wait_arrived(b.state)
-
-    def _join(self) -> None:
-        if self._worker is not None:
-            self._worker.join()
-            self._worker = None
-        self._raise()
-
-    def _raise(self) -> None:
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise RuntimeError("the offload engine's host step failed") from error
 
     def flush(self) -> None:
         """Land every update on the device: before evaluation, checkpoints and the end."""
@@ -332,12 +245,6 @@ class OffloadEngine:
         for h in self._hooks:
             h.remove()
         self._hooks = []
-
-
-def _join_at_exit(ref) -> None:
-    engine = ref()
-    if engine is not None and engine._worker is not None:
-        engine._worker.join()
 
 
 @dataclass

@@ -1,0 +1,114 @@
+"""The offload engine's host thread (offload.py): one per host step. It takes each bucket's
+gradients as they land (host buffers, or the device through gradslots.py), steps the bucket with
+its fused CPU AdamW, which also unscales and clips (it divides each gradient by `grad_scale`), and
+copies the bucket's master weights up (transfer.py), so the next forward's blocks can start while
+the buckets behind them still update. In delayed mode the copies up wait for the next
+`clip_and_step` (`_upload_pending`). An error on the thread is kept and re-raised on the training
+thread, which would otherwise wait forever."""
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+
+import torch
+
+from .buckets import Bucket, unpack
+
+
+class HostSteps:
+    """Mixed into OffloadEngine, whose state it uses: buckets, inners, masters, io, slots, store,
+    param_groups, dtype, trace, _worker, _error, _unuploaded."""
+
+    def _start_host_step(self, grad_scale: float, order: list[Bucket], upload: bool) -> None:
+        self._join()
+        scale = torch.tensor(grad_scale)  # fused AdamW divides every gradient by it: unscale and clip
+        for inner in self.inners:
+            inner.grad_scale = scale
+            inner.param_groups[0].update(self.param_groups[0])
+        if upload:
+            for b in order:
+                b.state["issued"].clear()
+        self._worker = threading.Thread(target=self._host_steps, args=(order, upload), daemon=True)
+        self._worker.start()
+
+    @torch.no_grad()
+    def _host_steps(self, order: list[Bucket], upload: bool) -> None:
+        done, freed = 0, set()  # buckets handed back, and whose gradients were read (see `finally`)
+        try:
+            self.io.enter_thread()
+            if self.slots:
+                self.slots.reset()
+            for i, b in enumerate(order):
+                with self._span("wait-gradients", b):
+                    if self.slots:
+                        self.masters[b.index].grad = self.slots.take(order, i)
+                    else:
+                        b.state["reduced"].wait()
+                        b.state["reduced"].clear()
+                    self.io.wait_landed(b.state)
+                if self.slots:  # in host RAM now: the next backward may reduce this bucket again
+                    b.state["free"].set()
+                    freed.add(b.index)
+                if self.store and i + 1 < len(order):
+                    self.store.prefetch(order[i + 1].index)  # the disk reads ahead while this bucket updates
+                with self._span("cpu-adam", b):
+                    self.inners[b.index].step()
+                if b.index not in freed:
+                    b.state["free"].set()
+                    freed.add(b.index)
+                if upload:
+                    with self._span("upload", b):
+                        self._upload(b)
+                    b.state["issued"].set()
+                done = i + 1
+        except BaseException as e:  # re-raised on the training thread, which would otherwise wait forever
+            self._error = e
+        finally:
+            # Never set `free` again for a bucket already handed back: the next backward (delayed and
+            # eager modes overlap it with this thread) may have cleared it and refilled the bucket's
+            # host gradients, and a second `free` would let a third write land before they are read.
+            for b in order[done:]:
+                if b.index not in freed:
+                    b.state["free"].set()
+                b.state["issued"].set()
+
+    @contextlib.contextmanager
+    def _span(self, what: str, b: Bucket | None = None):
+        start = time.perf_counter()
+        yield
+        if self.trace is not None:
+            self.trace.append((what, b.index if b else -1, start, time.perf_counter()))
+
+    def _upload(self, b: Bucket) -> None:
+        with self.io.uploading(b.state):
+            gathered = self.io.gather(self.masters[b.index], self.dtype)
+            for s in b.slots:
+                unpack(gathered, s, s.param.data)
+
+    @torch.no_grad()
+    def _upload_pending(self) -> None:
+        """Delayed mode: copy the finished host step up (after the device is done with this step)."""
+        self._join()
+        if self._unuploaded:
+            self.io.after_current_work()
+            for b in reversed(self.buckets):  # the order the next host step reads the masters in
+                self._upload(b)
+            self._unuploaded = False
+
+    def _join(self) -> None:
+        if self._worker is not None:
+            self._worker.join()
+            self._worker = None
+        self._raise()
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError("the offload engine's host step failed") from error
+
+
+def join_at_exit(ref) -> None:
+    engine = ref()
+    if engine is not None and engine._worker is not None:
+        engine._worker.join()
