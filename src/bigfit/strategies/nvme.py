@@ -1,10 +1,11 @@
 """The NVMe tier of zero2-offload-nvme: fp32 master weights and Adam's two moments in files on a fast
 local disk, mapped into memory. One file per offload bucket (a block, see buckets.py) and kind. The
-host optimizer steps bucket by bucket and asks the kernel to read the next bucket ahead (posix_fadvise WILLNEED) while the current one updates; dirty pages are written
-back by the kernel asynchronously. Host RAM then holds the gradient buffers and a few buckets' worth
-of pages, so optimizer states larger than the RAM still train. `host_bytes` keeps the first buckets'
-states (in forward order) in host RAM instead, as long as they fit in it: only the rest streams
-from the disk each step (DeepSpeed's NVMe offload is all or nothing)."""
+host optimizer steps bucket by bucket and asks the kernel to read the next bucket ahead
+(posix_fadvise WILLNEED) while the current one updates; the kernel writes dirty pages back
+asynchronously. Host RAM then holds the gradient buffers (or slots, gradslots.py) and a few
+buckets' worth of pages, so optimizer states larger than the RAM still train. `host_bytes` keeps
+the first buckets' states (in forward order) in host RAM instead, as long as they fit in it: only
+the rest streams from the disk each step (DeepSpeed's NVMe offload is all or nothing)."""
 from __future__ import annotations
 
 import os
