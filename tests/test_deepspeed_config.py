@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from bigfit.config import TrainConfig, validate
+from bigfit.checks import validate
+from bigfit.config import TrainConfig
 from bigfit.deepspeed_config import load_deepspeed_config, map_deepspeed
 from bigfit.errors import BigfitError
 

@@ -11,8 +11,9 @@ import os
 import sys
 from pathlib import Path
 
+from .checks import validate
 from .config import (AUTO, PIPELINE_SCHEDULES, PIPELINE_STRATEGIES, PLANNED, PRECISIONS, SPLIT_STRATEGIES, STRATEGIES,
-                     TrainConfig, load_config_file, validate)
+                     TrainConfig, load_config_file)
 from .distributed import launched_by_torchrun_env
 from .errors import BigfitError
 

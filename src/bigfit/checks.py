@@ -1,0 +1,77 @@
+"""`validate`: the checks of a TrainConfig that need no model, data or processes, each raising a
+BigfitError that names the bad value and what would be valid (config.py holds the settings)."""
+from __future__ import annotations
+
+from .config import (OPTIMIZERS, PIPELINE_SCHEDULES, PIPELINE_STRATEGIES, PRECISIONS, REDUCE_DTYPES, SCHEDULES,
+                     SPLIT_STRATEGIES, STRATEGIES, WARMUPS, TrainConfig)
+from .errors import BigfitError, one_of
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Checks that need no model, data or processes. Raises BigfitError naming the bad value."""
+    strategies = (*STRATEGIES, *SPLIT_STRATEGIES, *PIPELINE_STRATEGIES, "auto")
+    for name, valid in (("strategy", strategies), ("optimizer", OPTIMIZERS), ("lr_schedule", SCHEDULES),
+                        ("warmup_type", WARMUPS), ("reduce_dtype", REDUCE_DTYPES)):
+        if getattr(cfg, name) not in valid:
+            raise one_of(name.replace("_", "-"), getattr(cfg, name), valid)
+    if cfg.precision is not None and cfg.precision not in PRECISIONS:
+        raise one_of("precision", cfg.precision, (*PRECISIONS, "auto"))
+    if cfg.loss_scale < 0 or cfg.min_loss_scale <= 0 or cfg.loss_scale_window < 1 or cfg.hysteresis < 1:
+        raise BigfitError(f"fp16 loss scaling needs loss_scale >= 0 (0: dynamic), min_loss_scale > 0, "
+                          f"loss_scale_window >= 1 and hysteresis >= 1; got {cfg.loss_scale}, {cfg.min_loss_scale}, "
+                          f"{cfg.loss_scale_window}, {cfg.hysteresis}")
+    for name in ("max_steps", "batch_size", "max_source_len", "max_target_len", "num_beams", "max_new_tokens"):
+        if getattr(cfg, name) != "auto" and getattr(cfg, name) <= 0:
+            raise BigfitError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(cfg, name)}")
+    for name in ("save_every", "eval_every", "warmup_steps", "eval_samples", "keep_checkpoints"):
+        if getattr(cfg, name) < 0:
+            raise BigfitError(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(cfg, name)}")
+    if cfg.nproc is not None and cfg.nproc < 1:
+        raise BigfitError(f"--nproc must be at least 1, got {cfg.nproc}")
+    if cfg.micro_batch_size not in (None, "auto") and cfg.micro_batch_size < 1:
+        raise BigfitError(f"--micro-batch-size must be at least 1, got {cfg.micro_batch_size}")
+    if cfg.lr <= 0 or cfg.timeout_s <= 0:
+        raise BigfitError(f"--lr and --timeout-s must be positive, got {cfg.lr} and {cfg.timeout_s}")
+    if cfg.delayed_update and not cfg.strategy.startswith("zero2-offload"):
+        raise BigfitError(f"--delayed-update needs --strategy zero2-offload (its host optimizer step is what is "
+                          f"delayed), not {cfg.strategy}")
+    _validate_offload(cfg)
+    if cfg.strategy in ("single", *SPLIT_STRATEGIES) and (cfg.nproc or 1) > 1:
+        raise BigfitError(f"strategy {cfg.strategy!r} runs one process (which drives every device), but --nproc is "
+                          f"{cfg.nproc}; use --nproc 1, or ddp / zero3 for several processes")
+    if cfg.strategy != "device_map" and cfg.device_map is not None:
+        raise BigfitError(f"--device-map belongs to --strategy device_map, not {cfg.strategy}")
+    if cfg.strategy not in ("device_map", "pipeline") and cfg.chunks not in (None, 1):
+        raise BigfitError(f"--chunks belongs to --strategy device_map or pipeline, not {cfg.strategy}")
+    if cfg.chunks is not None and (isinstance(cfg.chunks, bool) or not isinstance(cfg.chunks, int) or cfg.chunks < 1):
+        raise BigfitError(f"--chunks must be a positive integer, got {cfg.chunks!r}")
+    _validate_pipeline(cfg)
+
+
+def _validate_offload(cfg: TrainConfig) -> None:
+    if cfg.offload_grads not in ("host", "device"):
+        raise one_of("--offload-grads", cfg.offload_grads, ("host", "device"))
+    if cfg.offload_grads != "host" and not cfg.strategy.startswith("zero2-offload"):
+        raise BigfitError(f"--offload-grads belongs to --strategy zero2-offload(-nvme), not {cfg.strategy}")
+    if cfg.nvme_host_gb < 0 or (cfg.nvme_host_gb and cfg.strategy != "zero2-offload-nvme"):
+        raise BigfitError(f"--nvme-host-gb must be 0 or more and belongs to --strategy zero2-offload-nvme; got "
+                          f"{cfg.nvme_host_gb} with {cfg.strategy}")
+
+
+def _validate_pipeline(cfg: TrainConfig) -> None:
+    given = [f"--{n.replace('_', '-')}" for n in ("pipeline_schedule", "stages_per_rank", "pipeline_degree")
+             if getattr(cfg, n) is not None]
+    if cfg.strategy != "pipeline":
+        if given:
+            raise BigfitError(f"{', '.join(given)} belong(s) to --strategy pipeline, not {cfg.strategy}")
+        return
+    if cfg.pipeline_schedule is not None and cfg.pipeline_schedule not in PIPELINE_SCHEDULES:
+        raise one_of("--pipeline-schedule", cfg.pipeline_schedule, PIPELINE_SCHEDULES)
+    if cfg.stages_per_rank is not None and cfg.stages_per_rank < 1:
+        raise BigfitError(f"--stages-per-rank must be at least 1, got {cfg.stages_per_rank}")
+    if cfg.nproc == 1:
+        raise BigfitError("--strategy pipeline runs one process per stage: use --nproc 2 or more (or device_map, "
+                          "which splits the model over the devices of one process)")
+    if "auto" in (cfg.batch_size, cfg.micro_batch_size):
+        raise BigfitError("--strategy pipeline does not size its batches by probing yet (the probe runs data-parallel "
+                          "shares): give --batch-size and --micro-batch-size as numbers")
