@@ -26,7 +26,8 @@ import time
 
 STRATEGIES = ("single", "zero2", "zero3", "zero2-offload", "zero3-offload")
 SIZES = {"tiny": (64, 2, 4, 2, 128, 384),  # a smoke test of this script on a CPU
-         "1b": (2048, 16, 32, 8, 8192, 128256), "3b": (3072, 28, 24, 8, 8192, 128256)}
+         "1b": (2048, 16, 32, 8, 8192, 128256), "3b": (3072, 28, 24, 8, 8192, 128256),
+         "8b": (4096, 32, 32, 8, 14336, 128256)}  # as ../shared/bench/peers.py's
 
 
 def run_one(strategy: str, size: str, mbs: int, seq: int, steps: int, warmup: int, accum: int = 1,
