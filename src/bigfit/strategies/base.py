@@ -8,6 +8,17 @@ from dataclasses import dataclass, field
 import torch
 
 
+@contextlib.contextmanager
+def syncing(owner, sync: bool):
+    """`owner.sync` is `sync` inside (False for accumulation micro-batches, whose gradients wait for
+    the last one), True again after, also after an error."""
+    owner.sync = sync
+    try:
+        yield
+    finally:
+        owner.sync = True
+
+
 def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of a tensor: the local shard of a DTensor, the tensor itself otherwise."""
     return t.to_local() if hasattr(t, "to_local") else t

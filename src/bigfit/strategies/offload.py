@@ -33,7 +33,6 @@ checkpoints and the end of training); tests/test_training_features.py checks the
 from __future__ import annotations
 
 import atexit
-import contextlib
 import functools
 import math
 import threading
@@ -44,7 +43,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..models import block_lists
-from .base import Applied
+from .base import Applied, syncing
 from .buckets import Bucket, group_parameters, make_buckets, pack
 from .gradslots import GradientSlots
 from .hoststep import HostSteps, join_at_exit
@@ -110,14 +109,9 @@ class OffloadEngine(HostSteps):
         return self
 
     # -- backward: gradients stream down as buckets complete --------------------------------------
-    @contextlib.contextmanager
     def syncing(self, sync: bool):
         """Accumulation micro-batches (sync False) add their gradients to a device buffer instead."""
-        self.sync = sync
-        try:
-            yield
-        finally:
-            self.sync = True
+        return syncing(self, sync)
 
     def _on_grad(self, p: torch.Tensor) -> None:
         b = self._of[id(p)]

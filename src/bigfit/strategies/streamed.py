@@ -18,13 +18,13 @@ A unit whose parameters did not all get a gradient (unused ones) is left to the 
 """
 from __future__ import annotations
 
-import contextlib
 import queue
 import threading
 from dataclasses import dataclass
 
 import torch
 
+from .base import syncing
 from .sharding import FSDPApplied, _units
 
 
@@ -47,14 +47,9 @@ class StreamedSteps:
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for ps in self.units for p in ps]
         self._hooks.append(optimizer.register_step_pre_hook(self._before_step))
 
-    @contextlib.contextmanager
     def syncing(self, sync: bool):
         """Accumulation micro-batches (sync False): FSDP2 adds to the host gradients, no step yet."""
-        self.sync = sync
-        try:
-            yield
-        finally:
-            self.sync = True
+        return syncing(self, sync)
 
     # -- backward (autograd's thread) -------------------------------------------------------------
     def _on_grad(self, p: torch.Tensor) -> None:
