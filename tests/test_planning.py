@@ -60,8 +60,9 @@ def test_t5_3b_on_eight_16gb_gpus():
 
 
 def test_offload_grads_on_device_and_states_kept_in_ram_move_bytes_where_asked():
-    """offload_grads device: the host loses the gradients' 4 bytes per parameter (3 slots stay), the
-    GPU gains them at the end of backward; nvme_host_gb: those bytes of states leave the files."""
+    """offload_grads device: the host loses the gradients' 2 bytes per parameter (bf16: the host
+    Adam kernel reads them; 4 without it), 3 slots stay, the GPU gains them at the end of backward;
+    nvme_host_gb: those bytes of states leave the files."""
     from bigfit.planning.search import Job, plan_for_config
 
     hw, n = Hardware(gpu_bytes=(16 * GB,) * 8, cpu_ram=256 * GB, nvme=10**13), 2851598336
@@ -70,9 +71,12 @@ def test_offload_grads_on_device_and_states_kept_in_ram_move_bytes_where_asked()
     base, moved = (
         {c.estimate.name: c.estimate for c in plan_for_config(t5_3b(), hw, Job(**job, **kw), offload).candidates}
         for kw in ({}, dict(offload_grads="device", nvme_host_gb=12.0)))
-    assert base["zero2-offload"].per_host["grads"] == 4 * n
-    assert moved["zero2-offload"].per_host["grads"] < 0.1 * 4 * n  # three slots of the largest bucket
-    assert moved["zero2-offload"].per_gpu["grads"] >= 4 * n // 8
+    no_kernel = Hardware(**{**vars(hw), "cpu_adam_kernel": False})
+    fp32 = plan_for_config(t5_3b(), no_kernel, Job(**job), offload).candidates[0].estimate
+    assert base["zero2-offload"].per_host["grads"] == 2 * n and fp32.per_host["grads"] == 4 * n
+    assert fp32.costs["pcie"] == pytest.approx(base["zero2-offload"].costs["pcie"] * 8 / 6)
+    assert moved["zero2-offload"].per_host["grads"] < 0.1 * 2 * n  # three slots of the largest bucket
+    assert moved["zero2-offload"].per_gpu["grads"] >= 2 * n // 8
     assert base["zero2-offload-nvme"].nvme - moved["zero2-offload-nvme"].nvme == 12e9
     assert moved["zero2-offload-nvme"].per_host["optimizer"] == 12e9
     assert moved["zero2-offload-nvme"].costs["nvme"] < base["zero2-offload-nvme"].costs["nvme"]

@@ -52,6 +52,7 @@ class Hardware:
     cpu_adam_params_per_s: float = DEFAULTS["cpu_adam_params_per_s"]  # host optimizer speed, one node
     cpu_tflops: float = DEFAULTS["cpu_tflops"]  # model FLOP/s the host reaches training blocks mapped to it, in T
     device: str = "cuda"  # what the "GPUs" are: "cpu" when a CPU-only machine plans for itself
+    cpu_adam_kernel: bool = True  # bigfit's host Adam kernel builds (a C compiler): offload gradients travel in bf16
     notes: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self):
@@ -87,7 +88,10 @@ def detect() -> Hardware:
     """This machine: its CUDA devices and host RAM (one node)."""
     import torch
 
+    from .strategies import cpu_adam
+
     gpus = tuple(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count()))
     if not gpus:
         raise BigfitError("no GPU found on this machine; describe the target with --gpus (e.g. --gpus 8x16GB)")
-    return Hardware(gpu_bytes=gpus, cpu_ram=host_ram(), notes=(f"detected {os.cpu_count()} CPU cores",))
+    return Hardware(gpu_bytes=gpus, cpu_ram=host_ram(), cpu_adam_kernel=cpu_adam.kernel() is not None,
+                    notes=(f"detected {os.cpu_count()} CPU cores",))

@@ -35,8 +35,8 @@ def _bytes(**kw) -> dict[str, int]:
     return out
 
 
-def memory(strategy: str, prof, hw, c: int, checkpointing: bool, accum: int = 1,
-           backend: str = "nccl", grads_on_device: bool = False, nvme_host: float = 0.0) -> tuple[dict, dict]:
+def memory(strategy: str, prof, hw, c: int, checkpointing: bool, accum: int = 1, backend: str = "nccl",
+           grads_on_device: bool = False, nvme_host: float = 0.0, grad_bytes: int = 4) -> tuple[dict, dict]:
     """(per-GPU bytes, per-host bytes) for one rank's GPU and one node's host RAM.
 
     The GPU figure is the step's peak: the largest of three moments, each counted with what is alive
@@ -54,7 +54,9 @@ def memory(strategy: str, prof, hw, c: int, checkpointing: bool, accum: int = 1,
     `backend` "gloo" adds the copies gloo's reduce-scatter makes (CPU runs, the tests). The host
     always holds rank 0's full fp32 model while it is sharded (a transient, counted under buffers).
     zero2-offload: `grads_on_device` (offload_grads device) keeps the gradients on the GPU until the
-    host step (gradslots.py); `nvme_host` is the node's bytes of optimizer states kept in RAM (nvme)."""
+    host step (gradslots.py); `nvme_host` is the node's bytes of optimizer states kept in RAM (nvme);
+    `grad_bytes` is the size of a gradient value while it waits: 2 where it travels in bf16 (bf16
+    compute and bigfit's host Adam kernel, cpu_adam.py), else 4."""
     n, w, u, r, v = prof.params, hw.world_size, prof.largest_unit_params, prof.root_params, prof.head_params
     act, loss_act = prof.activations(checkpointing), prof.activations(checkpointing) - prof.loss_saved
     lc, l32 = prof.logits_bytes, (prof.logits_numel or prof.logits_bytes // c) * 4
@@ -73,11 +75,12 @@ def memory(strategy: str, prof, hw, c: int, checkpointing: bool, accum: int = 1,
     g = hw.gpus_per_node
     if strategy.startswith("zero2-offload"):  # the offload engine (strategies/offload.py)
         bucket = (c + 4 + 4 / w) * max(u, v)  # a bucket's gradients, packed in fp32, reduce-scattered
-        waiting = dict(update=dict(grads=4 * n * held + shard, buffers=bucket)) if grads_on_device else {}
+        rows = grad_bytes * n / w  # this rank's reduced gradient rows, as they wait for the host step
+        waiting = dict(update=dict(grads=4 * n * held + rows, buffers=bucket)) if grads_on_device else {}
         gpu = _peak(dict(params=c * n, grads=4 * n * held),  # compute-dtype parameters; fp32 accumulators
                     loss=dict(activations=act, buffers=2 * l32), head=dict(activations=loss_act, buffers=lc + bucket),
                     **waiting)
-        slots = 3 * 4 * max(u, v) / w * g if grads_on_device else shard * g  # three slots of the largest bucket
+        slots = (3 * max(u, v) / w if grads_on_device else n / w) * grad_bytes * g  # or three slots of the largest bucket
         optim = min(nvme_host, 3 * shard * g) if strategy.endswith("nvme") else 3 * shard * g
         # rank 0's fp32 copy is not on top of the states: placing the model swaps each parameter's
         # host data for the device copy (placement._put) before the moments are allocated (attach)
@@ -109,7 +112,7 @@ def _peak(common: dict, **moments: dict) -> dict[str, int]:
 
 
 def step_time(strategy: str, prof, hw, c: int, checkpointing: bool, tokens_per_step: int, accum: int,
-              nvme_host: float = 0.0) -> dict:
+              nvme_host: float = 0.0, grad_bytes: int = 4) -> dict:
     """Seconds per optimizer step of each cost; the step is their overlapped combination."""
     n, w = prof.params, hw.world_size
     flops = prof.flops_per_token * tokens_per_step * (4 / 3 if checkpointing else 1)
@@ -127,7 +130,7 @@ def step_time(strategy: str, prof, hw, c: int, checkpointing: bool, tokens_per_s
         comm = accum * (gathers * c * n + 4 * n) * ring / link
     pcie = cpu = disk = 0.0
     if "offload" in strategy:
-        moved = 2 * 4 * n / w  # fp32 gradient rows down, fp32 master rows up (zero2-offload: once per step)
+        moved = (grad_bytes + 4) * n / w  # gradient rows down, fp32 master rows up (zero2-offload: once per step)
         if strategy == "zero3-offload":
             moved = accum * 2 * 4 * n / w + 4 * n / w  # shards up for forward and backward, gradients down
         pcie = moved / (hw.pcie_gbps * 1e9)

@@ -111,9 +111,10 @@ def plan(prof, hw, job: Job, strategies=ALL, autocast_prof=None, split_prof=None
             out.append(Candidate(row.estimate, why is None, why or row.not_candidate, tokens / row.estimate.step_time_s))
             continue
         kept = job.nvme_host_gb * 1e9
-        gpu, host = memory(name, autocast_prof if name in AUTOCAST and autocast_prof else prof, hw, c,
-                           job.checkpointing, accum, grads_on_device=job.offload_grads == "device", nvme_host=kept)
-        costs = step_time(name, prof, hw, c, job.checkpointing, tokens, accum, nvme_host=kept)
+        gb = 2 if job.precision == "bf16" and hw.cpu_adam_kernel and name.startswith("zero2-offload") else 4
+        gpu, host = memory(name, autocast_prof if name in AUTOCAST and autocast_prof else prof, hw, c, job.checkpointing,
+                           accum, grads_on_device=job.offload_grads == "device", nvme_host=kept, grad_bytes=gb)
+        costs = step_time(name, prof, hw, c, job.checkpointing, tokens, accum, nvme_host=kept, grad_bytes=gb)
         step_s = combine(costs, engine=_engine_mode(job) if name.startswith("zero2-offload") else None, accum=accum)
         e = Estimate(name, gpu, host, step_s, costs, nvme_bytes(prof.params, hw, kept) if name.endswith("nvme") else 0)
         why = _fit(e, hw)

@@ -1,5 +1,6 @@
 """Where zero2-offload's gradients wait for the host step when host RAM is what runs out
-(`offload_grads: device`): on the device, each bucket's reduced fp32 rows as backward left them,
+(`offload_grads: device`): on the device, each bucket's reduced rows as backward left them (bf16 where
+cpu_adam.py's kernel reads them, else fp32),
 copied down through a few pinned slots just ahead of the host optimizer's step of that bucket.
 
 The default (`host`) copies every bucket down during backward into pinned buffers of its own: 4 bytes
@@ -16,9 +17,9 @@ from .buckets import Bucket
 
 
 class GradientSlots:
-    def __init__(self, io, numels: list[int], count: int = 3):
+    def __init__(self, io, numels: list[int], dtype: torch.dtype = torch.float32, count: int = 3):
         self.io = io
-        self.slots = [io.host_zeros(max(numels)) for _ in range(count)]
+        self.slots = [io.host_zeros(max(numels), dtype) for _ in range(count)]
         self.pending: dict[int, torch.Tensor] = {}  # bucket index -> its slot's view, copy started
 
     def reset(self) -> None:

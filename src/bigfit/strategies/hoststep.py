@@ -1,9 +1,10 @@
 """The offload engine's host thread (offload.py): one per host step. It takes each bucket's
 gradients as they land (host buffers, or the device through gradslots.py), steps the bucket with
-its fused CPU AdamW, which also unscales and clips (it divides each gradient by `grad_scale`), and
+a fused CPU Adam (cpu_adam.py's kernel, else torch's), which also unscales and clips (it divides each
+gradient by `grad_scale`), and
 copies the bucket's master weights up (transfer.py), so the next forward's blocks can start while
-the buckets behind them still update. In delayed mode the copies up wait for the next
-`clip_and_step` (`_upload_pending`). An error on the thread is kept and re-raised on the training
+the buckets behind them still update. In delayed mode each bucket's copy up waits for the next
+backward to finish that bucket's gradients (`_upload_stale`, from its hook) or for `flush`. An error on the thread is kept and re-raised on the training
 thread, which would otherwise wait forever."""
 from __future__ import annotations
 
@@ -13,21 +14,23 @@ import time
 
 import torch
 
+from . import cpu_adam
 from .buckets import Bucket, unpack
 
 
 class HostSteps:
     """Mixed into OffloadEngine, whose state it uses: buckets, inners, masters, io, slots, store,
-    param_groups, dtype, trace, _worker, _error, _unuploaded."""
+    param_groups, dtype, trace, _worker, _error."""
 
     def _start_host_step(self, grad_scale: float, order: list[Bucket], upload: bool) -> None:
         self._join()
-        scale = torch.tensor(grad_scale)  # fused AdamW divides every gradient by it: unscale and clip
+        self._grad_scale = grad_scale  # the fused step divides every gradient by it: unscale and clip
         for inner in self.inners:
-            inner.grad_scale = scale
             inner.param_groups[0].update(self.param_groups[0])
-        if upload:
-            for b in order:
+        for b in order:
+            b.state["stepped"].clear()
+            b.state["stale"] = not upload  # delayed: updated masters that the device does not have yet
+            if upload:
                 b.state["issued"].clear()
         self._worker = threading.Thread(target=self._host_steps, args=(order, upload), daemon=True)
         self._worker.start()
@@ -42,8 +45,9 @@ class HostSteps:
             for i, b in enumerate(order):
                 with self._span("wait-gradients", b):
                     if self.slots:
-                        self.masters[b.index].grad = self.slots.take(order, i)
+                        grad = self.slots.take(order, i)
                     else:
+                        grad = self.grad_buffers[b.index]
                         b.state["reduced"].wait()
                         b.state["reduced"].clear()
                     self.io.wait_landed(b.state)
@@ -53,7 +57,8 @@ class HostSteps:
                 if self.store and i + 1 < len(order):
                     self.store.prefetch(order[i + 1].index)  # the disk reads ahead while this bucket updates
                 with self._span("cpu-adam", b):
-                    self.inners[b.index].step()
+                    self._adam(b, grad)
+                b.state["stepped"].set()
                 if b.index not in freed:
                     b.state["free"].set()
                     freed.add(b.index)
@@ -72,6 +77,16 @@ class HostSteps:
                 if b.index not in freed:
                     b.state["free"].set()
                 b.state["issued"].set()
+                b.state["stepped"].set()  # waiters find the error (`_raise`) instead of waiting forever
+
+    def _adam(self, b: Bucket, grad: torch.Tensor) -> None:
+        inner, master = self.inners[b.index], self.masters[b.index]
+        if self.kernel:
+            cpu_adam.step(inner, master, grad, self._grad_scale)
+            return
+        master.grad, inner.grad_scale = grad, torch.tensor(self._grad_scale)
+        inner.step()
+        master.grad = None
 
     @contextlib.contextmanager
     def _span(self, what: str, b: Bucket | None = None):
@@ -87,14 +102,21 @@ class HostSteps:
                 unpack(gathered, s, s.param.data)
 
     @torch.no_grad()
+    def _upload_stale(self, buckets: list[Bucket]) -> None:
+        """Delayed mode: copy these buckets' finished updates up, once the host step has made them,
+        after the device's work so far (which may still read the parameters they replace)."""
+        for b in buckets:
+            b.state["stepped"].wait()
+            self._raise()
+        self.io.after_current_work()
+        for b in buckets:
+            self._upload(b)
+            b.state["stale"] = False
+
     def _upload_pending(self) -> None:
-        """Delayed mode: copy the finished host step up (after the device is done with this step)."""
+        """Delayed mode: the updates that no hook has copied up yet (before the next host step, flush)."""
         self._join()
-        if self._unuploaded:
-            self.io.after_current_work()
-            for b in reversed(self.buckets):  # the order the next host step reads the masters in
-                self._upload(b)
-            self._unuploaded = False
+        self._upload_stale([b for b in reversed(self.buckets) if b.state["stale"]])  # the next host step's order
 
     def _join(self) -> None:
         if self._worker is not None:

@@ -7,8 +7,8 @@ One step, per bucket (buckets.py: a block, or a run of non-block parameters):
    its squared norm to the step's sum and copies it into a pinned host buffer. The copies of early
    buckets run while the device computes the gradients of the next ones.
 2. `clip_and_step`: one sync for the global gradient norm; a host thread (hoststep.py) then steps
-   the buckets in forward order with torch's fused CPU AdamW (multi-threaded, GIL released), which also unscales
-   (fp16) and clips: it divides each gradient by `grad_scale`, so no pass over the gradients is
+   the buckets in forward order with a fused CPU Adam (cpu_adam.py: multi-threaded, GIL released), which also
+   unscales (fp16) and clips: it divides each gradient by `grad_scale`, so no pass over the gradients is
    spent on either. After each bucket it copies the master weights up, casts them on the device and
    all-gathers them (side stream, CUDA events).
 3. the next forward: each block waits, on the device, for its own bucket's event only, so it
@@ -24,8 +24,9 @@ Collectives of the backward hooks and of the host thread use two process groups 
 each group sees the same order of operations on every rank.
 
 Delayed update (`delayed=True`, DeepSpeed's "delayed parameter update"): the host step of step t
-runs while the device computes step t+1, and its result is copied up when step t+1 calls
-`clip_and_step`. So the forward and backward of step t use the parameters after update t-2 (the
+runs while the device computes step t+1, and each bucket's result is copied up as soon as both are
+done with it: the host step has updated the bucket and step t+1's backward has finished its
+gradients (the bucket's hook, so the device no longer reads those parameters in step t+1). So the forward and backward of step t use the parameters after update t-2 (the
 initial ones for steps 1 and 2): one update staler than without delay; gradients are applied to
 the latest master weights as usual. `flush()` lands any pending update (before evaluation,
 checkpoints and the end of training); tests/test_training_features.py checks the exact lag.
@@ -44,6 +45,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..models import block_lists
 from .base import Applied, syncing
+from . import cpu_adam
 from .buckets import Bucket, group_parameters, make_buckets, pack
 from .gradslots import GradientSlots
 from .hoststep import HostSteps, join_at_exit
@@ -69,11 +71,11 @@ class OffloadEngine(HostSteps):
         self.masters = [materialise(b, self._new_master(b), self.io, rt.rank, self.dtype, held) for b in self.buckets]
         place_frozen(model, self.io, self.dtype, held)
         self.io.place_buffers(model)
-        self.slots = GradientSlots(self.io, sizes) if grads_on_device else None
-        self.grad_buffers = None if grads_on_device else [self.io.host_zeros(b.numel) for b in self.buckets]
+        self.grads_on_device, self.slots, self.grad_buffers = grads_on_device, None, None  # made by `attach`
+        self.kernel, self.grad_dtype = False, torch.float32
         for b in self.buckets:
             b.state.update(ready=0, acc=None, sq=None, free=threading.Event(), issued=threading.Event(),
-                           reduced=threading.Event())
+                           reduced=threading.Event(), stepped=threading.Event(), stale=False)
             b.state["free"].set()
             b.state["issued"].set()
         self._of = {id(s.param): b for b in self.buckets for s in b.slots}
@@ -81,7 +83,7 @@ class OffloadEngine(HostSteps):
                        for b in self.buckets for s in b.slots]
         self._hooks += [m.register_forward_pre_hook(functools.partial(self._await_hook, bs))
                         for m, bs in waiting_modules(model, prefixes, self._of)]
-        self.sync, self._worker, self._error, self._unuploaded, self._eager_started = True, None, None, False, False
+        self.sync, self._worker, self._error, self._eager_started = True, None, None, False
         # a daemon host thread still inside torch when the interpreter exits aborts the process
         # ("terminate called without an active exception"): a process that ends without flush() waits
         atexit.register(join_at_exit, weakref.ref(self))
@@ -97,15 +99,22 @@ class OffloadEngine(HostSteps):
 
     def attach(self, cls, **kw) -> "OffloadEngine":
         """One torch optimizer per bucket over its flat master (fused kernels: one call per bucket);
-        the states exist from the start, as views that checkpoints and the NVMe files share."""
+        the states exist from the start, as views that checkpoints and the NVMe files share. With
+        bigfit's own kernel (cpu_adam.py) and bf16 compute, gradients travel and wait in bf16."""
         for b, master in zip(self.buckets, self.masters):
-            master.grad = self.grad_buffers[b.index] if self.grad_buffers else None  # slots: set at each step
             inner = cls([master], **kw)
             kinds = {k: self.store.views[k][b.index] for k in ("exp_avg", "exp_avg_sq")} if self._on_disk(b) else \
                 {k: torch.zeros_like(master) for k in ("exp_avg", "exp_avg_sq")}
             inner.state[master] = {"step": torch.tensor(0.0), **kinds}
             self.inners.append(inner)
         self.param_groups = [{k: v for k, v in self.inners[0].param_groups[0].items() if k != "params"}]
+        self.kernel = bool(self.inners) and cpu_adam.supports(self.inners[0])
+        self.grad_dtype = torch.bfloat16 if self.kernel and self.dtype == torch.bfloat16 else torch.float32
+        sizes = [b.numel for b in self.buckets]
+        if self.grads_on_device:
+            self.slots = GradientSlots(self.io, sizes, self.grad_dtype)
+        else:
+            self.grad_buffers = [self.io.host_zeros(n, self.grad_dtype) for n in sizes]
         return self
 
     # -- backward: gradients stream down as buckets complete --------------------------------------
@@ -134,7 +143,9 @@ class OffloadEngine(HostSteps):
         st["acc"] = None
         st["free"].wait()  # the host step of the previous update has read this bucket's host gradients
         st["free"].clear()
-        self.io.reduce_to_host(flat, self.grad_buffers[b.index] if self.grad_buffers else None, st)
+        if st["stale"]:  # delayed: this backward is done with the parameters; the previous update goes up
+            self._upload_stale([b])
+        self.io.reduce_to_host(flat, self.grad_buffers[b.index] if self.grad_buffers else None, st, self.grad_dtype)
         st["reduced"].set()
         if self.eager and not self._eager_started:  # no global norm to wait for: step buckets as they land
             self._eager_started = True
@@ -173,7 +184,6 @@ class OffloadEngine(HostSteps):
         if self.delayed:
             self._upload_pending()
             self._start_host_step(loss_scale / clip, list(reversed(self.buckets)), upload=False)  # landing order
-            self._unuploaded = True
         else:
             self._start_host_step(loss_scale / clip, self.buckets, upload=True)
         return norm

@@ -21,10 +21,11 @@ class Transfers:
         self.down = torch.cuda.Stream(self.device) if self.cuda else None
         self.up = torch.cuda.Stream(self.device) if self.cuda else None
         self.back = torch.cuda.Stream(self.device) if self.cuda else None  # gradient slots (gradslots.py)
+        self.squared = None  # the down stream's event after the latest bucket's squared norm
 
     # -- memory -----------------------------------------------------------------------------------
-    def host_zeros(self, n: int) -> torch.Tensor:
-        return torch.zeros(n, dtype=torch.float32, pin_memory=self.cuda)
+    def host_zeros(self, n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.zeros(n, dtype=dtype, pin_memory=self.cuda)
 
     def device_zeros(self, *shape: int) -> torch.Tensor:
         return torch.zeros(shape, dtype=torch.float32, device=self.device)
@@ -58,10 +59,12 @@ class Transfers:
         return torch.cuda.stream(stream)
 
     @torch.no_grad()
-    def reduce_to_host(self, flat: torch.Tensor, host: torch.Tensor | None, state: dict) -> None:
-        """(world, S) fp32 gradients -> this rank's averaged S values in `host`; their squared norm
-        into state["sq"], the copy's completion into state["landed"]. `host` None: the values stay
-        on the device as state["dev_grad"] (gradslots.py), "landed" marking their reduction."""
+    def reduce_to_host(self, flat: torch.Tensor, host: torch.Tensor | None, state: dict,
+                       dtype: torch.dtype = torch.float32) -> None:
+        """(world, S) fp32 gradients -> this rank's averaged S values, cast to `dtype` on the device,
+        in `host`; their squared norm (of the fp32 values) into state["sq"], the copy's completion
+        into state["landed"]. `host` None: the values stay on the device as state["dev_grad"]
+        (gradslots.py), "landed" marking their reduction."""
         with self._on(self.down):
             if self.world > 1:
                 out = torch.empty(flat.shape[1], dtype=flat.dtype, device=self.device)
@@ -70,8 +73,12 @@ class Transfers:
             else:
                 out = flat[0]
             state["sq"] = out.pow(2).sum()
+            if self.cuda:  # the step's norm waits for this, not for the copy queued behind it (`total`)
+                self.squared = torch.cuda.Event()
+                self.squared.record(self.down)
+            out = out.to(dtype)  # bf16 (cpu_adam.py reads it): half the bytes down and in host RAM
             if host is None:
-                state["dev_grad"] = out  # one rank: a view of `flat`, which nothing else uses
+                state["dev_grad"] = out  # fp32 with one rank: a view of `flat`, which nothing else uses
             else:
                 host.copy_(out, non_blocking=True)
             if self.cuda:
@@ -80,9 +87,12 @@ class Transfers:
                 state["landed"].record(self.down)
 
     def total(self, squares: list[torch.Tensor]) -> float:
-        """The global sum of the buckets' squared norms: the step's one host sync."""
-        if self.cuda:
-            torch.cuda.current_stream().wait_stream(self.down)
+        """The global sum of the buckets' squared norms: the step's one host sync. It waits for the
+        last bucket's square (and so, in stream order, every earlier one), not for that bucket's copy
+        down: the host step starts with buckets that landed long ago (offload.py) and waits for the
+        copy itself only when it reaches that bucket."""
+        if self.cuda and self.squared is not None:
+            torch.cuda.current_stream().wait_event(self.squared)
         s = torch.stack(squares).sum()
         if self.world > 1:
             dist.all_reduce(s)
