@@ -13,6 +13,11 @@
 #     tests/test_device_map.py on real streams, then T5-large over cuda:0 + cpu
 #   bash benchmarks/gpu_runs.sh dm-gpus        the same over two GPUs (x2 or more): tests with the
 #     cuda:0 + cuda:1 placement, T5-large at batch 8 and at batch 32 (compute-bound), traces of batch 32
+#   bash benchmarks/gpu_runs.sh kernel         issue 5 with the host Adam kernel, single-GPU machine (carry .whl)
+#   bash benchmarks/gpu_runs.sh kernel2        issue 5: the delayed update's uploads from backward's hooks (carry .whl)
+#   bash benchmarks/gpu_runs.sh kernel3        issue 5 again after the norm's wait was narrowed (carry .whl)
+#   bash benchmarks/gpu_runs.sh kernel4        issue 5: the kernel with dynamic chunks (carry .whl)
+#   bash benchmarks/gpu_runs.sh scale8b        issue 7's 8B on 2 GPUs, bigfit and peers (x2; carry .whl)
 #   (peers12 and final: the third session's 2-GPU calls, kept as they ran; RESULTS.md)
 # 16 cores is the core count of the single-GPU machine that issue 5's figures come from. Jobs that
 # share the host's memory bandwidth can slow each other's CPU optimizer: the offload jobs go on
@@ -168,6 +173,54 @@ capacity2)  # the same machine: DeepSpeed ZeRO-2 offload at 24 layers (6.3B; it 
   python3 benchmarks/largest_model.py --out $r/cap/largest.jsonl --methods zero2-offload+devgrads --layers 40 --timeout 150 | tail -1
   python3 benchmarks/strategies.py --size 3b --mbs 4 --seq 2048 --steps 4 --warmup 2 --timeout 75 \
     --strategies zero2-offload+devgrads,zero2-offload+delayed+devgrads --out $r/cap/offload-devgrads.jsonl | cut -c1-250
+  ;;
+kernel)  # fifth session, the single-GPU machine (issue 5's): the engine's host step through bigfit's
+  # kernel (bf16 gradients) against torch's fused AdamW, DeepSpeed ZeRO-2 offload and plain PyTorch in the same call
+  mkdir -p $r/k
+  common="--size 3b --mbs 4 --seq 2048 --steps 4 --warmup 2"
+  python3 benchmarks/offload_limits.py --gib 1 --out $r/k/limits.json
+  python3 benchmarks/strategies.py $common --timeout 150 --out $r/k/offload.jsonl \
+    --strategies zero2-offload+delayed,zero2-offload+delayed+torchadam,zero2-offload+eager | cut -c1-260
+  python3 .whl/peers.py all $common --methods torch,ds-z2-offload | tee -a $r/k/peers.txt
+  python3 benchmarks/plot_trace.py $r/k/offload.jsonl 'bigfit zero2-offload+delayed' $r/k/timeline-delayed.png
+  ;;
+kernel2)  # fifth session, single-GPU machine: the delayed update after its uploads moved into the next
+  # backward's hooks (and its host-step order), DeepSpeed in the same call; accumulation 4 against
+  # plain PyTorch; zero3-offload's host step streamed under backward (eager) or after it, at 1.5B
+  mkdir -p $r/k2
+  common="--size 3b --mbs 4 --seq 2048 --steps 6 --warmup 2"
+  python3 benchmarks/strategies.py $common --timeout 110 --out $r/k2/offload.jsonl \
+    --strategies zero2-offload+delayed | cut -c1-260
+  python3 .whl/peers.py all $common --methods ds-z2-offload | tee -a $r/k2/peers.txt
+  acc="--size 3b --mbs 4 --seq 2048 --steps 3 --warmup 1 --accum 4"
+  python3 benchmarks/strategies.py $acc --timeout 100 --out $r/k2/accum.jsonl --strategies zero2-offload+delayed | cut -c1-260
+  python3 .whl/peers.py all $acc --methods torch | tee -a $r/k2/peers.txt
+  python3 benchmarks/strategies.py --size 1b --mbs 4 --seq 2048 --steps 4 --warmup 2 --timeout 90 \
+    --out $r/k2/z3.jsonl --strategies zero3-offload+eager,zero3-offload | cut -c1-260
+  python3 benchmarks/plot_trace.py $r/k2/offload.jsonl 'bigfit zero2-offload+delayed' $r/k2/timeline-delayed.png
+  ;;
+kernel3)  # fifth session, single-GPU machine: after the norm stopped waiting for the last gradient copy,
+  # the engine's modes, the machine's limits and DeepSpeed in one call
+  mkdir -p $r/k3
+  common="--size 3b --mbs 4 --seq 2048 --steps 6 --warmup 2"
+  python3 benchmarks/offload_limits.py --gib 1 --out $r/k3/limits.json
+  python3 benchmarks/strategies.py $common --timeout 110 --out $r/k3/offload.jsonl \
+    --strategies zero2-offload+delayed,zero2-offload | cut -c1-260
+  python3 .whl/peers.py all $common --methods ds-z2-offload | tee -a $r/k3/peers.txt
+  python3 benchmarks/plot_trace.py $r/k3/offload.jsonl 'bigfit zero2-offload+delayed' $r/k3/timeline-delayed.png
+  ;;
+kernel4)  # fifth session, single-GPU machine: the kernel's chunks handed out dynamically, DeepSpeed in the same call
+  mkdir -p $r/k4
+  common="--size 3b --mbs 4 --seq 2048 --steps 6 --warmup 2"
+  python3 benchmarks/offload_limits.py --gib 1 --out $r/k4/limits.json
+  python3 benchmarks/strategies.py $common --timeout 100 --out $r/k4/offload.jsonl --strategies zero2-offload+delayed | cut -c1-260
+  python3 .whl/peers.py all $common --methods ds-z2-offload | tee -a $r/k4/peers.txt
+  ;;
+scale8b)  # fifth session, 2 GPUs: issue 7's 8B (peers.py's shape) on 2 GPUs, bigfit and peers; at 1 GPU
+  # none of these fits (16 bytes a parameter is 128 GB before activations: the planner's no-fit)
+  mkdir -p $r/s8
+  python3 benchmarks/scaling.py --gpus 2 --size 8b --mbs 2 --steps 4 --warmup 2 --timeout 100 \
+    --methods zero2,zero3,fsdp2,ds-z2,ds-z3 --out $r/s8/scaling.jsonl
   ;;
 esac
 wait

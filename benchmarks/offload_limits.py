@@ -1,5 +1,7 @@
 """The machine's limits that bound an offloaded step (issue 5): pinned PCIe bandwidth each way, the
-fused CPU AdamW rate, and the local disk's write and read bandwidth (for the NVMe tier).
+host's memory bandwidth, the CPU Adam rates (torch's fused AdamW with and without the engine's
+grad_scale, bigfit's kernel with fp32 and bf16 gradients), and the local disk's write and read
+bandwidth (for the NVMe tier).
 
   python benchmarks/offload_limits.py [--gib 2] [--disk-dir /tmp] --out limits.json
 Each figure is the median of 5 runs after one warm-up. The disk read is measured after fsync and
@@ -41,12 +43,31 @@ def pcie(gib: float) -> dict:
     return {"d2h_gb_s": round(n * 4 / _median(down) / 1e9, 1), "h2d_gb_s": round(n * 4 / _median(up) / 1e9, 1)}
 
 
+def memory_bandwidth(numel: int) -> dict:
+    """GB/s of bytes read plus written: a copy (read 4, write 4 per value) and an add (read 8, write 4)."""
+    a, b, c = torch.randn(numel), torch.randn(numel), torch.empty(numel)
+    copy = _median(lambda: c.copy_(a))
+    add = _median(lambda: torch.add(a, b, out=c))
+    return {"host_copy_gb_s": round(8 * numel / copy / 1e9, 1), "host_add_gb_s": round(12 * numel / add / 1e9, 1)}
+
+
 def cpu_adam(numel: int) -> dict:
+    """G parameters/s of one flat step. torch's fused AdamW with a grad_scale (as the offload engine
+    calls it) also writes the unscaled gradient back: 32 bytes a parameter against 28 without."""
+    from bigfit.strategies import cpu_adam as kernel
+
     p = torch.zeros(numel)
     p.grad = torch.randn(numel)
     opt = torch.optim.AdamW([p], lr=1e-4, fused=True)
-    t = _median(opt.step)
-    return {"cpu_adamw_gparams_s": round(numel / t / 1e9, 2), "threads": torch.get_num_threads()}
+    out = {"threads": torch.get_num_threads()}
+    out["cpu_adamw_gparams_s"] = round(numel / _median(opt.step) / 1e9, 2)
+    opt.grad_scale = torch.tensor(1.0)
+    out["cpu_adamw_scaled_gparams_s"] = round(numel / _median(opt.step) / 1e9, 2)
+    if kernel.kernel() is not None:
+        for dtype, key in ((torch.float32, "kernel_fp32_gparams_s"), (torch.bfloat16, "kernel_bf16_gparams_s")):
+            g = p.grad.to(dtype)
+            out[key] = round(numel / _median(lambda: kernel.step(opt, p, g, 1.0)) / 1e9, 2)
+    return out
 
 
 def disk(directory: str, gib: float) -> dict:
@@ -85,6 +106,7 @@ def main() -> None:
     r = {"cores": os.cpu_count(), "torch": torch.__version__}
     if torch.cuda.is_available():
         r.update(pcie(a.gib), gpu=torch.cuda.get_device_name())
+    r.update(memory_bandwidth(a.adam_numel))
     r.update(cpu_adam(a.adam_numel))
     r.update(disk(a.disk_dir, a.gib))
     print(json.dumps(r))

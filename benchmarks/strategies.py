@@ -9,7 +9,8 @@ tokens), bf16, AdamW, micro-batch x sequence tokens per step. Each strategy runs
   python benchmarks/strategies.py --strategies zero2-offload,zero2-offload+delayed --accum 4 ...
 On one GPU, ddp and zero1 are the plain model (nothing to reduce or shard), so they are not repeated.
 "+delayed" runs the strategy with --delayed-update, "+eager" with --max-grad-norm 0 (no clipping: the
-offload engine then steps each bucket during backward). "pipeline+SCHEDULE" (gpipe, 1f1b, interleaved;
+offload engine then steps each bucket during backward), "+torchadam" with torch's fused AdamW as the
+engine's host step instead of bigfit's kernel (strategies/cpu_adam.py). "pipeline+SCHEDULE" (gpipe, 1f1b, interleaved;
 under torchrun, one stage per GPU) with `--chunks` micro-batches per micro-batch. `--accum N`: N micro-batches per step.
 """
 from __future__ import annotations
@@ -50,6 +51,8 @@ def run_one(strategy: str, size: str, mbs: int, seq: int, steps: int, warmup: in
     clip = 0.0 if "eager" in variants else 1.0  # the engine steps during backward only without clipping
     # +devgrads: gradients wait on the GPU (offload_grads device); NVMe: BIGFIT_NVME_DIR, BIGFIT_NVME_HOST_GB
     tier = dict(offload_grads="device") if "devgrads" in variants else {}
+    if "torchadam" in variants:  # the engine's host step with torch's fused AdamW (fp32 gradients), not cpu_adam.py's
+        os.environ["BIGFIT_CPU_ADAM"] = "0"
     if strategy == "zero2-offload-nvme":
         tier.update(nvme_dir=os.environ.get("BIGFIT_NVME_DIR", "/tmp/bigfit-nvme"),
                     nvme_host_gb=float(os.environ.get("BIGFIT_NVME_HOST_GB", "0")))
@@ -95,6 +98,7 @@ def run_one(strategy: str, size: str, mbs: int, seq: int, steps: int, warmup: in
             "peak_alloc_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if gpu else None,
             "host_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 1),
             "loss": round(out["loss"], 3),
+            "host_adam": ("kernel" if optimizer.kernel else "torch") if hasattr(optimizer, "kernel") else None,
             "trace": [(w, b, round(t0 - trace_from, 4), round(t1 - trace_from, 4)) for w, b, t0, t1 in optimizer.trace]
             if trace_from else None}
 

@@ -73,7 +73,7 @@ class TrainConfig:
     ddp_bucket_mb: float = 25.0  # gradient all-reduce bucket size (ddp, zero1)
     nvme_dir: str | None = None  # zero2-offload-nvme: a directory on a fast local disk; None: OUTPUT/nvme
     delayed_update: bool = False  # zero2-offload: the host optimizer step overlaps the next step (one-step-stale parameters)
-    offload_grads: str = "host"  # zero2-offload: where gradients wait for the host step: host (4 more bytes/param of RAM) or device
+    offload_grads: str = "host"  # zero2-offload: where gradients wait for the host step: host (2 more bytes/param of RAM in bf16, 4 in fp32) or device
     nvme_host_gb: float = 0.0  # zero2-offload-nvme: GB of optimizer states kept in host RAM (first blocks); the rest in files
     max_source_len: int = 128  # tokens kept per source / text sample
     max_target_len: int = 128  # tokens kept per target (encoder-decoder models)

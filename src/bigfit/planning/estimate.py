@@ -11,6 +11,11 @@ from dataclasses import dataclass, field
 KEYS = ("params", "grads", "optimizer", "activations", "buffers")
 MFU = 0.48  # fraction of peak a dense training step reached on the H200 (plain PyTorch, 1.5B, bf16)
 RESERVE = 1 << 30  # per GPU: CUDA context and allocator slack the plan never hands out
+# Host-memory bytes a parameter that the offload engine's host step moves, by gradient size: torch's
+# fused AdamW reads master, gradient and moments, writes them back (the gradient too, unscaled), and
+# the DMA writes fp32 gradients and reads masters (40); bigfit's kernel reads bf16 gradients and
+# leaves them (32). hw.cpu_adam_params_per_s is torch's rate; the step is memory-bound (RESULTS.md).
+HOST_STEP_BYTES = {4: 40, 2: 32}
 
 
 @dataclass
@@ -135,6 +140,8 @@ def step_time(strategy: str, prof, hw, c: int, checkpointing: bool, tokens_per_s
             moved = accum * 2 * 4 * n / w + 4 * n / w  # shards up for forward and backward, gradients down
         pcie = moved / (hw.pcie_gbps * 1e9)
         cpu = n / w * hw.gpus_per_node / hw.cpu_adam_params_per_s  # the node's ranks share its cores
+        if strategy.startswith("zero2-offload"):  # memory-bound: bytes a parameter, against torch's 40 (its rate)
+            cpu *= HOST_STEP_BYTES[grad_bytes] / HOST_STEP_BYTES[4]
     if strategy.endswith("nvme"):  # read and write back 12 bytes per parameter, the node's ranks together
         disk = 2 * nvme_bytes(n, hw, nvme_host) / (hw.nvme_gbps * 1e9)
     return {"compute": compute, "communication": comm, "pcie": pcie, "cpu_optimizer": cpu, "nvme": disk}

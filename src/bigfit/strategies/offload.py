@@ -18,7 +18,9 @@ starts at the first bucket of backward and steps each bucket as it lands, under 
 Where gradients wait for the host step (`grads_on_device`, config `offload_grads`): in pinned host
 buffers of their own, copied down during backward (the default), or on the device, copied down
 through a few pinned slots just ahead of the host step (gradslots.py): 12 bytes of host RAM per
-parameter instead of 16, for the largest models. The NVMe tier keeps the first buckets' states in
+parameter instead of 14 (16 with fp32 gradients), for the largest models. Gradients travel in bf16
+when the compute dtype is bf16 and bigfit's kernel does the host step (cpu_adam.py), the reduce and
+the norm still in fp32 on the device. The NVMe tier keeps the first buckets' states in
 host RAM up to `nvme_host_bytes` and the rest in files (nvme.py).
 Collectives of the backward hooks and of the host thread use two process groups of their own, so
 each group sees the same order of operations on every rank.
