@@ -75,6 +75,7 @@ def test_offload_grads_on_device_and_states_kept_in_ram_move_bytes_where_asked()
     fp32 = plan_for_config(t5_3b(), no_kernel, Job(**job), offload).candidates[0].estimate
     assert base["zero2-offload"].per_host["grads"] == 2 * n and fp32.per_host["grads"] == 4 * n
     assert fp32.costs["pcie"] == pytest.approx(base["zero2-offload"].costs["pcie"] * 8 / 6)
+    assert fp32.costs["cpu_optimizer"] == pytest.approx(base["zero2-offload"].costs["cpu_optimizer"] * 40 / 32)
     assert moved["zero2-offload"].per_host["grads"] < 0.1 * 2 * n  # three slots of the largest bucket
     assert moved["zero2-offload"].per_gpu["grads"] >= 2 * n // 8
     assert base["zero2-offload-nvme"].nvme - moved["zero2-offload-nvme"].nvme == 12e9
