@@ -17,6 +17,7 @@
 #   bash benchmarks/gpu_runs.sh kernel2        issue 5: the delayed update's uploads from backward's hooks (carry .whl)
 #   bash benchmarks/gpu_runs.sh kernel3        issue 5 again after the norm's wait was narrowed (carry .whl)
 #   bash benchmarks/gpu_runs.sh kernel4        issue 5: the kernel with dynamic chunks (carry .whl)
+#   bash benchmarks/gpu_runs.sh next-x2 / next-h200   prepared for the next session (not yet run)
 #   bash benchmarks/gpu_runs.sh scale8b        issue 7's 8B on 2 GPUs, bigfit and peers (x2; carry .whl)
 #   (peers12 and final: the third session's 2-GPU calls, kept as they ran; RESULTS.md)
 # 16 cores is the core count of the single-GPU machine that issue 5's figures come from. Jobs that
@@ -215,6 +216,22 @@ kernel4)  # fifth session, single-GPU machine: the kernel's chunks handed out dy
   python3 benchmarks/offload_limits.py --gib 1 --out $r/k4/limits.json
   python3 benchmarks/strategies.py $common --timeout 100 --out $r/k4/offload.jsonl --strategies zero2-offload+delayed | cut -c1-260
   python3 .whl/peers.py all $common --methods ds-z2-offload | tee -a $r/k4/peers.txt
+  ;;
+next-x2)  # for the next 2-GPU call: issue 7's 8B and 3.6B on 2 GPUs at the peers' settings (no clipping)
+  mkdir -p $r/nx
+  python3 benchmarks/scaling.py --gpus 2 --size 8b --mbs 2 --steps 4 --warmup 2 --timeout 100 \
+    --methods zero2+noclip,zero3+noclip,fsdp2 --out $r/nx/scaling-8b.jsonl
+  python3 benchmarks/scaling.py --gpus 1,2 --size 3b --mbs 4 --steps 4 --warmup 2 --timeout 90 \
+    --methods zero2+noclip,zero3+noclip,fsdp2 --out $r/nx/scaling-3b.jsonl
+  ;;
+next-h200)  # for the next single-GPU call: issue 5's missing pieces. DeepSpeed ZeRO-3 offload's
+  # largest model (24 layers first, where ZeRO-2 offload was killed), and the NVMe tier's steady
+  # step: 1.5B with every state in files (18 GB), 4 steps after 2, against the planner
+  mkdir -p $r/n5
+  python3 -c "import torch; from deepspeed.ops.adam import DeepSpeedCPUAdam; DeepSpeedCPUAdam([torch.nn.Parameter(torch.zeros(8))])" 2>&1 | tail -1
+  python3 benchmarks/largest_model.py --out $r/n5/largest.jsonl --methods ds-z3-offload --layers 24 --timeout 200 | tail -1
+  rm -rf /tmp/bigfit-nvme; BIGFIT_NVME_HOST_GB=0 python3 benchmarks/strategies.py --size 1b --mbs 4 --seq 2048 \
+    --steps 4 --warmup 2 --timeout 240 --strategies zero2-offload-nvme+devgrads --out $r/n5/nvme.jsonl | cut -c1-300
   ;;
 scale8b)  # fifth session, 2 GPUs: issue 7's 8B (peers.py's shape) on 2 GPUs, bigfit and peers; at 1 GPU
   # none of these fits (16 bytes a parameter is 128 GB before activations: the planner's no-fit)

@@ -59,7 +59,7 @@ def main() -> None:
     base = {}
     for n in map(int, a.gpus.split(",")):
         for m in a.methods.split(","):
-            script = [os.path.join(HERE, "strategies.py"), "one", m, *common] if m in BIGFIT else \
+            script = [os.path.join(HERE, "strategies.py"), "one", m, *common] if m.split("+")[0] in BIGFIT else \
                 [__file__, "rank", "--method", m, *common]
             r = {"method": m, "gpus": n, **_torchrun(n, script, a.timeout)}
             if "tok_s" in r:

@@ -10,7 +10,8 @@ tokens), bf16, AdamW, micro-batch x sequence tokens per step. Each strategy runs
 On one GPU, ddp and zero1 are the plain model (nothing to reduce or shard), so they are not repeated.
 "+delayed" runs the strategy with --delayed-update, "+eager" with --max-grad-norm 0 (no clipping: the
 offload engine then steps each bucket during backward), "+torchadam" with torch's fused AdamW as the
-engine's host step instead of bigfit's kernel (strategies/cpu_adam.py). "pipeline+SCHEDULE" (gpipe, 1f1b, interleaved;
+engine's host step instead of bigfit's kernel (strategies/cpu_adam.py), "+noclip" without gradient
+clipping (the peers' setting) for any strategy. "pipeline+SCHEDULE" (gpipe, 1f1b, interleaved;
 under torchrun, one stage per GPU) with `--chunks` micro-batches per micro-batch. `--accum N`: N micro-batches per step.
 """
 from __future__ import annotations
@@ -48,7 +49,8 @@ def run_one(strategy: str, size: str, mbs: int, seq: int, steps: int, warmup: in
     name = strategy
     strategy, *variants = strategy.split("+")
     variant = variants[0] if variants else ""
-    clip = 0.0 if "eager" in variants else 1.0  # the engine steps during backward only without clipping
+    # the engine steps during backward only without clipping; "+noclip": the peers' setting (they do not clip)
+    clip = 0.0 if "eager" in variants or "noclip" in variants else 1.0
     # +devgrads: gradients wait on the GPU (offload_grads device); NVMe: BIGFIT_NVME_DIR, BIGFIT_NVME_HOST_GB
     tier = dict(offload_grads="device") if "devgrads" in variants else {}
     if "torchadam" in variants:  # the engine's host step with torch's fused AdamW (fp32 gradients), not cpu_adam.py's
