@@ -43,20 +43,20 @@ import weakref
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.device_mesh import DeviceMesh
 
 from ..models import block_lists
-from .base import Applied, syncing
 from . import cpu_adam
+from .base import Applied, syncing
 from .buckets import Bucket, group_parameters, make_buckets, pack
 from .gradslots import GradientSlots
+from .enginestate import EngineStates
 from .hoststep import HostSteps, join_at_exit
 from .nvme import NVMeStore
-from .placement import materialise, owners, place_frozen, rows_as_dtensor, waiting_modules
+from .placement import materialise, owners, place_frozen, waiting_modules
 from .transfer import Transfers
 
 
-class OffloadEngine(HostSteps):
+class OffloadEngine(HostSteps, EngineStates):
     """Built when the strategy is applied (it places the model); the optimizer once `attach`ed."""
 
     def __init__(self, model: torch.nn.Module, rt, compute: torch.dtype | None, *, delayed: bool = False,
@@ -208,14 +208,6 @@ class OffloadEngine(HostSteps):
             self._upload_pending()
         self._await(self.buckets)
 
-    @torch.no_grad()
-    def reload_params(self) -> None:
-        """After the host masters were loaded from a checkpoint: the device copies follow them."""
-        self.flush()
-        for b in self.buckets:
-            self._upload(b)
-        self._await(self.buckets)
-
     def zero_grad(self, set_to_none: bool = True) -> None:
         for b in self.buckets:
             for s in b.slots:
@@ -223,27 +215,6 @@ class OffloadEngine(HostSteps):
 
     def step(self) -> None:
         self.clip_and_step(0.0)
-
-    def checkpoint_state(self, module: torch.nn.Module) -> dict:
-        """By name: {"model": the fp32 master weights (and buffers), "optim": {"state": moments and
-        step}}; each rank's rows as a DTensor when there are several ranks."""
-        self.flush()
-        mesh = None
-        if self.rt.world_size > 1:
-            mesh = DeviceMesh("cpu", list(range(self.rt.world_size)))  # the host states' own device type
-        rows = functools.partial(rows_as_dtensor, mesh=mesh, rank=self.rt.rank)
-        masters, optim = {}, {}
-        for b, master in zip(self.buckets, self.masters):
-            st = self.inners[b.index].state[master]
-            for s in b.slots:
-                masters[id(s.param)] = rows(master, s)
-                optim[s.name] = {"step": st["step"], **{k: rows(st[k], s) for k in ("exp_avg", "exp_avg_sq")}}
-        model = {name: masters.get(id(t), t) for name, t in module.state_dict(keep_vars=True).items()}
-        return {"model": model, "optim": {"state": optim}}
-
-    @property
-    def state(self) -> dict:
-        return {m: st for inner in self.inners for m, st in inner.state.items()}
 
     def remove(self) -> None:
         """Take the hooks off (the model keeps its device parameters)."""
