@@ -83,3 +83,17 @@ def test_build_failure_means_torch_step(monkeypatch, tmp_path):
         assert cpu_adam.kernel() is None
     finally:
         cpu_adam.kernel.cache_clear()
+
+
+def test_host_step_threads_are_the_ranks_share_of_the_cores(monkeypatch):
+    """torchrun's OMP_NUM_THREADS=1 does not decide it; pinned ranks keep their own cores."""
+    monkeypatch.setattr(cpu_adam.os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(cpu_adam.os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert cpu_adam.threads() == 8
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert cpu_adam.threads() == 64
+    monkeypatch.setattr(cpu_adam.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert cpu_adam.threads() == 16  # taskset or a launcher already gave this rank its cores
