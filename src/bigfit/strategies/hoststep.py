@@ -110,7 +110,8 @@ class HostSteps:
             self._raise()
         self.io.after_current_work()
         for b in buckets:
-            self._upload(b)
+            with self._span("upload", b):  # on the training thread (a hook), unlike the other modes' uploads
+                self._upload(b)
             b.state["stale"] = False
 
     def _upload_pending(self) -> None:
