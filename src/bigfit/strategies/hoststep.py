@@ -1,11 +1,11 @@
 """The offload engine's host thread (offload.py): one per host step. It takes each bucket's
-gradients as they land (host buffers, or the device through gradslots.py), steps the bucket with
-a fused CPU Adam (cpu_adam.py's kernel, else torch's), which also unscales and clips (it divides each
-gradient by `grad_scale`), and
-copies the bucket's master weights up (transfer.py), so the next forward's blocks can start while
-the buckets behind them still update. In delayed mode each bucket's copy up waits for the next
-backward to finish that bucket's gradients (`_upload_stale`, from its hook) or for `flush`. An error on the thread is kept and re-raised on the training
-thread, which would otherwise wait forever."""
+gradients as they land (host buffers, or the device through gradslots.py), steps the bucket with a
+fused CPU Adam (cpu_adam.py's kernel, else torch's), which also unscales and clips (it divides each
+gradient by `grad_scale`), and copies the bucket's master weights up (transfer.py), so the next
+forward's blocks can start while the buckets behind them still update. In delayed mode each
+bucket's copy up waits for the next backward to finish that bucket's gradients (`_upload_stale`,
+from its hook) or for `flush`. An error on the thread is kept and re-raised on the training thread,
+which would otherwise wait forever."""
 from __future__ import annotations
 
 import contextlib

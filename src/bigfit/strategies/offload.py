@@ -7,9 +7,9 @@ One step, per bucket (buckets.py: a block, or a run of non-block parameters):
    its squared norm to the step's sum and copies it into a pinned host buffer. The copies of early
    buckets run while the device computes the gradients of the next ones.
 2. `clip_and_step`: one sync for the global gradient norm; a host thread (hoststep.py) then steps
-   the buckets in forward order with a fused CPU Adam (cpu_adam.py: multi-threaded, GIL released), which also
-   unscales (fp16) and clips: it divides each gradient by `grad_scale`, so no pass over the gradients is
-   spent on either. After each bucket it copies the master weights up, casts them on the device and
+   the buckets in forward order with a fused CPU Adam (cpu_adam.py: multi-threaded, GIL released),
+   which also unscales (fp16) and clips: it divides each gradient by `grad_scale`, so no pass over the
+   gradients is spent on either. After each bucket it copies the master weights up, casts them on the device and
    all-gathers them (side stream, CUDA events).
 3. the next forward: each block waits, on the device, for its own bucket's event only, so it
    starts while the host still updates the blocks behind it.
@@ -28,7 +28,8 @@ each group sees the same order of operations on every rank.
 Delayed update (`delayed=True`, DeepSpeed's "delayed parameter update"): the host step of step t
 runs while the device computes step t+1, and each bucket's result is copied up as soon as both are
 done with it: the host step has updated the bucket and step t+1's backward has finished its
-gradients (the bucket's hook, so the device no longer reads those parameters in step t+1). So the forward and backward of step t use the parameters after update t-2 (the
+gradients (the bucket's hook: the device no longer reads those parameters in step t+1). So the
+forward and backward of step t use the parameters after update t-2 (the
 initial ones for steps 1 and 2): one update staler than without delay; gradients are applied to
 the latest master weights as usual. `flush()` lands any pending update (before evaluation,
 checkpoints and the end of training); tests/test_training_features.py checks the exact lag.
@@ -48,8 +49,8 @@ from ..models import block_lists
 from . import cpu_adam
 from .base import Applied, syncing
 from .buckets import Bucket, group_parameters, make_buckets, pack
-from .gradslots import GradientSlots
 from .enginestate import EngineStates
+from .gradslots import GradientSlots
 from .hoststep import HostSteps, join_at_exit
 from .nvme import NVMeStore
 from .placement import materialise, owners, place_frozen, waiting_modules
