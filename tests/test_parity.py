@@ -18,7 +18,7 @@ import pytest
 from safetensors.torch import load_file
 
 from conftest import FAMILIES, read_jsonl
-from dist import run_ranks
+from dist import run_ranks, threads_per_rank, torch_threads
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "zero2-offload", "zero3-offload", "zero2-offload-nvme")
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -61,15 +61,22 @@ def run_all(model_dirs, data, root, strategies, precisions, suffix=""):
                 train(job(model_dirs[family], data, out, strategy, precision))
 
 
+VARIANTS = ("zero3+ac", "ddp+ac", "zero2-offload+noclip", "zero3-offload+noclip")
+
+
+def run_distributed(model_dirs, data, root) -> None:
+    run_all(model_dirs, data, root, STRATEGIES, PRECISIONS)
+    run_all(model_dirs, data, root, VARIANTS, ("fp32",))
+
+
 @pytest.fixture(scope="module")
 def runs(model_dirs, pairs_file, tmp_path_factory):
     root = tmp_path_factory.mktemp("parity")
-    run_ranks(run_all, 2, model_dirs, pairs_file, root, STRATEGIES, PRECISIONS)  # one launch for all cases
-    variants = ("zero3+ac", "ddp+ac", "zero2-offload+noclip", "zero3-offload+noclip")
-    run_ranks(run_all, 2, model_dirs, pairs_file, root, variants, ("fp32",))
-    run_all(model_dirs, pairs_file, root, ("single+noclip",), ("fp32",))
-    run_all(model_dirs, pairs_file, root, ("single",), PRECISIONS)
-    run_all(model_dirs, pairs_file, root, ("zero3", "zero2-offload"), ("bf16", "fp16"), suffix="-1proc")
+    run_ranks(run_distributed, 2, model_dirs, pairs_file, root)  # one launch for all cases
+    with torch_threads(threads_per_rank(2)):  # the references compute as each rank did
+        run_all(model_dirs, pairs_file, root, ("single+noclip",), ("fp32",))
+        run_all(model_dirs, pairs_file, root, ("single",), PRECISIONS)
+        run_all(model_dirs, pairs_file, root, ("zero3", "zero2-offload"), ("bf16", "fp16"), suffix="-1proc")
     return root
 
 

@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from transformers import GPT2Config, LlamaConfig, T5Config
 
 from conftest import read_jsonl
-from dist import run_ranks
+from dist import run_ranks, threads_per_rank, torch_threads
 
 TOL = {"fp32": (1e-6, 4e-5), "bf16": (5e-4, 3e-2), "fp16": (2e-5, 3e-2)}
 STEPS = 3
@@ -96,8 +96,9 @@ def runs(pairs_file, tmp_path_factory):
         config.save_pretrained(root / family)
         dirs[family] = root / family
     run_ranks(train_all, 2, pipeline_jobs(dirs, pairs_file, root))
-    for family, precision in sorted({(f, p) for f, p, _, _ in CASES}):
-        train(job(dirs[family], pairs_file, root / f"{family}-{precision}-single", "single", precision))
+    with torch_threads(threads_per_rank(2)):  # the references compute as each rank did
+        for family, precision in sorted({(f, p) for f, p, _, _ in CASES}):
+            train(job(dirs[family], pairs_file, root / f"{family}-{precision}-single", "single", precision))
     return root
 
 
