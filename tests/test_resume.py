@@ -58,13 +58,14 @@ def test_resume_logs_the_same_losses_as_an_uninterrupted_run(runs):
     assert sorted(p.name for p in final.iterdir()) == ["step-00000002", "step-00000004", "step-00000006"]
 
 
-def test_consolidate_writes_a_loadable_model_equal_to_the_checkpoint(runs, tmp_path):
+def test_consolidate_writes_a_loadable_model_equal_to_the_checkpoint(runs, tmp_path, capsys):
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
+    from bigfit.cli import main
+
     ckpt = runs["root"] / "whole" / "checkpoints" / "step-00000006"
-    r = bigfit("consolidate", str(ckpt), str(tmp_path / "hf"))
-    assert r.returncode == 0, r.stderr
+    assert main(["consolidate", str(ckpt), str(tmp_path / "hf")]) == 0, capsys.readouterr().err  # in this process
     model = AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "hf")
     AutoTokenizer.from_pretrained(tmp_path / "hf")
     dcp_to_torch_save(str(ckpt), str(tmp_path / "all.pt"))  # torch's own, non-streaming consolidation
@@ -78,14 +79,17 @@ def test_consolidate_writes_a_loadable_model_equal_to_the_checkpoint(runs, tmp_p
     assert all(torch.equal(end[k], v) for k, v in state.items())
 
 
-def test_fine_tune_from_a_saved_model_directory(runs, tmp_path):
+def test_fine_tune_from_a_saved_model_directory(runs, tmp_path, capsys):
     """--model pointing at a directory with weights (here: the consolidated output) loads them."""
+    from bigfit.cli import main
+
     model_dir = runs["root"] / "whole" / "model"
-    r = bigfit("train", "--model", str(model_dir), "--data", str(runs["data"]), "--strategy", "single",
-               "--max-steps", "1", "--batch-size", "8", "--eval-samples", "8", "--num-beams", "2", "--lr", "1e-9",
-               "--output-dir", str(tmp_path))
-    assert r.returncode == 0, r.stderr
-    assert "[weights]" in r.stdout
+    code = main(["train", "--model", str(model_dir), "--data", str(runs["data"]), "--strategy", "single",
+                 "--max-steps", "1", "--batch-size", "8", "--eval-samples", "8", "--num-beams", "2", "--lr", "1e-9",
+                 "--output-dir", str(tmp_path)])  # one process: the command trains in this one
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    assert "[weights]" in out.out
     trained = read_jsonl(runs["root"] / "whole" / "eval.jsonl")[-1]["eval_loss"]
     again = read_jsonl(tmp_path / "eval.jsonl")[0]["eval_loss"]  # before any step: the loaded weights
     assert again == pytest.approx(trained, rel=1e-5)

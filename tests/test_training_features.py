@@ -104,16 +104,19 @@ def test_strategy_auto_plans_then_trains(model_dirs, pairs_file, tmp_path, capsy
     assert len(read_jsonl(tmp_path / "metrics.jsonl")) == 2
 
 
-def test_micro_batch_auto_steps_down_after_out_of_memory(model_dirs, pairs_file, tmp_path):
-    from test_resume import bigfit
+def test_micro_batch_auto_steps_down_after_out_of_memory(model_dirs, pairs_file, tmp_path, capsys, monkeypatch):
+    from bigfit.cli import main
 
-    r = bigfit("train", "--model", str(model_dirs["gpt2"]), "--data", str(pairs_file), "--strategy", "single",
-               "--batch-size", "16", "--micro-batch-size", "auto", "--max-steps", "2", "--eval-samples", "0",
-               "--output-dir", str(tmp_path), fault="oom-above:4")
-    assert r.returncode == 0, r.stderr
-    assert "micro-batch 16: out of memory in the probe" in r.stdout
-    assert "micro-batch 8: out of memory in the probe" in r.stdout
-    out = " ".join(r.stdout.split())
+    monkeypatch.setenv("BIGFIT_FAULT", "oom-above:4")  # read by the probe processes, which inherit it
+    # the probes are processes of their own; the job itself (one process) trains in this one
+    code = main(["train", "--model", str(model_dirs["gpt2"]), "--data", str(pairs_file), "--strategy", "single",
+                 "--batch-size", "16", "--micro-batch-size", "auto", "--max-steps", "2", "--eval-samples", "0",
+                 "--output-dir", str(tmp_path)])
+    printed = capsys.readouterr()
+    assert code == 0, printed.err
+    assert "micro-batch 16: out of memory in the probe" in printed.out
+    assert "micro-batch 8: out of memory in the probe" in printed.out
+    out = " ".join(printed.out.split())
     assert "micro-batch auto -> 4: predicted 16 to fit" in out
     assert "global 16 = 1 processes x 4 accumulation x micro-batch 4" in out
     assert len(read_jsonl(tmp_path / "metrics.jsonl")) == 2
