@@ -1,7 +1,14 @@
-"""Run a function on N gloo ranks (separate processes) and report every failing rank's traceback."""
+"""Run a function on N gloo ranks (separate processes) and report every failing rank's traceback.
+
+The ranks are kept for the next call, to the end of the session: starting them (Python, then torch and
+transformers imported) takes ~6 s on this machine, which each test file's fixture paid. A call gets new
+ranks when it asks (`fresh`), when the environment is not the one the kept ranks started in, and after
+a failed call (its ranks are killed: a failure can leave a collective half done)."""
 from __future__ import annotations
 
+import atexit
 import multiprocessing as mp
+import multiprocessing.util  # noqa: F401  its exit handler joins children: registered before ours, it runs after
 import os
 import queue as queue_mod
 import socket
@@ -40,7 +47,9 @@ def torch_threads(n: int):
         torch.set_num_threads(before)
 
 
-def _entry(fn, rank: int, world: int, port: int, queue, args) -> None:
+def _serve(rank: int, world: int, port: int, tasks, results) -> None:
+    """One rank: join the group, then run each task inside it until told to stop (None) or the parent
+    is gone. A task that leaves no group behind (it destroyed it) ends this rank after its result."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
@@ -51,40 +60,107 @@ def _entry(fn, rank: int, world: int, port: int, queue, args) -> None:
 
         torch.set_num_threads(threads_per_rank(world))
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
-        result = fn(*args)
-        dist.destroy_process_group()
-        queue.put((rank, None, result))
     except BaseException:
-        queue.put((rank, traceback.format_exc(), None))
-
-
-def run_ranks(fn, world_size: int, *args, timeout_s: float = 240.0) -> list:
-    """fn(*args) on every rank, inside an initialised process group; returns the results in rank
-    order. Raises AssertionError with each failing rank's traceback, or naming ranks that hung."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, queue, args)) for r in range(world_size)]
-    for p in procs:
-        p.start()
-    results, errors, deadline = {}, {}, time.monotonic() + timeout_s
-    # Drain the queue before joining: a child cannot exit while its large result is still unread.
-    while len(results) + len(errors) < world_size and time.monotonic() < deadline:
+        results.put((rank, traceback.format_exc(), None, False))
+        return
+    while True:
         try:
-            rank, tb, result = queue.get(timeout=0.5)
+            task = tasks.get(timeout=1.0)
         except queue_mod.Empty:
-            if all(p.exitcode is not None for p in procs) and queue.empty():
-                break  # someone died without a word
+            if mp.parent_process() is not None and not mp.parent_process().is_alive():
+                return
             continue
-        (errors.__setitem__(rank, tb) if tb else results.__setitem__(rank, result))
-    for rank, p in enumerate(procs):
-        p.join(5 if rank in results or rank in errors else 0)
-        if p.is_alive():
-            p.kill()
-            p.join()
-        if rank not in results and rank not in errors:
-            errors[rank] = (f"still running after {timeout_s}s (hung in a collective?)" if p.exitcode in (None, -9)
-                            else f"died with exit code {p.exitcode} before reporting")
+        if task is None:
+            break
+        fn, args = task
+        try:
+            result, tb = fn(*args), None
+        except BaseException:
+            result, tb = None, traceback.format_exc()
+        results.put((rank, tb, result, dist.is_initialized()))
+        if not dist.is_initialized():
+            return
+    dist.destroy_process_group()
+
+
+class _Ranks:
+    """`world` processes in one process group, each taking tasks from its own queue."""
+
+    def __init__(self, world: int):
+        ctx = mp.get_context("spawn")
+        self.world, self.env, self.intact = world, _environment(), True
+        self.results, self.tasks = ctx.Queue(), [ctx.Queue() for _ in range(world)]
+        port = _free_port()
+        self.procs = [ctx.Process(target=_serve, args=(r, world, port, self.tasks[r], self.results))
+                      for r in range(world)]
+        for p in self.procs:
+            p.start()
+
+    def run(self, fn, args, timeout_s: float) -> tuple[dict, dict]:
+        for q in self.tasks:
+            q.put((fn, args))
+        results, errors, deadline = {}, {}, time.monotonic() + timeout_s
+        # Drain the queue before joining: a child cannot exit while its large result is still unread.
+        while len(results) + len(errors) < self.world and time.monotonic() < deadline:
+            try:
+                rank, tb, result, kept_group = self.results.get(timeout=0.5)
+            except queue_mod.Empty:
+                if all(r in results or r in errors or p.exitcode is not None for r, p in enumerate(self.procs)):
+                    break  # someone died without a word
+                continue
+            (errors.__setitem__(rank, tb) if tb else results.__setitem__(rank, result))
+            self.intact &= kept_group
+        for rank, p in enumerate(self.procs):
+            if rank not in results and rank not in errors:
+                errors[rank] = (f"still running after {timeout_s}s (hung in a collective?)" if p.exitcode is None
+                                else f"died with exit code {p.exitcode} before reporting")
+        return results, errors
+
+    @property
+    def reusable(self) -> bool:
+        return self.intact and all(p.is_alive() for p in self.procs) and self.env == _environment()
+
+    def close(self, graceful: bool = True) -> None:
+        if graceful:
+            for q in self.tasks:
+                q.put(None)
+        for p in self.procs:
+            p.join(5 if graceful else 0)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+def _environment() -> dict:
+    return {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
+
+
+_kept: dict[int, _Ranks] = {}
+
+
+@atexit.register
+def _close_kept() -> None:
+    while _kept:
+        _kept.popitem()[1].close()
+
+
+def run_ranks(fn, world_size: int, *args, timeout_s: float = 240.0, fresh: bool = False) -> list:
+    """fn(*args) on every rank, inside an initialised process group; returns the results in rank
+    order. Raises AssertionError with each failing rank's traceback, or naming ranks that hung.
+    `fresh`: on new processes, started for this call and ended after it (a measurement of a whole
+    process, such as its peak RSS); otherwise on the kept ranks, the same processes and group as
+    the previous call's."""
+    ranks = None if fresh else _kept.pop(world_size, None)
+    if ranks is not None and not ranks.reusable:
+        ranks.close()
+        ranks = None
+    ranks = ranks or _Ranks(world_size)
+    results, errors = ranks.run(fn, args, timeout_s)
     if errors:
+        ranks.close(graceful=False)
         raise AssertionError("\n".join(f"--- rank {r} ---\n{e}" for r, e in sorted(errors.items())))
+    if fresh:
+        ranks.close()
+    else:
+        _kept[world_size] = ranks
     return [results[r] for r in range(world_size)]

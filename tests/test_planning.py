@@ -174,7 +174,9 @@ CASES = [("llama", 8, 512), ("gpt2", 4, 256)]
 def peaks(monkeypatch_module):
     # a fixed mmap threshold: glibc then returns every large freed block at once, so RSS follows live tensors
     monkeypatch_module.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
-    rows = run_ranks(measure_peaks, 2, ("ddp", "zero3"), CASES, timeout_s=480)  # 1 min alone; slower beside other jobs
+    # new processes (fresh): each measures its own peak RSS, and starts with the malloc setting above.
+    # 1 min alone; slower beside other jobs
+    rows = run_ranks(measure_peaks, 2, ("ddp", "zero3"), CASES, timeout_s=480, fresh=True)
     import subprocess
     import sys
 
