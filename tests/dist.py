@@ -96,10 +96,12 @@ class _Ranks:
         for p in self.procs:
             p.start()
 
-    def run(self, fn, args, timeout_s: float) -> tuple[dict, dict]:
+    def submit(self, fn, args) -> None:
         for q in self.tasks:
             q.put((fn, args))
-        results, errors, deadline = {}, {}, time.monotonic() + timeout_s
+
+    def collect(self, deadline: float, timeout_s: float) -> tuple[dict, dict]:
+        results, errors = {}, {}
         # Drain the queue before joining: a child cannot exit while its large result is still unread.
         while len(results) + len(errors) < self.world and time.monotonic() < deadline:
             try:
@@ -144,18 +146,25 @@ def _close_kept() -> None:
         _kept.popitem()[1].close()
 
 
-def run_ranks(fn, world_size: int, *args, timeout_s: float = 240.0, fresh: bool = False) -> list:
+def run_ranks(fn, world_size: int, *args, timeout_s: float = 240.0, fresh: bool = False, meanwhile=None) -> list:
     """fn(*args) on every rank, inside an initialised process group; returns the results in rank
     order. Raises AssertionError with each failing rank's traceback, or naming ranks that hung.
     `fresh`: on new processes, started for this call and ended after it (a measurement of a whole
     process, such as its peak RSS); otherwise on the kept ranks, the same processes and group as
-    the previous call's."""
+    the previous call's. `meanwhile()`: run in this process while the ranks work (they leave a core
+    idle part of the time, waiting for each other)."""
     ranks = None if fresh else _kept.pop(world_size, None)
     if ranks is not None and not ranks.reusable:
         ranks.close()
         ranks = None
     ranks = ranks or _Ranks(world_size)
-    results, errors = ranks.run(fn, args, timeout_s)
+    ranks.submit(fn, args)
+    deadline = time.monotonic() + timeout_s
+    try:
+        if meanwhile is not None:
+            meanwhile()
+    finally:
+        results, errors = ranks.collect(deadline, timeout_s)
     if errors:
         ranks.close(graceful=False)
         raise AssertionError("\n".join(f"--- rank {r} ---\n{e}" for r, e in sorted(errors.items())))

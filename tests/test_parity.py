@@ -69,14 +69,19 @@ def run_distributed(model_dirs, data, root) -> None:
     run_all(model_dirs, data, root, VARIANTS, ("fp32",))
 
 
+def run_references(model_dirs, data, root) -> None:
+    with torch_threads(threads_per_rank(2)):  # the references compute as each rank does
+        run_all(model_dirs, data, root, ("single+noclip",), ("fp32",))
+        run_all(model_dirs, data, root, ("single",), PRECISIONS)
+        run_all(model_dirs, data, root, ("zero3", "zero2-offload"), ("bf16", "fp16"), suffix="-1proc")
+
+
 @pytest.fixture(scope="module")
 def runs(model_dirs, pairs_file, tmp_path_factory):
     root = tmp_path_factory.mktemp("parity")
-    run_ranks(run_distributed, 2, model_dirs, pairs_file, root)  # one launch for all cases
-    with torch_threads(threads_per_rank(2)):  # the references compute as each rank did
-        run_all(model_dirs, pairs_file, root, ("single+noclip",), ("fp32",))
-        run_all(model_dirs, pairs_file, root, ("single",), PRECISIONS)
-        run_all(model_dirs, pairs_file, root, ("zero3", "zero2-offload"), ("bf16", "fp16"), suffix="-1proc")
+    # one launch for all cases; the single-process references run here meanwhile
+    run_ranks(run_distributed, 2, model_dirs, pairs_file, root,
+              meanwhile=lambda: run_references(model_dirs, pairs_file, root))
     return root
 
 

@@ -88,17 +88,20 @@ def train_all(jobs) -> None:
 
 @pytest.fixture(scope="module")
 def runs(pairs_file, tmp_path_factory):
-    from bigfit.train.loop import train
-
     root = tmp_path_factory.mktemp("pipeline")
     dirs = {}
     for family, config in configs().items():
         config.save_pretrained(root / family)
         dirs[family] = root / family
-    run_ranks(train_all, 2, pipeline_jobs(dirs, pairs_file, root))
-    with torch_threads(threads_per_rank(2)):  # the references compute as each rank did
-        for family, precision in sorted({(f, p) for f, p, _, _ in CASES}):
-            train(job(dirs[family], pairs_file, root / f"{family}-{precision}-single", "single", precision))
+    references = [job(dirs[family], pairs_file, root / f"{family}-{precision}-single", "single", precision)
+                  for family, precision in sorted({(f, p) for f, p, _, _ in CASES})]
+
+    def run_references():
+        with torch_threads(threads_per_rank(2)):  # the references compute as each rank does
+            train_all(references)
+
+    # all pipeline jobs in one launch; the single-process references run here meanwhile
+    run_ranks(train_all, 2, pipeline_jobs(dirs, pairs_file, root), meanwhile=run_references)
     return root
 
 
