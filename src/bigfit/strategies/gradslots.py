@@ -1,12 +1,12 @@
 """Where zero2-offload's gradients wait for the host step when host RAM is what runs out
-(`offload_grads: device`): on the device, each bucket's reduced rows as backward left them (bf16 where
-cpu_adam.py's kernel reads them, else fp32),
-copied down through a few pinned slots just ahead of the host optimizer's step of that bucket.
+(`offload_grads: device`): on the device, each bucket's reduced rows as backward left them (bf16
+where cpu_adam.py's kernel reads them, else fp32), copied down through a few pinned slots just
+ahead of the host optimizer's step of that bucket.
 
-The default (`host`) copies every bucket down during backward into pinned buffers of its own: 4 bytes
-per parameter of host RAM on top of the optimizer's 12, in exchange for the copies overlapping
-backward. Here the host holds `count` slots of the largest bucket instead, and the device holds the
-gradients (4 bytes per parameter) until their copies land. The copies still overlap the host step:
+The default (`host`) copies every bucket down during backward into pinned buffers of its own: 2
+bytes per parameter of host RAM (4 in fp32) on top of the optimizer's 12, in exchange for the copies
+overlapping backward. Here the host holds `count` slots of the largest bucket instead, and the
+device holds the gradients (2 or 4 bytes per parameter) until their copies land. The copies still overlap the host step:
 PCIe moves a bucket's gradients about 4x faster than the host optimizer consumes them (RESULTS.md),
 so only the first bucket's copy is waited for."""
 from __future__ import annotations
