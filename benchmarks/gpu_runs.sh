@@ -228,6 +228,7 @@ next-h200)  # for the next single-GPU call: issue 5's missing pieces. DeepSpeed 
   # largest model (24 layers first, where ZeRO-2 offload was killed), and the NVMe tier's steady
   # step: 1.5B with every state in files (18 GB), 4 steps after 2, against the planner
   mkdir -p $r/n5
+  python3 benchmarks/pinned_rounding.py | tee $r/n5/pinned.json  # the host RAM the plan misses (docs/planning.md)
   python3 -c "import torch; from deepspeed.ops.adam import DeepSpeedCPUAdam; DeepSpeedCPUAdam([torch.nn.Parameter(torch.zeros(8))])" 2>&1 | tail -1
   python3 benchmarks/largest_model.py --out $r/n5/largest.jsonl --methods ds-z3-offload --layers 24 --timeout 200 | tail -1
   rm -rf /tmp/bigfit-nvme; BIGFIT_NVME_HOST_GB=0 python3 benchmarks/strategies.py --size 1b --mbs 4 --seq 2048 \
