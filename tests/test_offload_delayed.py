@@ -5,20 +5,7 @@ import pytest
 import torch
 
 from dist import run_ranks
-
-
-class _Stack(torch.nn.Module):
-    """Five buckets (four blocks and the head), rows that split unevenly over two ranks (5 and 3)."""
-
-    def __init__(self):
-        super().__init__()
-        self.layers = torch.nn.ModuleList(torch.nn.Linear(5, 5) for _ in range(4))
-        self.head = torch.nn.Linear(5, 3)
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = torch.tanh(layer(x))
-        return self.head(x)
+from tiny import Stack
 
 
 def _train_delayed(x: torch.Tensor, grads: str = "host", compute: torch.dtype | None = None, steps: int = 4) -> dict:
@@ -29,7 +16,7 @@ def _train_delayed(x: torch.Tensor, grads: str = "host", compute: torch.dtype | 
 
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     torch.manual_seed(0)
-    model = _Stack()
+    model = Stack(width=5)
     applied = apply_offload(model, "zero2-offload", Runtime(rank, world, rank, torch.device("cpu")), compute,
                             delayed=True, nvme_dir=None, grads_on_device=grads == "device")
     opt = applied.make_optimizer(torch.optim.AdamW, lr=0.01, fused=True)

@@ -9,6 +9,7 @@ import torch
 from bigfit.cli import config_from_args, parse_args
 from bigfit.errors import BigfitError
 from conftest import read_jsonl
+from tiny import Stack
 
 
 def small(model_dir, data, out, **kw):
@@ -130,20 +131,6 @@ def test_keep_checkpoints_rotates_the_oldest(model_dirs, pairs_file, tmp_path):
     assert names == ["step-00000004", "step-00000006"]
 
 
-class _Stack(torch.nn.Module):
-    """Five offload buckets (four blocks and the head): more than the engine's three gradient slots."""
-
-    def __init__(self):
-        super().__init__()
-        self.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(4))
-        self.head = torch.nn.Linear(4, 3)
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = torch.tanh(layer(x))
-        return self.head(x)
-
-
 @pytest.mark.parametrize("step", ["kernel", "torch"])
 @pytest.mark.parametrize("grads", ["host", "device"])
 @pytest.mark.parametrize("mode", ["after-backward", "delayed", "eager"])
@@ -165,7 +152,7 @@ def test_host_optimizer_is_adamw_and_the_delayed_one_lags_exactly_one_step(mode,
         pytest.skip("no C compiler here to build bigfit's CPU Adam kernel")
     tol = {"atol": 1e-6, "rtol": 1e-6} if step == "kernel" else {"atol": 0.0, "rtol": 0.0}
     torch.manual_seed(0)
-    model = _Stack()
+    model = Stack()
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
     x, used, grads = torch.randn(8, 4), [], []
     for n, p in model.named_parameters():  # registered first: runs before the engine takes the gradient
@@ -184,7 +171,7 @@ def test_host_optimizer_is_adamw_and_the_delayed_one_lags_exactly_one_step(mode,
         model(x).pow(2).sum().backward()
         opt.clip_and_step(0.0)
     opt.flush()
-    ref = _Stack()
+    ref = Stack()
     ref.load_state_dict(start)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.1, fused=True)
     iterates = [start]

@@ -5,6 +5,7 @@ import copy
 import json
 from pathlib import Path
 
+import torch
 from transformers import GPT2Config, LlamaConfig, T5Config
 
 from bigfit.data import digits_task
@@ -49,3 +50,18 @@ def write_model_dirs(root: Path) -> dict[str, Path]:
 def write_pairs(path: Path, n: int, seed: int = 7) -> Path:
     path.write_text("".join(json.dumps(e) + "\n" for e in digits_task(n, seed)))
     return path
+
+
+class Stack(torch.nn.Module):
+    """Five offload buckets (four tanh blocks and a 3-wide head): more than the offload engine's
+    three gradient slots. `width` 5 splits rows unevenly over two ranks (3 and 2)."""
+
+    def __init__(self, width: int = 4):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(4))
+        self.head = torch.nn.Linear(width, 3)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return self.head(x)
