@@ -11,6 +11,8 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from .pinned import host_zeros
+
 
 class Transfers:
     def __init__(self, rt):
@@ -25,7 +27,7 @@ class Transfers:
 
     # -- memory -----------------------------------------------------------------------------------
     def host_zeros(self, n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return torch.zeros(n, dtype=dtype, pin_memory=self.cuda)
+        return host_zeros(n, dtype, pin=self.cuda)  # exactly sized (pinned.py)
 
     def device_zeros(self, *shape: int) -> torch.Tensor:
         return torch.zeros(shape, dtype=torch.float32, device=self.device)
