@@ -1,13 +1,17 @@
 """Device-map model parallelism on one GPU plus the host: a T5 split over cuda:0 and cpu, against the
 same model unsplit on cuda:0, for a training step and for beam-search generation.
 
-Layouts: unsplit (all on cuda:0); flat (encoder on cuda:0, decoder on cpu); split (each stack's first
-half on cuda:0, second half on cpu); flat and split again with --chunks micro-batches (GPipe in one
-process: the GPU works on one micro-batch while the CPU works on another). Random init from config,
-random tokens, fp32 master weights with autocast in --precision on both devices, fused AdamW.
+Layouts (--layouts): unsplit (all on cuda:0); flat (encoder on cuda:0, decoder on cpu); split (each
+stack's first half on cuda:0, second half on cpu); tail (all on cuda:0 but the last --tail decoder
+blocks: a model just too big for its GPU); each split layout again with every --chunks count
+(GPipe in one process: the GPU works on one micro-batch while the CPU works on another), and with
+--sequential once more with a tick's host segments run after its GPU segments instead of beside
+them (device_map/schedule.py). Random init from config, random tokens, fp32 master weights with
+autocast in --precision on both devices, fused AdamW.
 
   python benchmarks/device_map.py --out device_map.jsonl             # t5-large's shape, on the GPU machine
   python benchmarks/device_map.py --other cuda:1 --out device_map.jsonl   # two GPUs instead of GPU + host
+  python benchmarks/device_map.py --layouts unsplit,tail --chunks 2,4 --sequential --batch 64 --beams 0
   python benchmarks/device_map.py --tiny --out /tmp/dm.jsonl          # a smoke test on a CPU
 Each row: step time, generate time, cross-device copies per step and per generate, peak GPU memory,
 and the loss against the unsplit model's (the same weights and batch); with CUDA, `host_syncs`: the
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import platform
 import time
@@ -35,13 +40,24 @@ SHAPES = {"tiny": dict(d_model=32, d_ff=64, d_kv=8, num_heads=4, num_layers=2, n
                      vocab_size=32128)}  # t5-3b's public config
 
 
-def layouts(cfg, gpu: str, other: str, chunks: int) -> list[tuple[str, dict | None, int]]:
+def layouts(cfg, gpu: str, other: str, names: list[str], chunks: list[int], tail: int,
+            sequential: bool) -> list[tuple[str, dict | None, int, bool]]:
+    """(name, map, chunks, host beside) rows: each layout unchunked, then with each chunk count
+    (and with the host segments after the GPU segments instead of beside them, if `sequential`)."""
     enc, dec = cfg.num_layers, cfg.num_decoder_layers
-    flat = {"encoder": {gpu: list(range(enc))}, "decoder": {other: list(range(dec))}, "main_device": gpu}
-    split = {"encoder": {gpu: list(range(enc // 2)), other: list(range(enc // 2, enc))},
-             "decoder": {gpu: list(range(dec // 2)), other: list(range(dec // 2, dec))}, "main_device": gpu}
-    return [("unsplit", None, 1), ("flat", flat, 1), ("split", split, 1), (f"flat chunks={chunks}", flat, chunks),
-            (f"split chunks={chunks}", split, chunks)]
+    maps = {"unsplit": None,
+            "flat": {"encoder": {gpu: list(range(enc))}, "decoder": {other: list(range(dec))}},
+            "split": {"encoder": {gpu: list(range(enc // 2)), other: list(range(enc // 2, enc))},
+                      "decoder": {gpu: list(range(dec // 2)), other: list(range(dec // 2, dec))}},
+            "tail": {"encoder": {gpu: list(range(enc))},  # the last blocks overflow: a model just too big
+                     "decoder": {gpu: list(range(dec - tail)), other: list(range(dec - tail, dec))}}}
+    rows = [(name, maps[name] and {**maps[name], "main_device": gpu}, 1, True) for name in names]
+    for name, spec, _, _ in rows[:]:
+        for c in chunks if spec else ():
+            rows.append((f"{name} chunks={c}", spec, c, True))
+            if sequential:
+                rows.append((f"{name} chunks={c} host after", spec, c, False))
+    return rows
 
 
 def _sync() -> None:
@@ -73,7 +89,7 @@ def run(name: str, base, spec, chunks: int, batch: dict, gen_batch: dict, args, 
         torch.cuda.reset_peak_memory_stats()
     # generate first, from the weights every layout shares, so that "same tokens" compares like with like
     gen_in = {k: v.to(torch.device(gpu)) for k, v in gen_batch.items()}
-    gen_time, gen_copies, tokens = _generate(model, gen_in, args, dtype)
+    gen_time, gen_copies, tokens = _generate(model, gen_in, args, dtype) if args.beams else (0.0, 0, [])
     on_main = {k: v.to(torch.device(gpu)) for k, v in batch.items()}
     times, losses = [], []
     for i in range(args.warmup + args.steps):
@@ -92,6 +108,10 @@ def run(name: str, base, spec, chunks: int, batch: dict, gen_batch: dict, args, 
     if args.trace:
         _trace(lambda: train_step(model, on_main, chunks=chunks), dtype, f"{args.trace}/{name.replace(' ', '_')}.json")
     opt.zero_grad(set_to_none=True)
+    del model, opt  # this layout's GPU memory back before the next one's
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     return {"layout": name, "chunks": chunks, "step_s": sum(times) / len(times), "first_loss": losses[0],
             "copies_per_step": copies.forward + copies.backward, "copied_mb_per_step": copies.bytes / 1e6,
             "generate_s": gen_time, "copies_per_generate": gen_copies, "tokens": tokens, "peak_gpu_gb": peak / 1e9,
@@ -154,11 +174,15 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--src-len", type=int, default=256)
     p.add_argument("--tgt-len", type=int, default=64)
-    p.add_argument("--chunks", type=int, default=4)
+    p.add_argument("--chunks", default="4", help="chunk counts, comma-separated")
+    p.add_argument("--layouts", default="unsplit,flat,split", help="of unsplit, flat, split, tail")
+    p.add_argument("--tail", type=int, default=1, help="tail: the last TAIL decoder blocks on the second device")
+    p.add_argument("--sequential", action="store_true",
+                   help="chunked rows again with the host segments after the GPU segments (not beside them)")
     p.add_argument("--precision", choices=("fp32", "bf16"), default="bf16")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--beams", type=int, default=4)
+    p.add_argument("--beams", type=int, default=4, help="0: no generation")
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--gen-batch", type=int, default=4)
     p.add_argument("--other", default="cpu", help="the second device (cpu; or cuda:1 on a two-GPU machine)")
@@ -191,14 +215,19 @@ def main() -> None:
     rows = []
     print(f"T5 {args.size} ({meta['params_m']:.0f}M parameters) on {gpu} + {args.other}, batch {args.batch} x "
           f"{args.src_len}/{args.tgt_len}, {args.precision}; generate {args.gen_batch} x beams {args.beams} x {args.new_tokens} tokens")
-    print(f"{'layout':<18}{'step s':>9}{'x unsplit':>10}{'copies':>8}{'MB':>9}{'gen s':>8}{'x unsplit':>10}"
+    print(f"{'layout':<28}{'step s':>9}{'x unsplit':>10}{'copies':>8}{'MB':>9}{'gen s':>8}{'x unsplit':>10}"
           f"{'gen copies':>11}{'GPU GB':>8}{'loss delta':>12}{'syncs':>7}  same tokens")
-    for name, spec, chunks in layouts(cfg, gpu, args.other, args.chunks):
-        r = {**meta, **run(name, base, spec, chunks, batch, gen, args, dtype, gpu)}
+    from bigfit.device_map import schedule
+
+    rows_to_run = layouts(cfg, gpu, args.other, args.layouts.split(","), [int(c) for c in args.chunks.split(",")],
+                          args.tail, args.sequential)
+    for name, spec, chunks, beside in rows_to_run:
+        schedule.HOST_BESIDE = beside
+        r = {**meta, "host_beside": beside, **run(name, base, spec, chunks, batch, gen, args, dtype, gpu)}
         rows.append(r)
         ref = rows[0]
-        print(f"{name:<18}{r['step_s']:>9.3f}{r['step_s'] / ref['step_s']:>10.2f}{r['copies_per_step']:>8}"
-              f"{r['copied_mb_per_step']:>9.1f}{r['generate_s']:>8.2f}{r['generate_s'] / ref['generate_s']:>10.2f}"
+        print(f"{name:<28}{r['step_s']:>9.3f}{r['step_s'] / ref['step_s']:>10.2f}{r['copies_per_step']:>8}"
+              f"{r['copied_mb_per_step']:>9.1f}{r['generate_s']:>8.2f}{r['generate_s'] / max(ref['generate_s'], 1e-9):>10.2f}"
               f"{r['copies_per_generate']:>11}{r['peak_gpu_gb']:>8.2f}{r['first_loss'] - ref['first_loss']:>12.2e}"
               f"{'-' if r['host_syncs'] is None else r['host_syncs']:>7}"
               f"  {r['tokens'] == ref['tokens']}", flush=True)

@@ -19,6 +19,12 @@
 #   bash benchmarks/gpu_runs.sh kernel4        issue 5: the kernel with dynamic chunks (carry .whl)
 #   bash benchmarks/gpu_runs.sh next-x2 / next-h200   prepared for the next session (not yet run)
 #   bash benchmarks/gpu_runs.sh scale8b        issue 7's 8B on 2 GPUs, bigfit and peers (x2; carry .whl)
+#   bash benchmarks/gpu_runs.sh s6-offload     sixth session, single GPU: exactly-sized pinned buffers,
+#     the engine at 3.6B with them beside DeepSpeed (carry .whl)
+#   bash benchmarks/gpu_runs.sh s6-z3          sixth session, single GPU: DeepSpeed ZeRO-3 offload's largest model
+#   bash benchmarks/gpu_runs.sh s6-dm          sixth session, single GPU: device-map chunks with the host
+#     segments beside the GPU's, T5-large over cuda:0 + cpu
+#   (s6-*: files straight into $OUT, so a call cut short keeps what it measured)
 #   (peers12 and final: the third session's 2-GPU calls, kept as they ran; RESULTS.md)
 # 16 cores is the core count of the single-GPU machine that issue 5's figures come from. Jobs that
 # share the host's memory bandwidth can slow each other's CPU optimizer: the offload jobs go on
@@ -233,6 +239,32 @@ next-h200)  # for the next single-GPU call: issue 5's missing pieces. DeepSpeed 
   python3 benchmarks/largest_model.py --out $r/n5/largest.jsonl --methods ds-z3-offload --layers 24 --timeout 200 | tail -1
   rm -rf /tmp/bigfit-nvme; BIGFIT_NVME_HOST_GB=0 python3 benchmarks/strategies.py --size 1b --mbs 4 --seq 2048 \
     --steps 4 --warmup 2 --timeout 240 --strategies zero2-offload-nvme+devgrads --out $r/n5/nvme.jsonl | cut -c1-300
+  ;;
+s6-offload)  # issue 5: pinned.py's buffers checked, then the engine at 3.6B with them and with torch's
+  # pinned allocator (BIGFIT_PINNED=torch: host RSS and step side by side), DeepSpeed ZeRO-2 offload beside
+  timeout 60 python3 benchmarks/pinned_rounding.py 2>&1 | tee "$out/pinned.json"
+  common="--size 3b --mbs 4 --seq 2048 --steps 6 --warmup 2"
+  python3 benchmarks/strategies.py $common --timeout 100 --out "$out/offload.jsonl" --strategies zero2-offload+delayed | cut -c1-300
+  BIGFIT_PINNED=torch python3 benchmarks/strategies.py $common --timeout 100 --out "$out/offload-torchpinned.jsonl" \
+    --strategies zero2-offload+delayed | cut -c1-300
+  timeout 120 python3 -c "import torch; from deepspeed.ops.adam import DeepSpeedCPUAdam; DeepSpeedCPUAdam([torch.nn.Parameter(torch.zeros(8))])" 2>&1 | tail -1
+  python3 .whl/peers.py all $common --timeout 110 --methods ds-z2-offload | tee -a "$out/peers.txt"
+  ;;
+s6-z3)  # issue 5: DeepSpeed ZeRO-3 offload's largest model (bf16 parameters, fp32 gradients and states in
+  # host RAM) from 24 layers (6.28B: ZeRO-2 offload was killed there) up, until one does not fit; the
+  # host's used/available GiB every 5 s (a process the OOM killer takes prints nothing)
+  (while sleep 5; do echo "$(date +%T) $(free -g | awk '/Mem:/{print $3, $7}')"; done) > "$out/free.log" & logger=$!
+  timeout 120 python3 -c "import torch; from deepspeed.ops.adam import DeepSpeedCPUAdam; DeepSpeedCPUAdam([torch.nn.Parameter(torch.zeros(8))])" 2>&1 | tail -1
+  python3 benchmarks/largest_model.py --out "$out/largest.jsonl" --methods ds-z3-offload --layers 24,28,32 --timeout 170 | tail -4
+  kill $logger
+  ;;
+s6-dm)  # issue 6: chunks over cuda:0 + cpu with a tick's host segments beside its GPU segments, against
+  # them after (the old order) and against no chunks; the tests on real streams first
+  timeout 90 python3 -m pytest tests/test_device_map.py -q -x 2>&1 | tail -3 | tee "$out/dm-tests.txt"
+  dm="python3 benchmarks/device_map.py --beams 0 --steps 3 --warmup 1 --sequential --out $out/device_map.jsonl"
+  timeout 120 $dm --layouts unsplit,tail --chunks 2,4 --batch 64
+  timeout 130 $dm --layouts unsplit,tail --chunks 2,4 --batch 128
+  timeout 90 $dm --layouts unsplit,flat --chunks 4 --batch 8
   ;;
 scale8b)  # fifth session, 2 GPUs: issue 7's 8B (peers.py's shape) on 2 GPUs, bigfit and peers; at 1 GPU
   # none of these fits (16 bytes a parameter is 128 GB before activations: the planner's no-fit)

@@ -242,9 +242,46 @@ def test_backward_takes_micro_batches_one_at_a_time_last_first():
     torch.testing.assert_close(grads(model), grads(ref), **TOL["cpu"])
 
 
-def test_chunk_errors_propagate_and_leave_nothing_running():
+@pytest.fixture
+def cpu1_as_gpu(monkeypatch):
+    """`cpu:1` scheduled as if it were a GPU, so that the `cpu` and `cpu:2` segments of a tick run on
+    the second thread, beside it, at the same time (schedule.py). Yields the names of the threads
+    that ran segments."""
+    from bigfit.device_map import schedule
+
+    ran_on, run = [], schedule._run
+
+    def recorded(workers):
+        ran_on.append(threading.current_thread().name)
+        run(workers)
+
+    monkeypatch.setattr(schedule, "is_cuda", lambda place: place == "cpu:1")
+    monkeypatch.setattr(schedule, "_run", recorded)
+    yield ran_on
+
+
+@pytest.mark.parametrize("layout", ["t5-split", "gpt2", "llama"])
+def test_host_segments_beside_the_gpus_change_nothing(cpu1_as_gpu, layout):
+    family, make = LAYOUTS[layout]
+    ref, model = twin_models(family)
+    parallelize(model, make(*PLACES[0]))
+    b = batch(family)
+    expected = ref(**b)
+    expected.loss.backward()
+    for chunks in (2, 3):
+        model.zero_grad(set_to_none=True)
+        loss = train_step(model, b, chunks=chunks)
+        torch.testing.assert_close(loss, expected.loss.detach(), **TOL["cpu"])
+        torch.testing.assert_close(grads(model), grads(ref), **TOL["cpu"])
+    assert "bigfit-chunk-host" in cpu1_as_gpu and threading.current_thread().name in cpu1_as_gpu
+
+
+@pytest.mark.parametrize("beside", [False, True])
+def test_chunk_errors_propagate_and_leave_nothing_running(request, beside):
     from bigfit.device_map import pipeline
 
+    if beside:  # the failing micro-batch's host segment runs on the second thread
+        request.getfixturevalue("cpu1_as_gpu")
     _, model = twin_models("gpt2")
     parallelize(model, {"cpu": [0], "cpu:1": [1]})
 

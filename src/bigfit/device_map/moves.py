@@ -32,7 +32,7 @@ from .streams import Landing
 TAG = "_bigfit_place"
 _memo = WeakIdKeyDictionary()  # source tensor -> {place: (version, copy, event)}
 _local = threading.local()  # pending GPU -> CPU copy events of this thread
-_lock = threading.Lock()  # autograd runs CUDA backward nodes on its own threads
+_lock = threading.Lock()  # autograd runs CUDA backward nodes on threads of their own; host segments run beside
 _counters: list["CopyCount"] = []
 
 
@@ -155,7 +155,8 @@ def move(t: torch.Tensor, dst: str, cpu_default: str) -> torch.Tensor:
     # a parameter's copy would keep it alive in the memo; an inference tensor has no version to check
     no_memo = (t.is_leaf and t.requires_grad) or t.is_inference()
     if not no_memo:
-        hit = _memo.get(t, {}).get(dst)
+        with _lock:  # a chunked run's host segments move tensors beside the GPU segments (schedule.py)
+            hit = _memo.get(t, {}).get(dst)
         if hit is not None and hit[0] == t._version:
             if hit[2] is not None:
                 pending().append(hit[2])  # copied by a micro-batch that has not settled yet
@@ -164,7 +165,8 @@ def move(t: torch.Tensor, dst: str, cpu_default: str) -> torch.Tensor:
     out = _copy(t, src, dst)
     if not no_memo:
         event = pending()[-1] if len(pending()) > before else None
-        _memo.setdefault(t, {})[dst] = (t._version, out, event)
+        with _lock:
+            _memo.setdefault(t, {})[dst] = (t._version, out, event)
     return out
 
 

@@ -4,17 +4,22 @@ thread, and switches between them where a micro-batch changes device (the hooks 
 Why threads: a Hugging Face forward is one Python call from the embeddings to the loss. For stage s
 to work on micro-batch t - s at tick t, micro-batch t's call must stop where it leaves a device
 while another's goes on, so each call needs a stack of its own; a thread also keeps each call's
-thread-local state (grad mode, autocast, checkpointing's saved-tensor hooks) to itself. Only one
-runs at a time: their Python would take turns on the GIL anyway, and a fixed issue order is what
-keeps every device's stream in GPipe order. Kernel launches being asynchronous is not enough without
-the switching: issued one micro-batch after another, the main GPU's stream would hold micro-batch
-m's head (which waits for the last stage's work on m) ahead of m + 1's first stage.
+thread-local state (grad mode, autocast, checkpointing's saved-tensor hooks) to itself. Kernel
+launches being asynchronous is not enough without the switching: issued one micro-batch after
+another, the main GPU's stream would hold micro-batch m's head (which waits for the last stage's
+work on m) ahead of m + 1's first stage.
 
-The clock: micro-batch m runs its j-th device segment at tick m + j. Within a tick, segments on GPUs
-go first, earliest stage first. They only queue kernels on their device's stream (copies wait on
-events, streams.py), so the host reaches the CPU segments at once: the CPU computes micro-batch
-i - 1 while the GPU runs what was just queued for micro-batch i, waiting only for the host copy of
-its own input. On the CPU alone the same schedule runs the segments one after another.
+The clock: micro-batch m runs its j-th device segment at tick m + j. A tick's GPU segments run one
+at a time, earliest stage first, from the scheduler's thread: their Python would take turns on the
+GIL anyway, and a fixed issue order keeps every GPU's stream in GPipe order. They only queue
+kernels (copies wait on events, streams.py), but issuing them is host work too, and where a
+segment is bound by its launches (small micro-batches), its GPU finishes about when the host stops
+issuing. So a tick's host segments run beside the GPU segments, on a thread of their own
+(threads.Beside): a host segment spends its time in torch's CPU kernels, which release the GIL,
+and the CPU computes micro-batch i - 1 while the scheduler's thread issues micro-batch i's kernels,
+waiting only for the host copy of its own input. Each device is still driven by one thread at a
+time, so no module runs on two threads at once. Without GPU segments in the tick (on the CPU
+alone, or the tests' virtual `cpu:N` devices) the segments run one after another.
 
 Backward is one autograd call over the sum of the losses (pipeline.py says why). Autograd orders
 ready nodes by a sequence number that is counted per thread, so nodes of micro-batches built on
@@ -29,14 +34,14 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import os
-import queue
+import functools
 import threading
 
 import torch
 
 from ..errors import BigfitError
 from .maps import is_cuda
+from .threads import Pool
 
 _current = threading.local()
 
@@ -160,23 +165,9 @@ def _tensors(tree):
             yield from _tensors(x)
 
 
-class _PoolThread:
-    """A thread kept for the next step: CPU work in a fresh thread each step paid for cold per-thread
-    state (allocator arena, OpenMP team) every time."""
-
-    def __init__(self, index: int):
-        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._loop, daemon=True, name=f"bigfit-chunk-{index}").start()
-
-    def _loop(self) -> None:
-        while True:
-            worker = self.jobs.get()
-            worker.context.run(worker.main)
-
-
-_pool: list[_PoolThread] = []
-_pool_pid = [os.getpid()]  # a forked child has none of its parent's threads: it starts a pool of its own
+_pool = Pool()
 _running = threading.Lock()  # one chunked run at a time: the pool threads serve one schedule
+HOST_BESIDE = True  # False: a tick's host segments run after its GPU segments (benchmarks compare)
 
 
 def run_chunks(fn, inputs: list, main: str, trace: list | None = None, *, ordered_backward: bool = False) -> list:
@@ -190,13 +181,9 @@ def run_chunks(fn, inputs: list, main: str, trace: list | None = None, *, ordere
     enter = _caller_state()
     tokens = {} if ordered_backward else None
     with _running:
-        if _pool_pid[0] != os.getpid():
-            _pool.clear()
-            _pool_pid[0] = os.getpid()
-        _pool.extend(_PoolThread(i) for i in range(len(_pool), len(inputs)))
         workers = [_Worker(i, fn, x, main, enter, tokens) for i, x in enumerate(inputs)]
-        for w, t in zip(workers, _pool):
-            t.jobs.put(w)
+        for w, t in zip(workers, _pool.workers(len(inputs))):
+            t.jobs.put(functools.partial(w.context.run, w.main))
         try:
             _schedule(workers, trace)
         finally:
@@ -213,16 +200,32 @@ def idle() -> bool:
 
 
 def _schedule(workers: list[_Worker], trace: list | None) -> None:
-    """Micro-batch m runs its j-th segment at clock m + j. Within a clock, GPU segments first (they
-    only queue work), and among them the earliest stage (the latest micro-batch) first: its output
-    is what the next stage needs at the next clock, so its copy is queued behind the least work."""
+    """Micro-batch m runs its j-th segment at clock m + j. Within a clock, GPU segments in order, the
+    earliest stage (the latest micro-batch) first: its output is what the next stage needs at the
+    next clock, so its copy is queued behind the least work. Host segments run beside them, on a
+    thread of their own (module docstring); without GPU segments in the clock, in the same order."""
     clock = 0
     while not all(w.done for w in workers):
-        due = [w for w in workers[:clock + 1] if not w.done]
-        for w in sorted(due, key=lambda w: (not is_cuda(w.place), -w.index)):
-            if trace is not None:
-                trace.append((clock, w.index, w.place))
-            w.resume()
-            if w.error is not None:
-                raise w.error
+        due = sorted((w for w in workers[:clock + 1] if not w.done), key=lambda w: (not is_cuda(w.place), -w.index))
+        if trace is not None:
+            trace.extend((clock, w.index, w.place) for w in due)
+        gpus = [w for w in due if is_cuda(w.place)]
+        hosts = due[len(gpus):]
+        if gpus and hosts and HOST_BESIDE:
+            beside = _pool.beside()
+            beside.start(_run, hosts)
+            try:
+                _run(gpus)
+            finally:
+                beside.wait()  # no worker is resumed from two threads, also when unwinding
+            beside.join()
+        else:
+            _run(due)
         clock += 1
+
+
+def _run(workers: list[_Worker]) -> None:
+    for w in workers:
+        w.resume()
+        if w.error is not None:
+            raise w.error
