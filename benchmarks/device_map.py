@@ -84,6 +84,11 @@ def run(name: str, base, spec, chunks: int, batch: dict, gen_batch: dict, args, 
         spec = {"encoder": {gpu: list(range(base.config.num_layers))},
                 "decoder": {gpu: list(range(base.config.num_decoder_layers))}}
     parallelize(model, spec)
+    if args.compile:  # each block's own forward compiled, the device-map hooks around it left eager
+        for stack in (model.encoder.block, model.decoder.block):
+            for blk in stack:
+                if next(blk.parameters()).device == torch.device(gpu) or args.compile == "all":
+                    blk.forward = torch.compile(blk.forward, dynamic=True)  # micro-batch sizes vary
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
@@ -186,9 +191,13 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--gen-batch", type=int, default=4)
     p.add_argument("--other", default="cpu", help="the second device (cpu; or cuda:1 on a two-GPU machine)")
+    p.add_argument("--compile", choices=("gpu", "all"), help="torch.compile each block's forward: those on "
+                   "the first device (gpu), or all")
     p.add_argument("--out", help="append one JSON line per layout here")
     p.add_argument("--trace", help="write a Chrome trace of one step per layout into this folder")
     args = p.parse_args()
+    if args.compile:  # first block / others, encoder / decoder: one compiled graph each, of any batch size
+        torch._dynamo.config.cache_size_limit = 64
     if args.tiny:
         args.size, args.src_len, args.tgt_len, args.new_tokens = "tiny", 16, 8, 8
     from transformers import T5Config, T5ForConditionalGeneration
@@ -208,7 +217,7 @@ def main() -> None:
             "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None, "size": args.size,
             "params_m": sum(q.numel() for q in base.parameters()) / 1e6, "batch": args.batch, "src_len": args.src_len,
             "tgt_len": args.tgt_len, "precision": args.precision, "devices": f"{gpu}+{args.other}", "beams": args.beams,
-            "new_tokens": args.new_tokens}
+            "new_tokens": args.new_tokens, "compile": args.compile}
     import transformers
 
     meta["transformers"] = transformers.__version__

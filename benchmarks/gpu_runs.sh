@@ -24,6 +24,7 @@
 #   bash benchmarks/gpu_runs.sh s6-z3          sixth session, single GPU: DeepSpeed ZeRO-3 offload's largest model
 #   bash benchmarks/gpu_runs.sh s6-dm          sixth session, single GPU: device-map chunks with the host
 #     segments beside the GPU's, T5-large over cuda:0 + cpu
+#   bash benchmarks/gpu_runs.sh s6-compile     sixth session, single GPU: the same with compiled GPU blocks
 #   (s6-*: files straight into $OUT, so a call cut short keeps what it measured)
 #   (peers12 and final: the third session's 2-GPU calls, kept as they ran; RESULTS.md)
 # 16 cores is the core count of the single-GPU machine that issue 5's figures come from. Jobs that
@@ -265,6 +266,13 @@ s6-dm)  # issue 6: chunks over cuda:0 + cpu with a tick's host segments beside i
   timeout 120 $dm --layouts unsplit,tail --chunks 2,4 --batch 64
   timeout 130 $dm --layouts unsplit,tail --chunks 2,4 --batch 128
   timeout 90 $dm --layouts unsplit,flat --chunks 4 --batch 8
+  ;;
+s6-compile)  # issue 6: the same with each GPU block's forward compiled (device_map.py --compile gpu: fewer,
+  # fused kernels issued from generated code, not the model's Python), an eager baseline first
+  dm="python3 benchmarks/device_map.py --beams 0 --steps 3 --warmup 1 --out $out/device_map.jsonl"
+  timeout 80 $dm --layouts unsplit,tail --chunks 2 --batch 64
+  timeout 300 $dm --layouts unsplit,tail --chunks 2,4 --sequential --batch 64 --compile gpu
+  timeout 120 $dm --layouts unsplit,tail --chunks 2,4 --batch 128 --compile gpu
   ;;
 scale8b)  # fifth session, 2 GPUs: issue 7's 8B (peers.py's shape) on 2 GPUs, bigfit and peers; at 1 GPU
   # none of these fits (16 bytes a parameter is 128 GB before activations: the planner's no-fit)
