@@ -25,6 +25,7 @@
 #   bash benchmarks/gpu_runs.sh s6-dm          sixth session, single GPU: device-map chunks with the host
 #     segments beside the GPU's, T5-large over cuda:0 + cpu
 #   bash benchmarks/gpu_runs.sh s6-compile     sixth session, single GPU: the same with compiled GPU blocks
+#   bash benchmarks/gpu_runs.sh s6-train       sixth session, single GPU: bigfit train --compile itself
 #   (s6-*: files straight into $OUT, so a call cut short keeps what it measured)
 #   (peers12 and final: the third session's 2-GPU calls, kept as they ran; RESULTS.md)
 # 16 cores is the core count of the single-GPU machine that issue 5's figures come from. Jobs that
@@ -273,6 +274,21 @@ s6-compile)  # issue 6: the same with each GPU block's forward compiled (device_
   timeout 80 $dm --layouts unsplit,tail --chunks 2 --batch 64
   timeout 300 $dm --layouts unsplit,tail --chunks 2,4 --sequential --batch 64 --compile gpu
   timeout 120 $dm --layouts unsplit,tail --chunks 2,4 --batch 128 --compile gpu
+  ;;
+s6-train)  # issue 6: `bigfit train --compile` itself (strategies/compiling.py, inductor) on T5-large's shape,
+  # the embedded task at batch 64, against eager; then the tail device map with 2 chunks, compiled
+  python3 -c "from transformers import T5Config as C; C(d_model=1024, d_ff=4096, d_kv=64, num_heads=16, num_layers=24,
+num_decoder_layers=24, vocab_size=32128, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1).save_pretrained('/tmp/t5l')"
+  echo '{"encoder": {"cuda:0": [0-23]}, "decoder": {"cuda:0": [0-22], "cpu": [23]}}' | python3 -c "import json, sys
+s = sys.stdin.read().replace('[0-23]', str(list(range(24)))).replace('[0-22]', str(list(range(23)))); json.dump(json.loads(s), open('/tmp/tail.json', 'w'))"
+  t="python3 -m bigfit train --model /tmp/t5l --precision bf16 --batch-size 64 --max-steps 30 --warmup-steps 5 --lr 1e-4
+     --eval-every 0 --eval-samples 16 --save-every 0 --no-consolidate"
+  summary() { python3 -c "import json, statistics as s; r = [json.loads(l) for l in open('$1/metrics.jsonl')][10:]
+print('$1', 'median tok/s over steps 11-30:', round(s.median(x['tokens_per_s'] for x in r)), 'last loss', round(r[-1]['loss'], 3))" | tee -a "$out/train.txt"; }
+  timeout 80 $t --strategy single --output-dir /tmp/o-eager > "$out/train-eager.log" 2>&1; summary /tmp/o-eager
+  timeout 180 $t --strategy single --compile --output-dir /tmp/o-compile > "$out/train-compile.log" 2>&1; summary /tmp/o-compile
+  timeout 100 $t --strategy device_map --device-map /tmp/tail.json --chunks 2 --compile --output-dir /tmp/o-dm \
+    > "$out/train-dm.log" 2>&1; summary /tmp/o-dm
   ;;
 scale8b)  # fifth session, 2 GPUs: issue 7's 8B (peers.py's shape) on 2 GPUs, bigfit and peers; at 1 GPU
   # none of these fits (16 bytes a parameter is 128 GB before activations: the planner's no-fit)

@@ -36,6 +36,7 @@ def validate(cfg: TrainConfig) -> None:
         raise BigfitError(f"--delayed-update needs --strategy zero2-offload (its host optimizer step is what is "
                           f"delayed), not {cfg.strategy}")
     _validate_offload(cfg)
+    _validate_compile(cfg)
     if cfg.strategy in ("single", *SPLIT_STRATEGIES) and (cfg.nproc or 1) > 1:
         raise BigfitError(f"strategy {cfg.strategy!r} runs one process (which drives every device), but --nproc is "
                           f"{cfg.nproc}; use --nproc 1, or ddp / zero3 for several processes")
@@ -56,6 +57,17 @@ def _validate_offload(cfg: TrainConfig) -> None:
     if cfg.nvme_host_gb < 0 or (cfg.nvme_host_gb and cfg.strategy != "zero2-offload-nvme"):
         raise BigfitError(f"--nvme-host-gb must be 0 or more and belongs to --strategy zero2-offload-nvme; got "
                           f"{cfg.nvme_host_gb} with {cfg.strategy}")
+
+
+def _validate_compile(cfg: TrainConfig) -> None:
+    if cfg.compile_backend != "inductor" and not cfg.compile:
+        raise BigfitError(f"--compile-backend {cfg.compile_backend} belongs to --compile, which is off")
+    if cfg.compile:
+        import torch._dynamo  # only here: seconds of imports that a job without --compile need not pay
+
+        backends = torch._dynamo.list_backends(exclude_tags=())
+        if cfg.compile_backend not in backends:
+            raise one_of("--compile-backend", cfg.compile_backend, backends)
 
 
 def _validate_pipeline(cfg: TrainConfig) -> None:

@@ -58,6 +58,8 @@ class TrainConfig:
     hysteresis: int = 2  # fp16: overflows tolerated before the scale halves
     min_loss_scale: float = 1.0  # fp16: the scale never drops below this
     activation_checkpointing: bool = False  # recompute each block's activations in backward instead of storing them
+    compile: bool = False  # torch.compile each block's forward for training (fused kernels); the first steps compile
+    compile_backend: str = "inductor"  # --compile's backend (aot_eager, eager: tracing without code generation)
     optimizer: str = "adamw"  # adamw (decoupled weight decay) or adam (L2 weight decay)
     lr: float = 1e-3  # peak learning rate
     adam_beta1: float = 0.9  # Adam first-moment decay

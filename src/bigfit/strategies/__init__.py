@@ -4,8 +4,8 @@
     split (device map / pipeline stages) -> tensor parallel -> activation checkpointing
     -> compile -> sharding (DDP / ZeRO via FSDP2) -> offload
 The split by a device map is bigfit.device_map (one process drives every device); the split into
-pipeline stages across processes is bigfit.pipeline; tensor parallelism and compile are later
-work; each slots into its place here.
+pipeline stages across processes is bigfit.pipeline; compile is per block (compiling.py);
+tensor parallelism is later work and slots into its place here.
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from ..distributed import Runtime
 from ..precision import DTYPES, compute_dtype
 from .base import Applied, local
 from .checkpointing import apply_activation_checkpointing
+from .compiling import apply_compile
 from .offload import apply_offload
 from .placement import owners
 from .sharding import apply_ddp, apply_fsdp
@@ -38,20 +39,16 @@ def apply_strategy(model: torch.nn.Module, cfg, rt: Runtime) -> Applied:
         from ..device_map.strategy import apply_device_map
 
         applied = apply_device_map(model, cfg, rt)
-        if cfg.activation_checkpointing:
-            applied.notes.append(f"activation checkpointing on {apply_activation_checkpointing(model)} blocks")
+        applied.notes += _per_block(model, cfg)
         return applied
     if cfg.strategy == "pipeline":  # split first: checkpointing then wraps only this rank's blocks
         from ..pipeline import apply_pipeline
 
         applied = apply_pipeline(model, cfg, rt)
-        if cfg.activation_checkpointing:
-            applied.notes.append(f"activation checkpointing on {apply_activation_checkpointing(model)} blocks")
+        applied.notes += _per_block(model, cfg)
         return applied
-    notes = []
+    notes = _per_block(model, cfg)
     eager = cfg.max_grad_norm <= 0 and cfg.precision != "fp16"  # no global norm needed before a host step
-    if cfg.activation_checkpointing:
-        notes.append(f"activation checkpointing on {apply_activation_checkpointing(model)} blocks")
     if cfg.strategy in FSDP_STRATEGIES:
         full = model.state_dict() if rt.is_main else {}  # references, not copies
         applied = apply_fsdp(model, cfg.strategy, rt, compute, DTYPES[cfg.reduce_dtype])
@@ -71,6 +68,16 @@ def apply_strategy(model: torch.nn.Module, cfg, rt: Runtime) -> Applied:
         applied = Applied(model=model.to(rt.device), module=model, strategy=cfg.strategy, autocast=compute)
     applied.notes[:0] = notes
     return applied
+
+
+def _per_block(model: torch.nn.Module, cfg) -> list[str]:
+    """Activation checkpointing, then compile, of each block (after the split, before sharding)."""
+    notes = []
+    if cfg.activation_checkpointing:
+        notes.append(f"activation checkpointing on {apply_activation_checkpointing(model)} blocks")
+    if cfg.compile:
+        notes.append(f"torch.compile ({cfg.compile_backend}) on {apply_compile(model, cfg.compile_backend)} blocks")
+    return notes
 
 
 def _to(model: torch.nn.Module, device) -> None:
