@@ -78,3 +78,20 @@ def test_causal_lm_on_plain_text(tmp_path, model_dirs, capsys):
         from transformers import AutoModelForCausalLM
 
         assert AutoModelForCausalLM.from_pretrained(Path(out) / "model").config.model_type == family
+
+
+def test_config_only_model_with_a_larger_vocabulary_than_the_byte_tokenizer(tmp_path, pairs_file):
+    """A config.json alone (t5-large's vocabulary of 32128 rows, here 2000) gets the byte-level
+    tokenizer's 384 tokens: a random head generates ids it has no token for, which evaluation drops
+    instead of failing inside the tokenizer (found on the GPU machine, sixth session)."""
+    from bigfit.cli import main
+    from tiny import tiny_config
+
+    cfg = tiny_config("t5")
+    cfg.vocab_size = 2000
+    cfg.save_pretrained(tmp_path / "model-dir")
+    code = main(["train", "--model", str(tmp_path / "model-dir"), "--data", str(pairs_file), "--strategy", "single",
+                 "--max-steps", "1", "--batch-size", "4", "--eval-samples", "4", "--num-beams", "2",
+                 "--max-new-tokens", "6", "--no-consolidate", "--output-dir", str(tmp_path / "out")])
+    assert code == 0
+    assert "eval_bleu" in read_jsonl(tmp_path / "out/eval.jsonl")[-1]

@@ -82,7 +82,14 @@ def _generate(applied: Applied, batch: dict, tokenizer, num_beams: int, max_new_
             input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], num_beams=num_beams,
             max_new_tokens=max_new_tokens, do_sample=False, use_cache=True, past_key_values=cache,
             synced_gpus=rt.distributed)
-    return tokenizer.batch_decode(out, skip_special_tokens=True)
+    return tokenizer.batch_decode(decodable(out, len(tokenizer)), skip_special_tokens=True)
+
+
+def decodable(ids: torch.Tensor, vocab: int) -> list[list[int]]:
+    """Generated ids without those the tokenizer has no token for: a model's vocabulary may be
+    larger than its tokenizer's (t5's 32128 rows for 32100 tokens; a config-only model's over the
+    byte-level tokenizer's 384), and tokenizers fail on such ids (ByT5's raises)."""
+    return [[t for t in row if t < vocab] for row in ids.tolist()]
 
 
 def score(pairs: list[tuple[str, str]]) -> dict:
