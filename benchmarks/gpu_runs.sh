@@ -281,12 +281,12 @@ s6-train)  # issue 6: `bigfit train --compile` itself (strategies/compiling.py, 
 num_decoder_layers=24, vocab_size=32128, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1).save_pretrained('/tmp/t5l')"
   echo '{"encoder": {"cuda:0": [0-23]}, "decoder": {"cuda:0": [0-22], "cpu": [23]}}' | python3 -c "import json, sys
 s = sys.stdin.read().replace('[0-23]', str(list(range(24)))).replace('[0-22]', str(list(range(23)))); json.dump(json.loads(s), open('/tmp/tail.json', 'w'))"
-  t="python3 -m bigfit train --model /tmp/t5l --precision bf16 --batch-size 64 --max-steps 30 --warmup-steps 5 --lr 1e-4
+  t="python3 -m bigfit train --model /tmp/t5l --precision bf16 --batch-size 64 --max-steps 25 --warmup-steps 5 --lr 1e-4
      --eval-every 0 --eval-samples 16 --save-every 0 --no-consolidate"
   summary() { python3 -c "import json, statistics as s; r = [json.loads(l) for l in open('$1/metrics.jsonl')][10:]
-print('$1', 'median tok/s over steps 11-30:', round(s.median(x['tokens_per_s'] for x in r)), 'last loss', round(r[-1]['loss'], 3))" | tee -a "$out/train.txt"; }
-  timeout 80 $t --strategy single --output-dir /tmp/o-eager > "$out/train-eager.log" 2>&1; summary /tmp/o-eager
-  timeout 180 $t --strategy single --compile --output-dir /tmp/o-compile > "$out/train-compile.log" 2>&1; summary /tmp/o-compile
+print('$1', 'median tok/s over steps 11-25:', round(s.median(x['tokens_per_s'] for x in r)), 'last loss', round(r[-1]['loss'], 3))" | tee -a "$out/train.txt"; }
+  timeout 70 $t --strategy single --output-dir /tmp/o-eager > "$out/train-eager.log" 2>&1; summary /tmp/o-eager
+  timeout 170 $t --strategy single --compile --output-dir /tmp/o-compile > "$out/train-compile.log" 2>&1; summary /tmp/o-compile
   timeout 100 $t --strategy device_map --device-map /tmp/tail.json --chunks 2 --compile --output-dir /tmp/o-dm \
     > "$out/train-dm.log" 2>&1; summary /tmp/o-dm
   ;;
