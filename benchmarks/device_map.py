@@ -84,11 +84,11 @@ def run(name: str, base, spec, chunks: int, batch: dict, gen_batch: dict, args, 
         spec = {"encoder": {gpu: list(range(base.config.num_layers))},
                 "decoder": {gpu: list(range(base.config.num_decoder_layers))}}
     parallelize(model, spec)
-    if args.compile:  # each block's own forward compiled, the device-map hooks around it left eager
-        for stack in (model.encoder.block, model.decoder.block):
-            for blk in stack:
-                if next(blk.parameters()).device == torch.device(gpu) or args.compile == "all":
-                    blk.forward = torch.compile(blk.forward, dynamic=True)  # micro-batch sizes vary
+    if args.compile:  # bigfit's --compile (each block's forward), here on the first device's blocks only, or all
+        from bigfit.strategies.compiling import apply_compile
+
+        on_gpu = lambda blk: args.compile == "all" or next(blk.parameters()).device == torch.device(gpu)  # noqa: E731
+        apply_compile(model, where=on_gpu)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
@@ -196,8 +196,8 @@ def main() -> None:
     p.add_argument("--out", help="append one JSON line per layout here")
     p.add_argument("--trace", help="write a Chrome trace of one step per layout into this folder")
     args = p.parse_args()
-    if args.compile:  # first block / others, encoder / decoder: one compiled graph each, of any batch size
-        torch._dynamo.config.cache_size_limit = 64
+    if args.compile:  # one dynamic graph per block kind, but a micro-batch size equal to one of the model's
+        torch._dynamo.config.cache_size_limit = 64  # own sizes (64 = T5-large's d_kv) is one symbol with it: recompiles
     if args.tiny:
         args.size, args.src_len, args.tgt_len, args.new_tokens = "tiny", 16, 8, 8
     from transformers import T5Config, T5ForConditionalGeneration

@@ -26,7 +26,8 @@
 #     segments beside the GPU's, T5-large over cuda:0 + cpu
 #   bash benchmarks/gpu_runs.sh s6-compile     sixth session, single GPU: the same with compiled GPU blocks
 #   bash benchmarks/gpu_runs.sh s6-train       sixth session, single GPU: bigfit train --compile itself
-#   (s6-*: files straight into $OUT, so a call cut short keeps what it measured)
+#   bash benchmarks/gpu_runs.sh next-x2-dm     prepared for a 2-GPU call: compiled device-map chunks over two GPUs
+#   (s6-*, next-x2-dm: files straight into $OUT, so a call cut short keeps what it measured)
 #   (peers12 and final: the third session's 2-GPU calls, kept as they ran; RESULTS.md)
 # 16 cores is the core count of the single-GPU machine that issue 5's figures come from. Jobs that
 # share the host's memory bandwidth can slow each other's CPU optimizer: the offload jobs go on
@@ -289,6 +290,13 @@ print('$1', 'median tok/s over steps 11-25:', round(s.median(x['tokens_per_s'] f
   timeout 170 $t --strategy single --compile --output-dir /tmp/o-compile > "$out/train-compile.log" 2>&1; summary /tmp/o-compile
   timeout 100 $t --strategy device_map --device-map /tmp/tail.json --chunks 2 --compile --output-dir /tmp/o-dm \
     > "$out/train-dm.log" 2>&1; summary /tmp/o-dm
+  ;;
+next-x2-dm)  # for the next 2-GPU call (issue 6's last run, issue 7 item 3): device-map chunks over two GPUs
+  # with every block compiled, where each GPU's segment should take longer than issuing it
+  timeout 120 python3 -m pytest tests/test_device_map.py tests/test_compile.py -q -x 2>&1 | tail -3 | tee "$out/dm-tests.txt"
+  dm="python3 benchmarks/device_map.py --other cuda:1 --beams 0 --steps 3 --warmup 1 --out $out/device_map.jsonl"
+  timeout 200 $dm --layouts unsplit,flat,split --chunks 2,4 --batch 32 --compile all
+  timeout 200 $dm --size 3b --layouts unsplit,flat,split --chunks 2,4 --batch 16 --compile all
   ;;
 scale8b)  # fifth session, 2 GPUs: issue 7's 8B (peers.py's shape) on 2 GPUs, bigfit and peers; at 1 GPU
   # none of these fits (16 bytes a parameter is 128 GB before activations: the planner's no-fit)

@@ -108,7 +108,7 @@ def test_train_command_compile_with_device_map_chunks_matches_eager(tmp_path):
     assert main(["train", *common, "--output-dir", str(tmp_path / "eager")]) == 0
     from torch._dynamo.utils import counters
 
-    assert counters["stats"]["unique_graphs"] == 0
+    counters.clear()  # torch._dynamo.reset() keeps them
     assert main(["train", *common, "--compile", "--compile-backend", "eager", "--output-dir", str(tmp_path / "c")]) == 0
     assert counters["stats"]["unique_graphs"] >= 4  # the blocks were traced, in the chunks' threads
     eager, compiled = read_jsonl(tmp_path / "eager/metrics.jsonl"), read_jsonl(tmp_path / "c/metrics.jsonl")

@@ -39,13 +39,15 @@ class _Compiled:
         return self.eager(*args, **kwargs)
 
 
-def apply_compile(model: torch.nn.Module, backend: str = "inductor") -> int:
-    """Compile every block found by `block_lists` with `backend`; returns how many."""
+def apply_compile(model: torch.nn.Module, backend="inductor", where=None) -> int:
+    """Compile every block found by `block_lists` (those `where(block)` accepts, if given) with
+    `backend` (a name or a callable, as torch.compile takes it); returns how many."""
     n = 0
     for _, blocks in block_lists(model):
         for block in blocks:
-            block.forward = _Compiled(block, backend)
-            n += 1
+            if where is None or where(block):
+                block.forward = _Compiled(block, backend)
+                n += 1
     return n
 
 
