@@ -34,8 +34,9 @@ MECHANISM_TOL = {"bf16": (1e-2, 4e-2), "fp16": (2e-3, 4e-2)}
 
 
 def job(model_dir, data, out, strategy: str, precision: str):
-    """`strategy` may end in "+ac" (activation checkpointing on every block) or "+noclip" (no
-    gradient clipping: the offload engine and zero3-offload then step during backward)."""
+    """`strategy` may end in "+ac" (activation checkpointing on every block), "+noclip" (no
+    gradient clipping: the offload engine and zero3-offload then step during backward) or "+compile"
+    (each block compiled; backend eager: dynamo traces the blocks, no code generation on two cores)."""
     from bigfit.config import TrainConfig
 
     strategy, *flags = strategy.split("+")
@@ -44,6 +45,7 @@ def job(model_dir, data, out, strategy: str, precision: str):
     tier = dict(offload_grads="device", nvme_host_gb=4e-4) if strategy == "zero2-offload-nvme" else {}
     return TrainConfig(model=str(model_dir), data=str(data), output_dir=str(out), strategy=strategy, **tier,
                        activation_checkpointing="ac" in flags, max_grad_norm=0.0 if "noclip" in flags else 1.0,
+                       compile="compile" in flags, compile_backend="eager" if "compile" in flags else "inductor",
                        precision=precision, max_steps=4, batch_size=8, micro_batch_size=2, warmup_steps=0,
                        eval_every=0, save_every=0, eval_samples=8 if precision == "fp32" else 0, num_beams=2,
                        max_new_tokens=8, loss_scale=1024.0 if precision == "fp16" else 0.0)
@@ -61,7 +63,7 @@ def run_all(model_dirs, data, root, strategies, precisions, suffix=""):
                 train(job(model_dirs[family], data, out, strategy, precision))
 
 
-VARIANTS = ("zero3+ac", "ddp+ac", "zero2-offload+noclip", "zero3-offload+noclip")
+VARIANTS = ("zero3+ac", "ddp+ac", "zero2-offload+noclip", "zero3-offload+noclip", "zero3+compile")
 
 
 def run_distributed(model_dirs, data, root) -> None:
@@ -125,9 +127,9 @@ def test_matches_single_process(runs, family, strategy, precision):
         assert got_eval["eval_loss"] == pytest.approx(ref_eval["eval_loss"], rel=TOL["fp32"][0])
 
 
-@pytest.mark.parametrize("strategy", ("zero3+ac", "ddp+ac"))
+@pytest.mark.parametrize("strategy", ("zero3+ac", "ddp+ac", "zero3+compile"))
 @pytest.mark.parametrize("family", FAMILIES)
-def test_activation_checkpointing_changes_nothing_but_memory(runs, family, strategy):
+def test_checkpointing_and_compile_change_nothing_but_memory_and_speed(runs, family, strategy):
     compare(runs / f"{family}-fp32-single", runs / f"{family}-fp32-{strategy}", "fp32",
             f"{family} fp32 {strategy} vs single", TOL["fp32"])
 
