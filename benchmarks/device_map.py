@@ -236,7 +236,8 @@ def main() -> None:
         rows.append(r)
         ref = rows[0]
         print(f"{name:<28}{r['step_s']:>9.3f}{r['step_s'] / ref['step_s']:>10.2f}{r['copies_per_step']:>8}"
-              f"{r['copied_mb_per_step']:>9.1f}{r['generate_s']:>8.2f}{r['generate_s'] / max(ref['generate_s'], 1e-9):>10.2f}"
+              f"{r['copied_mb_per_step']:>9.1f}{r['generate_s']:>8.2f}"
+              f"{r['generate_s'] / max(ref['generate_s'], 1e-9):>10.2f}"
               f"{r['copies_per_generate']:>11}{r['peak_gpu_gb']:>8.2f}{r['first_loss'] - ref['first_loss']:>12.2e}"
               f"{'-' if r['host_syncs'] is None else r['host_syncs']:>7}"
               f"  {r['tokens'] == ref['tokens']}", flush=True)

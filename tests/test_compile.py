@@ -101,7 +101,8 @@ def test_train_command_compile_with_device_map_chunks_matches_eager(tmp_path):
     from bigfit.cli import main
     from conftest import read_jsonl
 
-    (tmp_path / "map.json").write_text(json.dumps({"encoder": {"cpu": [0], "cpu:1": [1, 2]}, "decoder": {"cpu:2": [0, 1]}}))
+    spec = {"encoder": {"cpu": [0], "cpu:1": [1, 2]}, "decoder": {"cpu:2": [0, 1]}}
+    (tmp_path / "map.json").write_text(json.dumps(spec))
     common = ["--strategy", "device_map", "--device-map", str(tmp_path / "map.json"), "--chunks", "2",
               "--activation-checkpointing", "--max-steps", "2", "--batch-size", "4", "--eval-every", "0",
               "--eval-samples", "4", "--num-beams", "2", "--max-new-tokens", "4", "--no-consolidate", "--seed", "3"]
