@@ -17,7 +17,7 @@
 #   bash benchmarks/gpu_runs.sh kernel2        issue 5: the delayed update's uploads from backward's hooks (carry .whl)
 #   bash benchmarks/gpu_runs.sh kernel3        issue 5 again after the norm's wait was narrowed (carry .whl)
 #   bash benchmarks/gpu_runs.sh kernel4        issue 5: the kernel with dynamic chunks (carry .whl)
-#   bash benchmarks/gpu_runs.sh next-x2 / next-h200   prepared for the next session (not yet run)
+#   bash benchmarks/gpu_runs.sh next-x2 / next-h200   prepared for a later session (not yet run)
 #   bash benchmarks/gpu_runs.sh scale8b        issue 7's 8B on 2 GPUs, bigfit and peers (x2; carry .whl)
 #   bash benchmarks/gpu_runs.sh s6-offload     sixth session, single GPU: exactly-sized pinned buffers,
 #     the engine at 3.6B with them beside DeepSpeed (carry .whl)
@@ -233,13 +233,11 @@ next-x2)  # for the next 2-GPU call: issue 7's 8B and 3.6B on 2 GPUs at the peer
   python3 benchmarks/scaling.py --gpus 1,2 --size 3b --mbs 4 --steps 4 --warmup 2 --timeout 90 \
     --methods zero2+noclip,zero3+noclip,fsdp2 --out $r/nx/scaling-3b.jsonl
   ;;
-next-h200)  # for the next single-GPU call: issue 5's missing pieces. DeepSpeed ZeRO-3 offload's
-  # largest model (24 layers first, where ZeRO-2 offload was killed), and the NVMe tier's steady
-  # step: 1.5B with every state in files (18 GB), 4 steps after 2, against the planner
+next-h200)  # for a later single-GPU call: the NVMe tier's steady step, 1.5B with every state in files
+  # (18 GB), 4 steps after 2, against the planner. (This part's pinned-memory and DeepSpeed ZeRO-3
+  # lines ran in the sixth session as s6-offload and s6-z3.) 18 GB fit the host's page cache, so this
+  # measures the page cache unless the files outgrow it: a fair disk figure needs states over ~100 GB.
   mkdir -p $r/n5
-  python3 benchmarks/pinned_rounding.py | tee $r/n5/pinned.json  # the host RAM the plan misses (docs/planning.md)
-  python3 -c "import torch; from deepspeed.ops.adam import DeepSpeedCPUAdam; DeepSpeedCPUAdam([torch.nn.Parameter(torch.zeros(8))])" 2>&1 | tail -1
-  python3 benchmarks/largest_model.py --out $r/n5/largest.jsonl --methods ds-z3-offload --layers 24 --timeout 200 | tail -1
   rm -rf /tmp/bigfit-nvme; BIGFIT_NVME_HOST_GB=0 python3 benchmarks/strategies.py --size 1b --mbs 4 --seq 2048 \
     --steps 4 --warmup 2 --timeout 240 --strategies zero2-offload-nvme+devgrads --out $r/n5/nvme.jsonl | cut -c1-300
   ;;
