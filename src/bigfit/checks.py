@@ -4,11 +4,15 @@ from __future__ import annotations
 
 from .config import (OPTIMIZERS, PIPELINE_SCHEDULES, PIPELINE_STRATEGIES, PRECISIONS, REDUCE_DTYPES, SCHEDULES,
                      SPLIT_STRATEGIES, STRATEGIES, WARMUPS, TrainConfig)
+from .settings import holds, setting_names, type_problem
 from .errors import BigfitError, one_of
+from .userfiles import check_encoding
 
 
 def validate(cfg: TrainConfig) -> None:
     """Checks that need no model, data or processes. Raises BigfitError naming the bad value."""
+    _validate_types(cfg)
+    check_encoding(cfg.data_encoding)
     strategies = (*STRATEGIES, *SPLIT_STRATEGIES, *PIPELINE_STRATEGIES, "auto")
     for name, valid in (("strategy", strategies), ("optimizer", OPTIMIZERS), ("lr_schedule", SCHEDULES),
                         ("warmup_type", WARMUPS), ("reduce_dtype", REDUCE_DTYPES)):
@@ -47,6 +51,14 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.chunks is not None and (isinstance(cfg.chunks, bool) or not isinstance(cfg.chunks, int) or cfg.chunks < 1):
         raise BigfitError(f"--chunks must be a positive integer, got {cfg.chunks!r}")
     _validate_pipeline(cfg)
+
+
+def _validate_types(cfg: TrainConfig) -> None:
+    """Each field holds its annotated type. Files and flags are converted before a TrainConfig is built
+    (settings.setting_value); this catches one built in Python, such as TrainConfig(max_steps="10")."""
+    for name in setting_names():
+        if not holds(name, getattr(cfg, name)):
+            raise BigfitError(f"setting {name} {type_problem(name, getattr(cfg, name), in_file=False)}")
 
 
 def _validate_offload(cfg: TrainConfig) -> None:

@@ -7,26 +7,51 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import os
 import sys
 from pathlib import Path
 
 from .checks import validate
-from .config import (AUTO, PIPELINE_SCHEDULES, PIPELINE_STRATEGIES, PLANNED, PRECISIONS, SPLIT_STRATEGIES, STRATEGIES,
-                     TrainConfig, load_config_file)
+from .config import PIPELINE_SCHEDULES, PIPELINE_STRATEGIES, PRECISIONS, SPLIT_STRATEGIES, STRATEGIES, TrainConfig
+from .settings import HOW, NOUNS, as_type, field_type, load_config_file, normalise, setting_value
 from .distributed import launched_by_torchrun_env
 from .errors import BigfitError
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse whose mistakes are one line, `error: ...`, and exit status 2, as every other bigfit
+    error (argparse's own prints the usage above it); under torchrun only rank 0 says it."""
+
+    def error(self, message: str):
+        if os.environ.get("RANK", "0") == "0":
+            sys.stderr.write(f"error: {message}\n")
+        self.exit(2)
+
+
 def _flag_type(f: dataclasses.Field):
-    """int / float / str from the annotation; fields that take "auto" accept it too."""
-    hint = str(f.type)
-    base = int if "int" in hint else float if "float" in hint else str
-    if f.name in AUTO:
-        return lambda text: None if text == "auto" else base(text)
-    if f.name in PLANNED:
-        return lambda text: text if text == "auto" else base(text)
-    return base
+    """The converter of a field's flag: its annotated type, "auto" where the field takes it, exactly as
+    a config file's value (settings.setting_value); a bad value is argparse's one line naming the flag."""
+    def convert(text: str):
+        try:
+            return setting_value(f.name, text, in_file=False)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    convert.__name__ = field_type(f.name)[0].__name__  # what argparse calls the type, should it ever say
+    return convert
+
+
+def _number(base: type):
+    """The converter of a `bigfit plan` flag that takes an int or a float."""
+    def convert(text: str):
+        try:
+            return as_type(base, text)
+        except (ValueError, OverflowError):
+            raise argparse.ArgumentTypeError(f"{text!r} is not {NOUNS[base]} ({HOW[base]})") from None
+
+    convert.__name__ = base.__name__
+    return convert
 
 
 def _field_help() -> dict[str, str]:
@@ -43,7 +68,7 @@ def _field_help() -> dict[str, str]:
     return helps
 
 
-def _train_parser(sub) -> None:
+def _train_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train or fine-tune a model", argument_default=argparse.SUPPRESS)
     p.add_argument("--config", help="YAML or JSON file of settings (any of the flags below)")
     p.add_argument("--deepspeed-config", help="a DeepSpeed JSON config: mapped onto bigfit's settings (flags win)")
@@ -51,7 +76,7 @@ def _train_parser(sub) -> None:
     for f in dataclasses.fields(TrainConfig):
         if f.name in ("extra", "resume", "consolidate", "probe_only"):
             continue
-        if f.type == "bool":
+        if field_type(f.name)[0] is bool:
             p.add_argument("--" + f.name.replace("_", "-"), dest=f.name, action="store_true", help=helps.get(f.name))
             continue
         kw = dict(help=helps.get(f.name, ""), type=_flag_type(f))
@@ -64,47 +89,66 @@ def _train_parser(sub) -> None:
     p.add_argument("--probe-only", dest="probe_only", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--no-consolidate", dest="consolidate", action="store_false",
                    help="skip writing OUTPUT/model at the end")
+    return p
 
 
-def _plan_parser(sub) -> None:
+def _plan_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="predict every strategy's memory and speed before launch")
     p.add_argument("--model", help="hub name or model directory (only config.json is read); default: the embedded T5")
     p.add_argument("--gpus", help="e.g. 8x16GB or 24GB,8GB (mixed sizes); default: this machine's GPUs")
-    p.add_argument("--nodes", type=int, default=1, help="nodes, each with --gpus")
+    p.add_argument("--nodes", type=_number(int), default=1, help="nodes, each with --gpus")
     p.add_argument("--cpu-ram", default=None, help="host RAM per node, e.g. 256GB; default: this machine's")
     p.add_argument("--nvme", default="0B", help="NVMe per node usable for offload, e.g. 1TB")
-    p.add_argument("--pcie-gbps", type=float, help="host <-> GPU bandwidth per GPU, GB/s")
-    p.add_argument("--intra-gbps", type=float, help="GPU <-> GPU bandwidth inside a node, GB/s")
-    p.add_argument("--inter-gbps", type=float, help="bandwidth between nodes, GB/s")
-    p.add_argument("--nvme-gbps", type=float, help="NVMe bandwidth of one node, GB/s")
-    p.add_argument("--cpu-tflops", type=float, help="model TFLOP/s the host reaches on blocks a device map puts there")
-    p.add_argument("--batch-size", type=int, default=32, help="global batch")
-    p.add_argument("--micro-batch-size", type=int, help="default: batch / GPUs")
-    p.add_argument("--seq-len", type=int, default=512, help="tokens per sample (source side)")
-    p.add_argument("--target-len", type=int, default=0, help="decoder tokens per sample (encoder-decoders)")
+    p.add_argument("--pcie-gbps", type=_number(float), help="host <-> GPU bandwidth per GPU, GB/s")
+    p.add_argument("--intra-gbps", type=_number(float), help="GPU <-> GPU bandwidth inside a node, GB/s")
+    p.add_argument("--inter-gbps", type=_number(float), help="bandwidth between nodes, GB/s")
+    p.add_argument("--nvme-gbps", type=_number(float), help="NVMe bandwidth of one node, GB/s")
+    p.add_argument("--cpu-tflops", type=_number(float),
+                   help="model TFLOP/s the host reaches on blocks a device map puts there")
+    p.add_argument("--batch-size", type=_number(int), default=32, help="global batch")
+    p.add_argument("--micro-batch-size", type=_number(int), help="default: batch / GPUs")
+    p.add_argument("--seq-len", type=_number(int), default=512, help="tokens per sample (source side)")
+    p.add_argument("--target-len", type=_number(int), default=0, help="decoder tokens per sample (encoder-decoders)")
     p.add_argument("--precision", default="bf16", choices=PRECISIONS)
     p.add_argument("--activation-checkpointing", action="store_true")
-    p.add_argument("--chunks", type=int, help="device_map: GPipe micro-batches per forward (default 1); pipeline: "
-                   "micro-batches per micro-batch (default: the fewest that give every stage one)")
+    p.add_argument("--chunks", type=_number(int), help="device_map: GPipe micro-batches per forward (default 1); "
+                   "pipeline: micro-batches per micro-batch (default: the fewest that give every stage one)")
     p.add_argument("--pipeline-schedule", choices=PIPELINE_SCHEDULES, help="pipeline: default 1f1b")
-    p.add_argument("--stages-per-rank", type=int, help="pipeline: stages per process (interleaved: default 2)")
+    p.add_argument("--stages-per-rank", type=_number(int),
+                   help="pipeline: stages per process (interleaved: default 2)")
     p.add_argument("--delayed-update", action="store_true", help="zero2-offload: the host step overlaps the next step")
     p.add_argument("--offload-grads", default="host", choices=("host", "device"),
                    help="zero2-offload: gradients wait for the host step in RAM (host) or on the GPU (device)")
-    p.add_argument("--nvme-host-gb", type=float, default=0.0, help="zero2-offload-nvme: GB of states per node kept in RAM")
+    p.add_argument("--nvme-host-gb", type=_number(float), default=0.0,
+                   help="zero2-offload-nvme: GB of states per node kept in RAM")
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     p.add_argument("--plot", help="write per-GPU memory bars to this PNG")
+    return p
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="bigfit", description="Train models that do not fit on one device.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    _train_parser(sub)
-    _plan_parser(sub)
-    c = sub.add_parser("consolidate", help="sharded checkpoint -> one Hugging Face model directory")
+    """The command line; a mistake in it exits with one line and status 2 (`_Parser`)."""
+    parser = _Parser(prog="bigfit", description="Train models that do not fit on one device.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser,
+                                metavar="{train,plan,consolidate}")  # what "required" errors name
+    commands = {"train": _train_parser(sub), "plan": _plan_parser(sub)}
+    c = commands["consolidate"] = sub.add_parser("consolidate",
+                                                 help="sharded checkpoint -> one Hugging Face model directory")
     c.add_argument("checkpoint", help="a checkpoint directory (OUTPUT/checkpoints/step-N)")
     c.add_argument("out", help="the model directory to write")
-    return parser.parse_args(argv)
+    ns, unknown = parser.parse_known_args(argv)
+    if unknown:
+        parser.error(_unrecognized(unknown, ns.command, commands[ns.command]))
+    return ns
+
+
+def _unrecognized(args: list[str], command: str, p: argparse.ArgumentParser) -> str:
+    """argparse's "unrecognized arguments", with the closest flag of the command for each unknown one."""
+    flags = [s for a in p._actions if a.help != argparse.SUPPRESS for s in a.option_strings]  # no public list
+    guesses = [close[0] for a in args if a.startswith("-")
+               for close in [difflib.get_close_matches(a.split("=", 1)[0], flags, 1)] if close]
+    hint = f"did you mean {', '.join(guesses)}?" if guesses else f"see bigfit {command} --help"
+    return f"unrecognized arguments: {' '.join(args)}; {hint}"
 
 
 def config_from_args(ns: argparse.Namespace) -> TrainConfig:
@@ -129,7 +173,7 @@ def _deepspeed(path: str, so_far: dict) -> dict:
             print(f"warning: DeepSpeed keys with no bigfit meaning, ignored: {', '.join(mapping.ignored)}")
         if mapping.automatic:
             print(f"note: handled by FSDP2 / bigfit themselves: {', '.join(mapping.automatic)}")
-    return mapping.values
+    return normalise(mapping.values, f"DeepSpeed config {path!r}")  # each value of its field's type
 
 
 def _speaks() -> bool:

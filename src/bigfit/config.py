@@ -6,9 +6,7 @@ the rest of the code only ever sees concrete numbers.
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from .errors import BigfitError
 
@@ -36,6 +34,7 @@ class TrainConfig:
 
     model: str | None = None  # hub name, local dir with weights, or dir with only config.json; None: embedded tiny T5
     data: str | None = None  # JSONL (source/target or text), CSV (source,target) or .txt; None: embedded task
+    data_encoding: str = "utf-8"  # text encoding of --data files (JSONL, CSV, text)
     output_dir: str = "bigfit-out"  # checkpoints, metrics.jsonl, consolidated model
     max_steps: int = 600  # optimizer steps
     batch_size: int | str = 32  # GLOBAL batch: samples per optimizer step, over all processes and micro-batches
@@ -97,47 +96,6 @@ class TrainConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
-
-
-def normalise(values: dict, where: str) -> dict:
-    """Keys with dashes or underscores; "auto" -> None for the fields that take it."""
-    check_keys(values, where)
-    out = {}
-    for k, v in values.items():
-        k = k.replace("-", "_")
-        if v == "auto" and k not in PLANNED:
-            if k not in AUTO:
-                raise BigfitError(f"{where}: {k} cannot be 'auto'; settings that can: {', '.join(AUTO + PLANNED)}")
-            v = None
-        out[k] = v
-    return out
-
-
-def load_config_file(path: str) -> dict:
-    """Read a YAML or JSON file of TrainConfig fields; unknown keys are an error naming them."""
-    p = Path(path)
-    if not p.is_file():
-        raise BigfitError(f"config file {path!r} does not exist")
-    text = p.read_text()
-    try:
-        if p.suffix in (".yaml", ".yml"):
-            import yaml
-
-            values = yaml.safe_load(text) or {}
-        else:
-            values = json.loads(text)
-    except Exception as e:  # both parsers say where the syntax broke
-        raise BigfitError(f"config file {path!r} is not valid {p.suffix[1:] or 'JSON'}: {e}") from None
-    if not isinstance(values, dict):
-        raise BigfitError(f"config file {path!r} must hold a mapping of settings, not {type(values).__name__}")
-    return normalise(values, f"config file {path!r}")
-
-
-def check_keys(values: dict, where: str) -> None:
-    valid = TrainConfig.field_names()
-    bad = [k for k in values if k.replace("-", "_") not in valid]
-    if bad:
-        raise BigfitError(f"unknown setting(s) {', '.join(map(repr, bad))} in {where}; valid: {', '.join(valid)}")
 
 
 def resolve(cfg: TrainConfig, world_size: int) -> TrainConfig:

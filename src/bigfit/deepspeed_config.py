@@ -9,22 +9,23 @@ the command line. Contradictions DeepSpeed would reject are a `BigfitError` nami
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from .config import REDUCE_DTYPES, WARMUPS, TrainConfig
+from .settings import field_type
 from .errors import BigfitError, one_of
+from .userfiles import read_text
 
 Z = "zero_optimization."
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
-# Numbers copied straight into a TrainConfig field: DeepSpeed key -> (field, must be an integer).
-NUMBERS = {"fp16.loss_scale": ("loss_scale", False), "fp16.initial_scale_power": ("initial_scale_power", True),
-           "fp16.loss_scale_window": ("loss_scale_window", True), "fp16.hysteresis": ("hysteresis", True),
-           "fp16.min_loss_scale": ("min_loss_scale", False), "optimizer.params.lr": ("lr", False),
-           "optimizer.params.eps": ("adam_eps", False), "optimizer.params.weight_decay": ("weight_decay", False),
-           "scheduler.params.warmup_min_lr": ("warmup_min_lr", False),
-           "scheduler.params.warmup_num_steps": ("warmup_steps", True),
-           "scheduler.params.total_num_steps": ("max_steps", True), "gradient_clipping": ("max_grad_norm", False)}
+# Numbers copied straight into a TrainConfig field: DeepSpeed key -> field (an integer where the field is an int).
+NUMBERS = {"fp16.loss_scale": "loss_scale", "fp16.initial_scale_power": "initial_scale_power",
+           "fp16.loss_scale_window": "loss_scale_window", "fp16.hysteresis": "hysteresis",
+           "fp16.min_loss_scale": "min_loss_scale", "optimizer.params.lr": "lr", "optimizer.params.eps": "adam_eps",
+           "optimizer.params.weight_decay": "weight_decay", "scheduler.params.warmup_min_lr": "warmup_min_lr",
+           "scheduler.params.warmup_num_steps": "warmup_steps", "scheduler.params.total_num_steps": "max_steps",
+           "gradient_clipping": "max_grad_norm"}
 # Keys the map_* functions below read themselves.
 RULES = {Z + "stage", Z + "offload_optimizer.device", Z + "offload_optimizer.nvme_path", Z + "offload_param.device", Z + "cpu_offload",
          Z + "cpu_offload_params", Z + "reduce_bucket_size", "fp16.enabled", "bf16.enabled", "bfloat16.enabled",
@@ -76,7 +77,9 @@ def is_set(v) -> bool:
 
 
 def number(path: str, v, integer: bool = False, minimum: float | None = None):
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and v != int(v)):
+    """`v` checked as a number (an integer: 2.0 is 2, 2.5 is an error); JSON's NaN and Infinity are none."""
+    if (isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, float) and not math.isfinite(v))
+            or (integer and v != int(v))):
         raise BigfitError(f"{path} must be {'an integer' if integer else 'a number'}, got {v!r}")
     if minimum is not None and v < minimum:
         raise BigfitError(f"{path} must be at least {minimum}, got {v}")
@@ -135,6 +138,8 @@ def zero_strategy(w: _Walk, z: dict, stage, opt: str | None, par: str | None) ->
         if stage == 0:
             raise BigfitError(f"{opt} needs {Z}stage 1 or 2 for 'nvme', not {Z}stage 0")
         nvme = z.get("offload_optimizer", {}).get("nvme_path") if isinstance(z.get("offload_optimizer"), dict) else None
+        if is_set(nvme) and not isinstance(nvme, str):
+            raise BigfitError(f"{Z}offload_optimizer.nvme_path must be a directory path (a string), got {nvme!r}")
         if is_set(nvme):
             w.values["nvme_dir"] = nvme
         return "zero2-offload-nvme"
@@ -253,8 +258,8 @@ def sort_keys(w: _Walk, node: dict, unread: set[str], path: str = "") -> None:
         elif p in AUTOMATIC:
             w.automatic.append(p)
         elif p in NUMBERS and p not in unread:
-            name, integer = NUMBERS[p]
-            w.values.setdefault(name, number(p, v, integer))  # a value a rule set (warmup_max_lr) wins
+            name = NUMBERS[p]
+            w.values.setdefault(name, number(p, v, field_type(name)[0] is int))  # a rule's value (warmup_max_lr) wins
         else:
             w.ignored.append(p)
 
@@ -279,12 +284,11 @@ def map_deepspeed(ds: dict, world_size: int, name: str = "DeepSpeed config") -> 
 
 
 def load_deepspeed_config(path: str, world_size: int) -> DeepSpeedMapping:
-    """Read a DeepSpeed JSON file and map it; BigfitError if it is missing, not JSON or not an object."""
-    p = Path(path)
-    if not p.is_file():
-        raise BigfitError(f"DeepSpeed config {path!r} does not exist")
+    """Read a DeepSpeed JSON file and map it; BigfitError if it is missing, unreadable, not UTF-8, empty,
+    not JSON or not an object."""
+    text = read_text(path, f"DeepSpeed config {path!r}", "a DeepSpeed JSON config")
     try:
-        ds = json.loads(p.read_text())
-    except (ValueError, UnicodeDecodeError) as e:  # the parser says where the syntax broke
+        ds = json.loads(text)
+    except ValueError as e:  # the parser says where the syntax broke
         raise BigfitError(f"DeepSpeed config {path!r} is not valid JSON: {e}") from None
     return map_deepspeed(ds, world_size, name=f"DeepSpeed config {path}")

@@ -17,6 +17,10 @@ UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
 # the host took ~1.1 s a step for ~1.2 TFLOP of model FLOPs (benchmarks/RESULTS.md, device maps).
 DEFAULTS = dict(gpu_tflops=760.0, pcie_gbps=55.0, intra_gbps=300.0, inter_gbps=25.0, cpu_adam_params_per_s=4e9,
                 nvme_gbps=3.0, cpu_tflops=1.0)  # nvme: a typical PCIe 4 drive, not measured here
+# Beyond these a description is a typo, far past any real machine (and a list of 10**11 GPU sizes would
+# not fit in RAM: parse_gpus builds one per node).
+MAX_GPUS_PER_NODE = 1024
+MAX_NODES = 100_000
 
 
 def parse_size(text: str, what: str = "size") -> int:
@@ -27,14 +31,21 @@ def parse_size(text: str, what: str = "size") -> int:
 
 
 def parse_gpus(text: str) -> list[int]:
-    """'8x16GB' -> eight 16 GB devices; '24GB,8GB' -> two devices of different sizes."""
+    """'8x16GB' -> eight 16 GB devices; '24GB,8GB' -> two devices of different sizes (one node's)."""
     out = []
     for part in text.split(","):
-        count, _, size = part.strip().rpartition("x")
-        n = int(count) if count.isdigit() else 1 if not count else None
+        count, _, size = part.strip().replace("X", "x").rpartition("x")
+        n = int(count) if count.strip().isdigit() else 1 if not count else None
         if n is None or n < 1:
             raise BigfitError(f"--gpus {text!r}: write a list like 8x16GB or 24GB,8GB")
-        out += [parse_size(size, "--gpus size")] * n
+        if len(out) + n > MAX_GPUS_PER_NODE:  # checked before the list is built: 99999999999x16GB
+            raise BigfitError(f"--gpus {text!r} describes {len(out) + n} GPUs in one node; at most "
+                              f"{MAX_GPUS_PER_NODE} per node: give more nodes with --nodes (8x80GB --nodes 4)")
+        gpu = parse_size(size, "--gpus size")
+        if gpu <= 0:
+            raise BigfitError(f"--gpus {text!r}: a GPU of {size.strip()!r} holds nothing; give each "
+                              "GPU's memory, like 16GB")
+        out += [gpu] * n
     return out
 
 

@@ -14,6 +14,7 @@ import torch
 
 from ..errors import BigfitError
 from ..strategies.base import Applied
+from ..userfiles import read_text
 from .maps import canonical_device, resolve_map
 
 
@@ -37,13 +38,13 @@ def read_spec(cfg) -> tuple[str, object]:
     """("map", user map) or ("auto", budgets or None for this machine) from --device-map."""
     if cfg.device_map in (None, "auto"):
         return "auto", None
-    p = Path(cfg.device_map)
-    if not p.is_file():
-        raise BigfitError(f"--device-map {cfg.device_map!r} is not a file; give MAP.json or 'auto'")
-    try:
-        spec = json.loads(p.read_text())
+    what = f"--device-map {cfg.device_map!r}"
+    if not Path(cfg.device_map).expanduser().exists():
+        raise BigfitError(f"{what} is not a file; give MAP.json or 'auto'")
+    try:  # read_text: a directory, unreadable, not UTF-8 or empty is one line too
+        spec = json.loads(read_text(cfg.device_map, what, "MAP.json or 'auto'"))
     except ValueError as e:
-        raise BigfitError(f"--device-map {cfg.device_map!r} is not valid JSON: {e}") from None
+        raise BigfitError(f"{what} is not valid JSON: {e}") from None
     if isinstance(spec, dict) and set(spec) == {"auto"}:
         return "auto", spec["auto"]
     return "map", spec

@@ -5,32 +5,58 @@ import json
 
 from ..config import PIPELINE_STRATEGIES, SPLIT_STRATEGIES, STRATEGIES
 from ..errors import BigfitError
-from ..hardware import Hardware, detect, host_ram, parse_gpus, parse_size
+from ..hardware import MAX_NODES, Hardware, detect, host_ram, parse_gpus, parse_size
 from ..models import load_config, locate
+from .estimate import RESERVE
 from .search import Job, plan_for_config
 from .split import NAME as DEVICE_MAP
 
+# `bigfit plan` flags that must be more than 0 (None: the default), the hardware's rates among them...
+POSITIVE = ("batch_size", "seq_len", "chunks", "stages_per_rank", "micro_batch_size")
+RATES = ("pcie_gbps", "intra_gbps", "inter_gbps", "nvme_gbps", "cpu_tflops")
+# ...and those that may be 0 too
+AT_LEAST_0 = ("target_len", "nvme_host_gb")
+
 
 def hardware_from_args(ns) -> Hardware:
+    """The machine `bigfit plan` is asked about: --gpus (else this one's) and the other flags, each
+    range-checked, since a 0 GB GPU or a 0 GB/s link would plan nonsense rather than fail."""
+    if not 1 <= ns.nodes <= MAX_NODES:
+        raise BigfitError(f"--nodes must be from 1 to {MAX_NODES}, got {ns.nodes}")
     if ns.gpus:
         base = Hardware(gpu_bytes=tuple(parse_gpus(ns.gpus)), cpu_ram=host_ram())
     else:
         base = detect()
+    if min(base.gpu_bytes) <= RESERVE:  # else every capacity in the plan would be negative
+        which = f"--gpus {ns.gpus!r}" if ns.gpus else "this machine's GPUs"
+        raise BigfitError(f"{which}: the plan keeps {RESERVE / 2**30:g} GiB of every GPU for the CUDA context and "
+                          "allocator, so each needs more than that, like 16GB")
     kw = {"nodes": ns.nodes, "nvme": parse_size(ns.nvme, "--nvme")}
     if ns.cpu_ram:
         kw["cpu_ram"] = parse_size(ns.cpu_ram, "--cpu-ram")
-    for name in ("pcie_gbps", "intra_gbps", "inter_gbps", "nvme_gbps", "cpu_tflops"):
-        if getattr(ns, name):
-            kw[name] = getattr(ns, name)
+        if kw["cpu_ram"] <= 0:
+            raise BigfitError(f"--cpu-ram {ns.cpu_ram!r} holds nothing; give each node's host RAM, like 256GB")
+    for name in RATES:
+        if getattr(ns, name) is not None:
+            kw[name] = _above_0(ns, name)
     return Hardware(**{**vars(base), **kw})
+
+
+def _above_0(ns, name: str):
+    if getattr(ns, name) <= 0:
+        raise BigfitError(f"--{name.replace('_', '-')} must be more than 0, got {getattr(ns, name)}")
+    return getattr(ns, name)
 
 
 def plan_command(ns) -> int:
     from rich.console import Console
 
-    for name in ("batch_size", "seq_len", "chunks", "stages_per_rank"):
-        if getattr(ns, name) is not None and getattr(ns, name) <= 0:
-            raise BigfitError(f"--{name.replace('_', '-')} must be positive, got {getattr(ns, name)}")
+    for name in POSITIVE:
+        if getattr(ns, name) is not None:
+            _above_0(ns, name)
+    for name in AT_LEAST_0:
+        if getattr(ns, name) < 0:
+            raise BigfitError(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(ns, name)}")
     hw = hardware_from_args(ns)
     config = load_config(locate(ns.model))
     job = Job(batch_size=ns.batch_size, seq_len=ns.seq_len, target_len=ns.target_len if config.is_encoder_decoder

@@ -34,7 +34,7 @@ def prepare(cfg: TrainConfig, world_size: int) -> Job:
     seq2seq = is_seq2seq(model_config)
     resume_from = checkpoint.resolve_resume(cfg.resume, cfg.output_dir) if cfg.resume else None
     if cfg.data:
-        examples = read_examples(cfg.data)
+        examples = read_examples(cfg.data, cfg.data_encoding)
     else:
         examples = digits_task(EMBEDDED_TRAIN_SAMPLES + cfg.eval_samples, seed=1234)
     dataset = build_dataset(examples, tokenizer, seq2seq, max_source_len=cfg.max_source_len,
