@@ -1,5 +1,7 @@
 """bigfit's host Adam kernel (strategies/cpu_adam.py) against torch's optimizers, and the offload
 engine's choice of gradient dtype around it."""
+import os
+
 import pytest
 import torch
 
@@ -87,13 +89,15 @@ def test_build_failure_means_torch_step(monkeypatch, tmp_path):
 
 def test_host_step_threads_are_the_ranks_share_of_the_cores(monkeypatch):
     """torchrun's OMP_NUM_THREADS=1 does not decide it; pinned ranks keep their own cores."""
-    monkeypatch.setattr(cpu_adam.os, "cpu_count", lambda: 64)
-    monkeypatch.setattr(cpu_adam.os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
+    from bigfit.distributed import cores_per_rank
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    assert cpu_adam.threads() == 8
+    assert cores_per_rank() == 8
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
-    assert cpu_adam.threads() == 64
-    monkeypatch.setattr(cpu_adam.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    assert cores_per_rank() == 64
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    assert cpu_adam.threads() == 16  # taskset or a launcher already gave this rank its cores
+    assert cores_per_rank() == 16  # taskset or a launcher already gave this rank its cores

@@ -37,6 +37,17 @@ def launched_by_torchrun_env() -> bool:
     return "WORLD_SIZE" in os.environ and "RANK" in os.environ
 
 
+def cores_per_rank() -> int:
+    """Threads for this rank's own host work (the offload engine's Adam, checkpoint checksums): its
+    share of the cores it may run on. Not torch's intra-op count: torchrun sets OMP_NUM_THREADS=1
+    when a node runs several ranks, which would leave each rank on one core. Ranks already pinned to
+    fewer cores than the machine's get them all."""
+    allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if allowed < (os.cpu_count() or 1):
+        return allowed
+    return max(1, allowed // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
 def init_runtime(timeout_s: float = 300.0, group_for_one: bool = False, host_collectives: bool = False) -> Runtime:
     """Join the job's process group (NCCL on GPUs, gloo on CPUs) with a collective timeout, so that
     a dead or stuck peer fails this process instead of hanging it for the default 30 minutes.

@@ -26,6 +26,8 @@ from importlib import resources
 
 import torch
 
+from ..distributed import cores_per_rank
+
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fPIC", "-shared"]
 
 
@@ -76,16 +78,6 @@ def kernel():
     return fn
 
 
-def threads() -> int:
-    """The host step's threads: this rank's share of the cores it may run on. Not torch's intra-op
-    count: torchrun sets OMP_NUM_THREADS=1 when a node runs several ranks, which would leave each
-    rank's host step on one core. Ranks already pinned to fewer cores than the machine's get them all."""
-    allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    if allowed < (os.cpu_count() or 1):
-        return allowed
-    return max(1, allowed // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-
-
 def supports(inner: torch.optim.Optimizer) -> bool:
     """The kernel does plain Adam/AdamW: not amsgrad, maximize or tensor learning rates."""
     group = inner.param_groups[0]
@@ -111,4 +103,4 @@ def step(inner: torch.optim.Optimizer, master: torch.Tensor, grad: torch.Tensor,
     kernel()(master.data_ptr(), grad.data_ptr(), int(grad.dtype == torch.bfloat16), st["exp_avg"].data_ptr(),
              st["exp_avg_sq"].data_ptr(), master.numel(), int(decoupled), 1 - lr * wd, 0.0 if decoupled else wd,
              1 - beta1, beta2, 1 - beta2, group["eps"], lr / (1 - beta1 ** t), math.sqrt(1 - beta2 ** t),
-             grad_scale, threads())
+             grad_scale, cores_per_rank())
