@@ -1,5 +1,6 @@
 import json
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -32,4 +33,40 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
-__all__ = ["FAMILIES", "read_jsonl"]
+def snapshot(root: Path) -> dict[str, bytes]:
+    """Every file under `root` (hidden ones too) and its bytes: equal snapshots mean nothing was touched."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(Path(root).rglob("*")) if p.is_file()}
+
+
+def one_line(err: str) -> str:
+    """The one error line a user mistake must give (no traceback, nothing else on stderr)."""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+# A finished one-process run: the tiny T5 (tests/tiny.py), 4 steps, checkpoints at steps 2 and 4
+RUN_ARGS = ["--strategy", "single", "--max-steps", "4", "--save-every", "2", "--eval-every", "0", "--batch-size", "4",
+            "--eval-samples", "4", "--num-beams", "1", "--max-new-tokens", "4", "--lr-schedule", "constant"]
+
+
+@pytest.fixture(scope="session")
+def finished_run(model_dirs, pairs_file, tmp_path_factory) -> tuple[Path, list[str]]:
+    """(its output directory, the arguments that made it: add --output-dir). Copy it before changing it."""
+    from bigfit.cli import main
+
+    out = tmp_path_factory.mktemp("finished") / "out"
+    args = ["train", "--model", str(model_dirs["t5"]), "--data", str(pairs_file), *RUN_ARGS]
+    assert main([*args, "--output-dir", str(out)]) == 0
+    return out, args
+
+
+@pytest.fixture
+def run_copy(finished_run, tmp_path) -> tuple[Path, list[str]]:
+    """A copy of the finished run, in this test's directory, to change as the test likes."""
+    out, args = finished_run
+    shutil.copytree(out, tmp_path / "out")
+    return tmp_path / "out", args
+
+
+__all__ = ["FAMILIES", "one_line", "read_jsonl", "snapshot"]

@@ -300,7 +300,7 @@ def test_strategy_auto_choosing_pipeline_launches_its_resolved_layout(monkeypatc
 
     launched = []
     monkeypatch.setattr(command, "auto_strategy", lambda cfg, world, one_process=True: ("pipeline", "stubbed"))
-    monkeypatch.setattr(launch, "launch_local", lambda argv, nproc, logs: launched.append((argv, nproc)) or 0)
+    monkeypatch.setattr(launch, "launch_local", lambda argv, nproc, logs, **kw: launched.append((argv, nproc)) or 0)
     assert main(["train", "--strategy", "auto", "--nproc", "2", "--model", str(model_dirs["llama"]), "--data",
                  str(pairs_file), "--batch-size", "4", "--max-source-len", "32", "--output-dir", str(tmp_path)]) == 0
     (argv, nproc), = launched

@@ -3,7 +3,6 @@ fit, confirmed by a probe job in disposable worker processes that steps down aft
 error (the workers exit with OOM_EXIT), so an OOM never breaks the real job's process group."""
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 from .config import TrainConfig
@@ -26,9 +25,7 @@ def choose_micro_batch(argv: list[str], cfg: TrainConfig, world: int, speaks: bo
     processes and process group are thrown away, so an OOM never leaves this job's broken."""
     from .launch import launch_local
     from .planning.command import auto_micro_batch
-    from .train.job import prepare
 
-    prepare(dataclasses.replace(cfg, micro_batch_size=1, batch_size=world), world)  # user mistakes first
     candidates = auto_micro_batch(cfg, world)
     predicted = candidates[0]
     if launched_by_torchrun_env():  # torchrun owns the processes: no probe, the prediction stands

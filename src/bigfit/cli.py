@@ -10,13 +10,12 @@ import dataclasses
 import difflib
 import os
 import sys
-from pathlib import Path
 
 from .checks import validate
 from .config import PIPELINE_SCHEDULES, PIPELINE_STRATEGIES, PRECISIONS, SPLIT_STRATEGIES, STRATEGIES, TrainConfig
 from .settings import HOW, NOUNS, as_type, field_type, load_config_file, normalise, setting_value
-from .distributed import launched_by_torchrun_env
 from .errors import BigfitError
+from .train.command import speaks, train_command, world
 
 
 class _Parser(argparse.ArgumentParser):
@@ -135,7 +134,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     c = commands["consolidate"] = sub.add_parser("consolidate",
                                                  help="sharded checkpoint -> one Hugging Face model directory")
     c.add_argument("checkpoint", help="a checkpoint directory (OUTPUT/checkpoints/step-N)")
-    c.add_argument("out", help="the model directory to write")
+    c.add_argument("out", help="the model directory to write (new, or empty)")
+    c.add_argument("--overwrite", action="store_true",
+                   help="replace a model directory bigfit wrote there earlier (its model files only)")
     ns, unknown = parser.parse_known_args(argv)
     if unknown:
         parser.error(_unrecognized(unknown, ns.command, commands[ns.command]))
@@ -166,8 +167,8 @@ def config_from_args(ns: argparse.Namespace) -> TrainConfig:
 def _deepspeed(path: str, so_far: dict) -> dict:
     from .deepspeed_config import load_deepspeed_config
 
-    mapping = load_deepspeed_config(path, _world(so_far.get("nproc"), TrainConfig()))
-    if _speaks():
+    mapping = load_deepspeed_config(path, world(so_far.get("nproc"), TrainConfig()))
+    if speaks():
         print(mapping.summary)
         if mapping.ignored:
             print(f"warning: DeepSpeed keys with no bigfit meaning, ignored: {', '.join(mapping.ignored)}")
@@ -176,102 +177,19 @@ def _deepspeed(path: str, so_far: dict) -> dict:
     return normalise(mapping.values, f"DeepSpeed config {path!r}")  # each value of its field's type
 
 
-def _speaks() -> bool:
-    """Messages about the command line are printed once: by the launcher, or by torchrun's rank 0."""
-    return "BIGFIT_ERROR_FILE" not in os.environ and os.environ.get("RANK", "0") == "0"
-
-
-def _world(nproc: int | None, cfg: TrainConfig) -> int:
-    """Processes in the job: torchrun's WORLD_SIZE, else --nproc, else the default for the strategy."""
-    return int(os.environ.get("WORLD_SIZE", 0)) or nproc or _default_nproc(cfg)
-
-
-def _default_nproc(cfg: TrainConfig) -> int:
-    if cfg.strategy in ("single", *SPLIT_STRATEGIES):
-        return 1
-    import torch
-
-    return torch.cuda.device_count() or 2
-
-
-def _check_gpus(nproc: int) -> None:
-    import torch
-
-    gpus = torch.cuda.device_count()
-    if gpus and nproc > gpus:
-        raise BigfitError(f"--nproc {nproc} needs one GPU per process, but {gpus} are visible; use --nproc {gpus} "
-                          "or fewer (or CUDA_VISIBLE_DEVICES= to run on the CPU)")
-
-
-def train_command(argv: list[str], ns: argparse.Namespace) -> int:
-    from .launch import launch_local, write_error
-
-    cfg = config_from_args(ns)
-    if cfg.strategy == "auto":
-        from .planning.command import auto_strategy
-
-        # device_map is one process driving every GPU: a candidate unless --nproc or torchrun fix the processes
-        one_process = cfg.nproc is None and not launched_by_torchrun_env()
-        name, reason = auto_strategy(cfg, _world(cfg.nproc, cfg), one_process)
-        if _speaks():
-            print(f"--strategy auto -> {name}: {reason}")
-        split = ["--device-map", "auto"] if name in SPLIT_STRATEGIES else []  # balanced as the plan was
-        cfg = dataclasses.replace(cfg, strategy=name, **({"device_map": "auto"} if split else {}))
-        argv = [*argv, "--strategy", name, *split]  # workers start from the decision, not from "auto"
-    if "auto" in (cfg.batch_size, cfg.micro_batch_size):
-        _check_gpus(_world(cfg.nproc, cfg))
-        from .autobatch import choose_micro_batch
-
-        micro, batch = choose_micro_batch(argv, cfg, _world(cfg.nproc, cfg), speaks=_speaks())
-        cfg = dataclasses.replace(cfg, micro_batch_size=micro, batch_size=batch)
-        argv = [*argv, "--micro-batch-size", str(micro), "--batch-size", str(batch)]
-    if launched_by_torchrun_env():  # a worker: of bigfit's launcher or of torchrun
-        from .train.loop import train
-
-        try:
-            train(cfg)
-        except Exception as e:
-            if not os.environ.get("BIGFIT_ERROR_FILE"):
-                raise  # under torchrun: its own error handling shows it
-            write_error(e)  # bigfit's launcher shows the first failure, once
-            from .autobatch import exit_status
-
-            return exit_status(e)
-        return 0
-    nproc = cfg.nproc or _default_nproc(cfg)
-    _check_gpus(nproc)
-    from .train.job import prepare
-
-    job = prepare(cfg, nproc)  # every check that needs no process, before any process starts
-    if cfg.strategy == "device_map":  # the map against the model's stacks, on the meta device
-        from .device_map.strategy import check
-
-        check(job.cfg, job.model_config)
-    if cfg.strategy == "pipeline":  # the cut into stages, on the meta device
-        from .pipeline import check
-
-        check(job.cfg, job.model_config, nproc)
-    if nproc == 1:
-        from .train.loop import train
-
-        train(cfg)
-        return 0
-    return launch_local(argv, nproc, Path(cfg.output_dir) / "logs")
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ns = parse_args(argv)
     try:
         if ns.command == "train":
-            return train_command(argv, ns)
+            return train_command(argv, config_from_args(ns))
         if ns.command == "plan":
             from .planning.command import plan_command
 
             return plan_command(ns)
         from .train.consolidate import consolidate
 
-        print(f"wrote {consolidate(ns.checkpoint, ns.out)}")
+        print(f"wrote {consolidate(ns.checkpoint, ns.out, overwrite=ns.overwrite)}")
         return 0
     except BigfitError as e:
         if os.environ.get("RANK", "0") == "0":  # under torchrun every rank finds the same mistake

@@ -35,7 +35,8 @@ class TrainConfig:
     model: str | None = None  # hub name, local dir with weights, or dir with only config.json; None: embedded tiny T5
     data: str | None = None  # JSONL (source/target or text), CSV (source,target) or .txt; None: embedded task
     data_encoding: str = "utf-8"  # text encoding of --data files (JSONL, CSV, text)
-    output_dir: str = "bigfit-out"  # checkpoints, metrics.jsonl, consolidated model
+    output_dir: str = "bigfit-out"  # checkpoints, metrics.jsonl, consolidated model; one run's, locked while it runs
+    overwrite: bool = False  # replace the run already in output_dir: its files only, never files bigfit did not write
     max_steps: int = 600  # optimizer steps
     batch_size: int | str = 32  # GLOBAL batch: samples per optimizer step, over all processes and micro-batches
     # samples per forward/backward on one process; None: batch_size / nproc; auto: the largest predicted
@@ -85,6 +86,7 @@ class TrainConfig:
     num_beams: int = 4  # beam width for generate() during evaluation
     max_new_tokens: int = 32  # generation length limit during evaluation
     resume: str | None = None  # "latest" (newest complete checkpoint in output_dir) or a checkpoint dir
+    allow_changed: str | None = None  # --resume: comma-separated settings that may differ from the checkpoint's although they change the math
     timeout_s: float = 300.0  # collective timeout: a stuck peer fails the job instead of hanging it
     consolidate: bool = True  # write output_dir/model (Hugging Face format) at the end
     probe_only: bool = False  # internal: one step on the longest samples, then exit (micro-batch auto's probe)

@@ -72,9 +72,11 @@ def _report(exits: dict[int, int], err_dir: Path, log_dir: Path) -> str:
     return f"worker rank {rank} exited with status {code} {where}"
 
 
-def launch_local(argv: list[str], nproc: int, log_dir: Path, quiet: bool = False) -> int:
+def launch_local(argv: list[str], nproc: int, log_dir: Path, quiet: bool = False, lock_fd: int | None = None) -> int:
     """Run `python -m bigfit <argv>` as `nproc` workers on this machine; returns the exit status.
-    `quiet`: rank 0 writes a log too, and a failure is left to the caller to report."""
+    `quiet`: rank 0 writes a log too, and a failure is left to the caller to report. `lock_fd`: the
+    output directory's lock (train/lock.py), inherited by every worker so that it stays held while
+    any of them lives, even if this launcher is killed."""
     log_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="bigfit-errors-") as tmp:
@@ -86,7 +88,8 @@ def launch_local(argv: list[str], nproc: int, log_dir: Path, quiet: bool = False
             # rank 0 talks to the terminal; the others write logs, read only when something fails
             out = None if rank == 0 and not quiet else open(log_dir / f"rank-{rank}.log", "w")
             procs[rank] = subprocess.Popen([sys.executable, "-m", "bigfit", *argv], env=env,
-                                           stdout=out, stderr=subprocess.STDOUT if out else None)
+                                           stdout=out, stderr=subprocess.STDOUT if out else None,
+                                           pass_fds=() if lock_fd is None else (lock_fd,))
         by_pid = {p.pid: r for r, p in procs.items()}
         try:
             while by_pid:

@@ -3,16 +3,17 @@
 Layout: OUTPUT/checkpoints/step-00000100/ holds the DCP files of the model and optimizer (each rank
 writes its own shards), rank-N.pt (that rank's RNG state), trainer.json (step, config), the model's
 config.json and tokenizer files (so that `bigfit consolidate` needs nothing else), and last of all
-the marker COMPLETE. Everything is written under a hidden `.step-N.partial` name first and renamed
-once every rank has finished, so a crash mid-save never leaves a directory that looks complete; a
-leftover `.partial` is ignored and cleared by the next save of that step.
+the marker COMPLETE, which holds the manifest: every file's size and CRC-32 (manifest.py), checked
+by `ckptdir.verify` before anything is loaded or consolidated. Everything is written under a hidden
+`.step-N.partial` name first and renamed once every rank has finished, so a crash mid-save never
+leaves a directory that looks complete; a leftover `.partial` is ignored and cleared by the next
+save of that step.
 """
 from __future__ import annotations
 
 import contextlib
 import json
 import os
-import re
 import shutil
 import time
 import warnings
@@ -20,41 +21,17 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultLoadPlanner
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 from torch.distributed.tensor import DTensor
 
-from ..distributed import Runtime, barrier
+from ..distributed import Runtime, barrier, gather_objects
 from ..errors import BigfitError
 from ..faults import maybe_die
-
-MARKER = "COMPLETE"
-NAME = re.compile(r"^step-(\d+)$")
-
-
-def is_checkpoint(path: Path) -> bool:
-    return path.is_dir() and NAME.match(path.name) is not None and (path / MARKER).is_file()
-
-
-def latest(root: Path) -> Path | None:
-    done = [p for p in root.glob("step-*") if is_checkpoint(p)] if root.is_dir() else []
-    return max(done, key=lambda p: int(NAME.match(p.name).group(1)), default=None)
-
-
-def resolve_resume(arg: str, output_dir: str) -> Path:
-    """`--resume latest` or a path: the checkpoint directory to load, or a BigfitError."""
-    if arg == "latest":
-        root = Path(output_dir) / "checkpoints"
-        found = latest(root)
-        if found is None:
-            raise BigfitError(f"--resume: no complete checkpoint in {str(root)!r}; train without --resume "
-                              "first, or give a checkpoint directory")
-        return found
-    p = Path(arg).expanduser()
-    if not is_checkpoint(p):
-        raise BigfitError(f"--resume {arg!r} is not a complete bigfit checkpoint (a step-N directory holding "
-                          f"a {MARKER} marker, made by --save-every)")
-    return p
+from . import manifest
+from .ckptdir import MARKER, is_checkpoint, steps, trainer_state
 
 
 def _sync_dir(path: Path) -> None:
@@ -124,28 +101,56 @@ def save(root: Path, step: int, applied, optimizer, rt: Runtime, trainer_state: 
         (tmp / "trainer.json").write_text(json.dumps(trainer_state, indent=1))
     barrier(rt)
     maybe_die("save", step, rt)
+    files = _checksums(tmp, rt)
     if rt.is_main:
-        (tmp / MARKER).write_text(json.dumps({"step": step, "world_size": rt.world_size, "time": time.time()}))
+        (tmp / MARKER).write_text(manifest.seal({"step": step, "world_size": rt.world_size, "time": time.time(),
+                                                 "files": files}))
         _sync_dir(tmp)
-        if final.exists():  # an earlier run's checkpoint of this step: replaced whole
+        if final.exists():  # this run's own, saved before it resumed from an earlier step: replaced whole
             shutil.rmtree(final)
         os.replace(tmp, final)
         _sync_dir(root)
         if keep:
-            done = sorted((p for p in root.glob("step-*") if is_checkpoint(p)), key=lambda p: int(p.name[5:]))
-            for old in done[:-keep]:
+            for old in [p for p in steps(root) if is_checkpoint(p)][keep:]:
                 shutil.rmtree(old)
     barrier(rt)
     return final
 
 
+def _checksums(tmp: Path, rt: Runtime) -> dict | None:
+    """Every rank checksums the files it wrote; rank 0 gets the whole manifest (None elsewhere)."""
+    names = manifest.file_list(tmp, MARKER)
+    parts = gather_objects(manifest.describe(tmp, manifest.written_by(names, rt.rank)), rt)
+    return {k: v for part in parts for k, v in part.items()} if rt.is_main else None
+
+
+class _StatesAcrossOptimizers(DefaultLoadPlanner):
+    """Loads an optimizer checkpoint of another strategy: torch's optimizers save their param_groups
+    (hyper-parameters, which this run's settings set anyway) beside the states, bigfit's own (zero1,
+    the offload engine) the states alone, and pipeline ranks theirs per parameter. Those keys may be
+    absent; any other key the job needs and the checkpoint lacks is an error naming it."""
+
+    def create_local_plan(self):
+        absent = [k for k in self.state_dict if k not in self.metadata.state_dict_metadata]
+        if other := [k for k in absent if not k.startswith("optim.param_groups.")]:
+            raise BigfitError(f"it holds no {other[0]!r} ({len(other)} entries this job needs are missing)")
+        self.allow_partial_load = True
+        return super().create_local_plan()
+
+
 def load(path: Path, applied, optimizer, rt: Runtime) -> dict:
-    """Restore model, optimizer and this rank's RNG in place; returns trainer.json."""
+    """Restore model, optimizer and this rank's RNG in place; returns trainer.json. A checkpoint that
+    does not fit this job (another model, or a strategy it cannot convert from) is a BigfitError."""
     if hasattr(optimizer, "owned"):
         _init_optimizer_state(optimizer)
     state = _state(applied, optimizer)
-    with _one_process_quiet(rt):
-        dcp.load(state, checkpoint_id=str(path))
+    try:
+        with _one_process_quiet(rt):
+            dcp.load(state, checkpoint_id=str(path), planner=_StatesAcrossOptimizers())
+    except CheckpointException as e:  # a BaseException: it carries every rank's failure
+        exc = next(iter(e.failures.values()))[0]
+        raise BigfitError(f"checkpoint {str(path)!r} does not fit this {applied.strategy} job: "
+                          f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
     if hasattr(optimizer, "reload_params"):  # the host masters were loaded in place
         optimizer.reload_params()
     elif hasattr(optimizer, "owned"):  # states were loaded in place; the model goes through DCP's setter
@@ -153,7 +158,7 @@ def load(path: Path, applied, optimizer, rt: Runtime) -> dict:
     else:
         set_state_dict(applied.model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                        options=_options(applied))
-    trainer = json.loads((path / "trainer.json").read_text())
+    trainer = trainer_state(path)
     rng_file = path / f"rank-{rt.rank}.pt"
     if trainer.get("world_size") == rt.world_size and rng_file.is_file():
         _set_rng_state(torch.load(rng_file, weights_only=False))

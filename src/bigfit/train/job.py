@@ -10,7 +10,7 @@ from pathlib import Path
 from ..config import TrainConfig, resolve
 from ..data import Dataset, build_dataset, digits_task, read_examples
 from ..models import ModelSource, is_seq2seq, load_config, load_tokenizer, locate
-from . import checkpoint
+from . import ckptdir
 
 EMBEDDED_TRAIN_SAMPLES = 4000
 
@@ -32,7 +32,7 @@ def prepare(cfg: TrainConfig, world_size: int) -> Job:
     model_config = load_config(source)
     tokenizer = load_tokenizer(source, model_config)
     seq2seq = is_seq2seq(model_config)
-    resume_from = checkpoint.resolve_resume(cfg.resume, cfg.output_dir) if cfg.resume else None
+    resume_from = ckptdir.resolve_resume(cfg.resume, cfg.output_dir) if cfg.resume else None
     if cfg.data:
         examples = read_examples(cfg.data, cfg.data_encoding)
     else:

@@ -12,11 +12,12 @@ from ..distributed import Runtime, init_runtime, shutdown
 from ..models import build_model, count_parameters
 from ..precision import LossScaler, fp16_warning
 from ..strategies import FSDP_STRATEGIES, apply_strategy, build_optimizer
-from . import checkpoint
+from . import checkpoint, runinfo
 from .consolidate import consolidate
 from .evaluate import evaluate
 from .job import Job, describe, prepare
 from .metrics import MetricsLog, StepProgress, console, table
+from .ownership import claim
 from .step import lr_at, train_step
 
 
@@ -25,7 +26,9 @@ def train(cfg: TrainConfig) -> dict:
     rt = init_runtime(cfg.timeout_s, group_for_one=cfg.strategy in FSDP_STRATEGIES,
                       host_collectives=cfg.strategy == "zero3-offload")
     try:
-        return _train(prepare(cfg, rt.world_size), rt)
+        job = prepare(cfg, rt.world_size)
+        with claim(job, rt):  # the output directory is this run's (a launcher may have claimed it already)
+            return _train(job, rt)
     finally:
         shutdown(rt)
 
@@ -68,6 +71,7 @@ def _train(job: Job, rt: Runtime) -> dict:
     evals = MetricsLog(out_dir / "eval.jsonl", resumed_at) if rt.is_main else None
     batcher = Batcher(len(ds.train), cfg.batch_size, cfg.seed)
     write_assets = _assets_writer(job, applied.module)
+    run = runinfo.read(out_dir) if rt.is_main else {}  # written by the claim: checkpoints carry the run's identity
 
     def run_eval() -> dict:
         _settle(optimizer)
@@ -104,7 +108,8 @@ def _train(job: Job, rt: Runtime) -> dict:
         if step == cfg.max_steps or (cfg.save_every and step % cfg.save_every == 0):
             _settle(optimizer)
             trainer = {"step": step, "world_size": rt.world_size, "config": cfg.to_dict(),
-                       "loss_scaler": scaler.state_dict() if scaler else None}
+                       "loss_scaler": scaler.state_dict() if scaler else None, "run_id": run.get("run_id"),
+                       "identity": run.get("identity")}
             last_ckpt = checkpoint.save(ckpt_root, step, applied, optimizer, rt, trainer, write_assets,
                                         keep=cfg.keep_checkpoints)
     summary = {"steps": step, "first_eval": first_eval, "last_eval": last_eval, "checkpoint": last_ckpt,
@@ -114,7 +119,8 @@ def _train(job: Job, rt: Runtime) -> dict:
         metrics.close()
         evals.close()
         if cfg.consolidate and last_ckpt is not None:
-            summary["model_dir"] = consolidate(last_ckpt, out_dir / "model")
+            # this run's own model directory (the claim made sure): replaced, files bigfit did not write kept
+            summary["model_dir"] = consolidate(last_ckpt, out_dir / "model", overwrite=True, legacy=True)
         _print_summary(summary)
     return summary
 

@@ -1,0 +1,76 @@
+"""Checkpoints on disk: their names (OUTPUT/checkpoints/step-N, COMPLETE last), the newest one,
+what is damaged in one (its manifest, manifest.py), and the trainer.json they hold. Saving and
+loading them is checkpoint.py's."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from ..errors import BigfitError
+from . import manifest
+
+MARKER = "COMPLETE"
+NAME = re.compile(r"^step-(\d+)$")
+
+
+def is_checkpoint(path: Path) -> bool:
+    return path.is_dir() and NAME.match(path.name) is not None and (path / MARKER).is_file()
+
+
+def step_of(path: Path) -> int:
+    return int(NAME.match(path.name).group(1))
+
+
+def steps(root: Path) -> list[Path]:
+    """Every step-N directory under `root`, newest first: only complete saves are renamed to that
+    name, so one without an intact marker was damaged after it was written."""
+    found = [p for p in root.glob("step-*") if p.is_dir() and NAME.match(p.name)] if root.is_dir() else []
+    return sorted(found, key=step_of, reverse=True)
+
+
+def damage(path: Path) -> str | None:
+    """What is wrong with checkpoint `path` (its marker, or a file its manifest lists), or None."""
+    marker = path / MARKER
+    if not marker.is_file():
+        return f"it has no {MARKER} marker"
+    body = manifest.unseal(marker.read_text(errors="replace"))
+    if body is None:
+        return f"its {MARKER} marker is damaged"
+    return manifest.first_problem(path, body.get("files", {}))
+
+
+def verify(path: Path, retry: str) -> None:
+    """Raise a BigfitError naming what is damaged in checkpoint `path` and the newest older intact
+    checkpoint beside it, which `retry` (a command with {} for the path) would use instead."""
+    problem = damage(path)
+    if problem is None:
+        return
+    older = next((p for p in steps(path.parent) if step_of(p) < step_of(path) and damage(p) is None), None)
+    instead = f"the newest intact one is {str(older)!r}: {retry.format(older)}" if older else "no older intact one is there"
+    raise BigfitError(f"checkpoint {str(path)!r} is damaged: {problem}; {instead}")
+
+
+def trainer_state(path: Path) -> dict:
+    """trainer.json of checkpoint `path` (step, world size, settings, run identity)."""
+    try:
+        return json.loads((path / "trainer.json").read_text())
+    except (OSError, ValueError) as e:  # only a checkpoint without a manifest gets this far damaged
+        raise BigfitError(f"checkpoint {str(path)!r}: its trainer.json cannot be read ({e})") from None
+
+
+def resolve_resume(arg: str, output_dir: str) -> Path:
+    """`--resume latest` or a path: the checkpoint directory to load, or a BigfitError. `latest` is
+    the newest step-N directory, intact or not (`verify` says which): never silently an older one."""
+    if arg == "latest":
+        root = Path(output_dir) / "checkpoints"
+        found = steps(root)
+        if not found:
+            raise BigfitError(f"--resume: no complete checkpoint in {str(root)!r}; train without --resume "
+                              "first, or give a checkpoint directory")
+        return found[0]
+    p = Path(arg).expanduser()
+    if not (p.is_dir() and NAME.match(p.name) and ((p / MARKER).exists() or (p / ".metadata").exists())):
+        raise BigfitError(f"--resume {arg!r} is not a complete bigfit checkpoint (a step-N directory holding "
+                          f"a {MARKER} marker, made by --save-every)")
+    return p

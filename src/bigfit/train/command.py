@@ -1,0 +1,145 @@
+"""`bigfit train`, from the parsed settings to a running job.
+
+The launcher (or the one process of a one-process job) takes the "auto" decisions, checks all that
+needs no process (`prepare`), claims the output directory (ownership.py), and then trains in this
+process or starts the workers, handing them the directory's lock. A worker, of bigfit's launcher or
+of torchrun, trains its rank; under torchrun rank 0 claims the directory for the job.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+from ..config import SPLIT_STRATEGIES, TrainConfig
+from ..distributed import launched_by_torchrun_env
+from ..errors import BigfitError
+
+
+def speaks() -> bool:
+    """Messages about the command line are printed once: by the launcher, or by torchrun's rank 0."""
+    return "BIGFIT_ERROR_FILE" not in os.environ and os.environ.get("RANK", "0") == "0"
+
+
+def world(nproc: int | None, cfg: TrainConfig) -> int:
+    """Processes in the job: torchrun's WORLD_SIZE, else --nproc, else the default for the strategy."""
+    return int(os.environ.get("WORLD_SIZE", 0)) or nproc or default_nproc(cfg)
+
+
+def default_nproc(cfg: TrainConfig) -> int:
+    if cfg.strategy in ("single", *SPLIT_STRATEGIES):
+        return 1
+    import torch
+
+    return torch.cuda.device_count() or 2
+
+
+def check_gpus(nproc: int) -> None:
+    import torch
+
+    gpus = torch.cuda.device_count()
+    if gpus and nproc > gpus:
+        raise BigfitError(f"--nproc {nproc} needs one GPU per process, but {gpus} are visible; use --nproc {gpus} "
+                          "or fewer (or CUDA_VISIBLE_DEVICES= to run on the CPU)")
+
+
+def train_command(argv: list[str], cfg: TrainConfig) -> int:
+    """Run `bigfit train` with `argv` (what workers are started with) parsed into `cfg`."""
+    if cfg.strategy == "auto":
+        cfg, argv = _auto_strategy(cfg, argv)
+    if cfg.resume and cfg.batch_size == "auto":
+        cfg, argv = _resumed_batch(cfg, argv)
+    if launched_by_torchrun_env():  # a worker: of bigfit's launcher or of torchrun
+        return _worker(cfg, argv)
+    nproc = cfg.nproc or default_nproc(cfg)
+    check_gpus(nproc)
+    from .job import prepare
+    from .ownership import claim
+
+    job = prepare(_checkable(cfg, nproc), nproc)  # every check that needs no process, before any process starts
+    _check_split(job, nproc)
+    with claim(job) as lock:  # the output directory is this run's from here on, or one line says why not
+        if "auto" in (cfg.batch_size, cfg.micro_batch_size):
+            cfg, argv = _auto_batch(cfg, argv, nproc)  # probe jobs, under this claim
+        if nproc == 1:
+            from .loop import train
+
+            train(cfg)
+            return 0
+        from ..launch import launch_local
+
+        return launch_local(argv, nproc, Path(cfg.output_dir) / "logs", lock_fd=lock.fd if lock else None)
+
+
+def _worker(cfg: TrainConfig, argv: list[str]) -> int:
+    from ..autobatch import exit_status
+    from ..launch import write_error
+    from .loop import train
+
+    if "auto" in (cfg.batch_size, cfg.micro_batch_size):  # under torchrun: the prediction, no probe
+        cfg, argv = _auto_batch(cfg, argv, world(cfg.nproc, cfg))
+    try:
+        train(cfg)
+    except Exception as e:
+        if not os.environ.get("BIGFIT_ERROR_FILE"):
+            raise  # under torchrun: its own error handling shows it
+        write_error(e)  # bigfit's launcher shows the first failure, once
+        return exit_status(e)
+    return 0
+
+
+def _auto_strategy(cfg: TrainConfig, argv: list[str]) -> tuple[TrainConfig, list[str]]:
+    from ..planning.command import auto_strategy
+
+    # device_map is one process driving every GPU: a candidate unless --nproc or torchrun fix the processes
+    one_process = cfg.nproc is None and not launched_by_torchrun_env()
+    name, reason = auto_strategy(cfg, world(cfg.nproc, cfg), one_process)
+    if speaks():
+        print(f"--strategy auto -> {name}: {reason}")
+    split = ["--device-map", "auto"] if name in SPLIT_STRATEGIES else []  # balanced as the plan was
+    cfg = dataclasses.replace(cfg, strategy=name, **({"device_map": "auto"} if split else {}))
+    return cfg, [*argv, "--strategy", name, *split]  # workers start from the decision, not from "auto"
+
+
+def _resumed_batch(cfg: TrainConfig, argv: list[str]) -> tuple[TrainConfig, list[str]]:
+    """`--batch-size auto` on resume is the checkpoint's global batch: another would change the math."""
+    from .ckptdir import resolve_resume
+
+    try:
+        saved = json.loads((resolve_resume(cfg.resume, cfg.output_dir) / "trainer.json").read_text())
+        batch = int(saved["config"]["batch_size"])
+    except (BigfitError, OSError, ValueError, KeyError, TypeError):
+        return cfg, argv  # the claim says what is wrong with the checkpoint
+    if speaks():
+        print(f"--batch-size auto on resume -> {batch}, the checkpoint's")
+    return dataclasses.replace(cfg, batch_size=batch), [*argv, "--batch-size", str(batch)]
+
+
+def _checkable(cfg: TrainConfig, nproc: int) -> TrainConfig:
+    """`cfg` with numbers where the probe decides the batch sizes later, for the checks before it."""
+    if "auto" not in (cfg.batch_size, cfg.micro_batch_size):
+        return cfg
+    undecided = [n for n in ("batch_size", "micro_batch_size") if getattr(cfg, n) == "auto"]
+    return dataclasses.replace(cfg, micro_batch_size=1, batch_size=nproc if cfg.batch_size == "auto" else cfg.batch_size,
+                               extra={**cfg.extra, "undecided": undecided})
+
+
+def _check_split(job, nproc: int) -> None:
+    """device_map's map and pipeline's cut against the model's stacks, on the meta device."""
+    if job.cfg.strategy == "device_map":
+        from ..device_map.strategy import check
+
+        check(job.cfg, job.model_config)
+    if job.cfg.strategy == "pipeline":
+        from ..pipeline import check
+
+        check(job.cfg, job.model_config, nproc)
+
+
+def _auto_batch(cfg: TrainConfig, argv: list[str], nproc: int) -> tuple[TrainConfig, list[str]]:
+    from ..autobatch import choose_micro_batch
+
+    micro, batch = choose_micro_batch(argv, cfg, nproc, speaks=speaks())
+    cfg = dataclasses.replace(cfg, micro_batch_size=micro, batch_size=batch)
+    return cfg, [*argv, "--micro-batch-size", str(micro), "--batch-size", str(batch)]

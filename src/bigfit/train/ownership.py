@@ -1,0 +1,149 @@
+"""Claiming an output directory for one run, before any process trains: `claim`.
+
+One process per job claims (bigfit's launcher before it starts workers, the one process of a
+one-process job, or rank 0 under torchrun, which tells the others): it checks the location (and
+the NVMe directory), the disk space one checkpoint needs, then takes the directory's lock and
+decides what the directory's contents allow:
+- empty, or holding only a start that failed before its first step: a new run;
+- holding a run: refused, unless --resume (the checkpoint is verified against its manifest and
+  its settings compared with this run's, resume.py) or --overwrite (that run's files are removed,
+  nothing else, rundir.py);
+and records the run's identity in run.json (runinfo.py). Workers started by the claimer see BIGFIT_OUTPUT_CLAIMED
+and check nothing again.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+from ..distributed import Runtime, broadcast_object
+from ..errors import BigfitError
+from ..models import build_model, count_parameters
+from . import ckptdir, resume, rundir, runinfo
+from .lock import RunLock
+
+CLAIMED = "BIGFIT_OUTPUT_CLAIMED"  # the output directory a parent process claimed for this job
+BYTES_PER_PARAM = 12  # a checkpoint: fp32 weights (or master weights) and Adam's two fp32 moments
+
+
+def output_path(cfg) -> Path:
+    return Path(cfg.output_dir).expanduser().resolve()
+
+
+@contextlib.contextmanager
+def claim(job, rt: Runtime | None = None, speak=print):
+    """Own `job`'s output directory for the duration (see the module's docstring); yields the lock
+    (None where a parent holds it) so that a launcher can hand it to its workers. `rt`: the job's
+    ranks (rank 0 claims, the others learn how it went); None: this process alone."""
+    out = output_path(job.cfg)
+    if os.environ.get(CLAIMED) == str(out):
+        yield None
+        return
+    lock, error = None, None
+    if rt is None or rt.is_main:
+        try:
+            lock = _own(job, out, speak)
+        except BigfitError as e:
+            error = str(e)
+    if error := (broadcast_object(error, rt) if rt else error):
+        raise BigfitError(error)
+    before, os.environ[CLAIMED] = os.environ.get(CLAIMED), str(out)
+    try:
+        yield lock
+    finally:
+        if before is None:
+            os.environ.pop(CLAIMED, None)
+        else:
+            os.environ[CLAIMED] = before
+        if lock is not None:
+            lock.release()
+
+
+def _own(job, out: Path, speak) -> RunLock:
+    cfg = job.cfg
+    if cfg.allow_changed and not cfg.resume:
+        raise BigfitError("--allow-changed belongs to --resume (settings that may differ from the checkpoint's)")
+    rundir.check_location(out, "--output-dir")
+    if cfg.strategy == "zero2-offload-nvme" and cfg.nvme_dir:
+        rundir.check_location(Path(cfg.nvme_dir).expanduser(), "--nvme-dir")
+    notes = _check_space(job, out)
+    created = not out.exists()
+    lock = RunLock(out).acquire()
+    try:
+        ident = runinfo.identity(job)
+        contents = rundir.inspect(out)
+        notes += _settle(job, out, contents, ident)
+        runinfo.write(out, contents.run, ident, job)
+    except BaseException:
+        lock.release()
+        if created:
+            with contextlib.suppress(OSError):
+                out.rmdir()  # made by this claim, and nothing was written into it
+        raise
+    for line in lock.notes + notes:
+        speak(line)
+    return lock
+
+
+def _settle(job, out: Path, contents: rundir.Contents, ident: dict) -> list[str]:
+    """What the directory's contents allow this run; the lines to say (removals, resume notes)."""
+    cfg = job.cfg
+    if job.resume_from is not None:
+        return _check_resume(job, out, contents, ident)
+    if not contents.holds_run:
+        return []
+    if not cfg.overwrite:
+        raise BigfitError(f"--output-dir {str(out)!r} holds {contents.describe()}; continue it with --resume, "
+                          "replace it with --overwrite (removes that run's files only), or choose another --output-dir")
+    rundir.remove_run(contents)
+    return [f"removed {contents.describe()} from {out} (--overwrite)"]
+
+
+def _check_resume(job, out: Path, contents: rundir.Contents, ident: dict) -> list[str]:
+    cfg, ckpt = job.cfg, job.resume_from
+    inside = out in ckpt.resolve().parents
+    if cfg.overwrite and inside:
+        raise BigfitError(f"--overwrite would remove the run in --output-dir {str(out)!r}, checkpoint {str(ckpt)!r} "
+                          "included, that --resume continues: give one of them")
+    ckptdir.verify(ckpt, "resume from it with --resume {}")
+    saved = ckptdir.trainer_state(ckpt)
+    ours = saved.get("run_id") is not None and saved.get("run_id") == (contents.run or {}).get("run_id")
+    if contents.holds_run and not inside and not ours:
+        if not cfg.overwrite:
+            raise BigfitError(f"--output-dir {str(out)!r} holds {contents.describe()}, not the run of checkpoint "
+                              f"{str(ckpt)!r}; continue it in a new --output-dir, or replace what is there with "
+                              "--overwrite")
+        rundir.remove_run(contents)
+    allowed = {k.strip() for k in (cfg.allow_changed or "").split(",") if k.strip()}
+    if bad := sorted(allowed - set(resume.MATH)):
+        raise BigfitError(f"--allow-changed {','.join(bad)}: not a setting that changes the math (those are "
+                          f"{', '.join(resume.MATH)}); other settings may change on resume without it")
+    now = {"config": cfg.to_dict(), "world_size": cfg.extra["world_size"], "identity": ident,
+           "undecided": cfg.extra.get("undecided", ())}  # sizes a probe picks after this check
+    refused, notes = resume.compare(saved, now, allowed)
+    if refused:
+        raise BigfitError(f"--resume: checkpoint {str(ckpt)!r} was saved with other settings that change the math: "
+                          f"{'; '.join(refused)}; give the checkpoint's values, or continue anyway with "
+                          f"--allow-changed {','.join(k.split(' ')[0] for k in refused)}")
+    return notes
+
+
+def _check_space(job, out: Path) -> list[str]:
+    """Refuse when one checkpoint (and the model directory) cannot fit; warn when all the planned
+    ones cannot. Sizes from the parameter count of a weightless copy of the model."""
+    cfg = job.cfg
+    n = count_parameters(build_model(job.source, job.model_config, cfg.seed, on_meta=True))
+    ckpt, model = BYTES_PER_PARAM * n, (4 * n if cfg.consolidate else 0)
+    free = rundir.free_bytes(out)
+    gb = lambda b: f"{b / 1e9:.2f} GB"  # noqa: E731
+    if free < ckpt + model:
+        raise BigfitError(f"--output-dir {str(out)!r} has {gb(free)} free, but one checkpoint of this model takes "
+                          f"{gb(ckpt)} ({BYTES_PER_PARAM} bytes a parameter)" + (f" and its model directory {gb(model)}"
+                          if model else "") + "; free some space or choose another --output-dir")
+    saves = cfg.max_steps // cfg.save_every + 1 if cfg.save_every else 1
+    kept = min(saves, cfg.keep_checkpoints + 1) if cfg.keep_checkpoints else saves
+    if free < kept * ckpt + model:
+        return [f"warning: the {kept} checkpoints this run keeps take {gb(kept * ckpt)}, more than the {gb(free)} free "
+                f"in {out}; --keep-checkpoints {max(1, free // ckpt - 1)} would fit"]
+    return []

@@ -1,0 +1,137 @@
+"""What an output directory holds and what a run may do to it: bigfit removes only files it
+recognises as its own (a step-N checkpoint, metrics.jsonl, a model directory with its marker, its
+logs and NVMe state files), never anything else a user keeps there; and it checks a location before
+any process starts (a file in the way, a read-only file system, no write permission, no room).
+
+A run's files in OUTPUT:
+    run.json              the run's identity: id, model, data and its hash, bigfit version, starts
+    metrics.jsonl, eval.jsonl
+    checkpoints/step-N/   complete checkpoints; .step-N.partial: interrupted saves
+    model/                the consolidated Hugging Face directory, with bigfit-model.json listing its files
+    logs/, nvme/          worker logs; zero2-offload-nvme's state files (the default --nvme-dir)
+    .bigfit-lock          held while the run runs (lock.py)
+"""
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import BigfitError
+from .ckptdir import NAME as STEP_NAME
+
+RUN_FILE = "run.json"
+LOGS = ("metrics.jsonl", "eval.jsonl")
+MODEL_MARKER = "bigfit-model.json"  # in a model directory bigfit wrote: the files it wrote there
+# What `bigfit consolidate` wrote before model directories had a marker (and tokenizers' files)
+LEGACY_MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "model-*-of-*.safetensors",
+                      "model.safetensors.index.json", "tokenizer*", "special_tokens_map.json", "added_tokens.json",
+                      "vocab.json", "merges.txt", "spiece.model", "chat_template.jinja")
+
+
+@dataclass
+class Contents:
+    """bigfit's files in one output directory."""
+
+    root: Path
+    run: dict | None = None  # run.json, when there is one
+    checkpoints: list[Path] = field(default_factory=list)  # step-N directories, newest first
+    partial: list[Path] = field(default_factory=list)  # interrupted saves
+    logs: list[Path] = field(default_factory=list)  # metrics.jsonl, eval.jsonl
+    model: list[Path] = field(default_factory=list)  # the files of OUTPUT/model that bigfit wrote
+    other: list[Path] = field(default_factory=list)  # run.json, worker logs, NVMe state files
+
+    @property
+    def holds_run(self) -> bool:
+        """A run trained here: it left checkpoints, step logs or a model (run.json and worker logs
+        alone are a start that failed before its first step)."""
+        return bool(self.checkpoints or self.partial or self.logs or self.model)
+
+    def describe(self) -> str:
+        parts = []
+        if self.checkpoints:
+            parts.append(f"{len(self.checkpoints)} checkpoint(s), newest {self.checkpoints[0].name}")
+        parts += [p.name for p in self.logs] + (["model/"] if self.model else [])
+        started = f"the run {self.run['run_id']}" if self.run else "a bigfit run"
+        return f"{started} ({', '.join(parts) or 'interrupted saves'})"
+
+
+def model_files(directory: Path, legacy: bool = False) -> list[Path] | None:
+    """The files bigfit wrote into model directory `directory` (its marker included), or None when
+    its marker is missing or unreadable. `legacy`: without a marker, the files the consolidation of
+    earlier bigfit versions wrote (for a model directory inside a bigfit run's output only)."""
+    marker = directory / MODEL_MARKER
+    try:
+        names = json.loads(marker.read_text())["files"]
+        return [directory / n for n in names if (directory / n).is_file()] + [marker]
+    except (OSError, ValueError, KeyError, TypeError):
+        if not legacy or not directory.is_dir():
+            return None
+        return [p for p in directory.iterdir() if p.is_file()
+                and any(fnmatch.fnmatch(p.name, pat) for pat in LEGACY_MODEL_FILES)]
+
+
+def inspect(root: Path) -> Contents:
+    c = Contents(root)
+    if not root.is_dir():
+        return c
+    try:
+        c.run = json.loads((root / RUN_FILE).read_text())
+        c.other.append(root / RUN_FILE)
+    except (OSError, ValueError):
+        pass
+    ckpts = root / "checkpoints"
+    if ckpts.is_dir():
+        steps = [p for p in ckpts.iterdir() if p.is_dir() and STEP_NAME.match(p.name)]
+        c.checkpoints = sorted(steps, key=lambda p: int(p.name[5:]), reverse=True)
+        c.partial = [p for p in ckpts.iterdir() if p.is_dir() and fnmatch.fnmatch(p.name, ".step-*.partial")]
+    c.logs = [root / n for n in LOGS if (root / n).is_file()]
+    c.model = model_files(root / "model", legacy=True) or []
+    c.other += [p for pat in ("logs/rank-*.log", "logs/probe/rank-*.log", "nvme/rank-*/bucket-*.bin")
+                for p in root.glob(pat)]
+    return c
+
+
+def remove_run(c: Contents) -> None:
+    """Delete the run's files that `c` lists, then the folders bigfit made for them if nothing else
+    is left in them; files bigfit does not recognise stay where they are."""
+    for d in c.checkpoints + c.partial:
+        shutil.rmtree(d)
+    for f in c.logs + c.model + c.other:
+        f.unlink(missing_ok=True)
+    for d in ("checkpoints", "model", "logs/probe", "logs", *sorted({str(p.parent.relative_to(c.root))
+                                                                      for p in c.other if "nvme" in p.parts}), "nvme"):
+        try:
+            (c.root / d).rmdir()  # only when empty
+        except OSError:
+            pass
+
+
+def check_location(path: Path, what: str) -> None:
+    """`path` is a directory bigfit may create or write into: nothing in the way, the nearest folder
+    that exists writable, not on a read-only file system. Touches nothing."""
+    if path.exists() and not path.is_dir():
+        raise BigfitError(f"{what} {str(path)!r} is a file, not a directory; give a directory (it is created "
+                          "if missing)")
+    near = path
+    while not near.exists():
+        near = near.parent
+    if not near.is_dir():
+        raise BigfitError(f"{what} {str(path)!r} cannot be created: {str(near)!r} is a file")
+    if os.statvfs(near).f_flag & os.ST_RDONLY:
+        raise BigfitError(f"{what} {str(path)!r} is on a read-only file system; give a directory on a writable "
+                          "disk")
+    if not os.access(near, os.W_OK | os.X_OK):
+        raise BigfitError(f"{what} {str(path)!r}: {str(near)!r} is not writable by this user; give a directory "
+                          "you can write to")
+
+
+def free_bytes(path: Path) -> int:
+    near = path
+    while not near.exists():
+        near = near.parent
+    st = os.statvfs(near)
+    return st.f_bavail * st.f_frsize

@@ -1,0 +1,65 @@
+"""A run's identity, recorded in OUTPUT/run.json by the claim (ownership.py) and in every checkpoint's
+trainer.json by the loop: a run id (kept by every resumed start), the model's architecture, the data
+file's sha256, bigfit's version, and each start's host, pid, process count and settings."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import time
+import uuid
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+from .ckptdir import trainer_state
+from .rundir import RUN_FILE
+
+# Model config keys that say nothing about the architecture (or differ between transformers versions)
+VOLATILE = {"_name_or_path", "transformers_version", "use_cache", "architectures", "torch_dtype", "dtype"}
+
+
+def identity(job) -> dict:
+    """What makes a run this run, recorded in run.json and every checkpoint: the model's
+    architecture and the data's content, besides the paths given."""
+    # through JSON, as trainer.json holds it (id2label's integer keys become strings)
+    arch = {k: v for k, v in json.loads(job.model_config.to_json_string(use_diff=False)).items() if k not in VOLATILE}
+    data = job.cfg.data
+    digest = _sha256(Path(data).expanduser()) if data else "embedded"
+    return {"model": job.cfg.model, "model_config": arch, "data": data, "data_sha256": digest}
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(16 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write(out: Path, old: dict | None, ident: dict, job) -> None:
+    """run.json: the run's id (a resumed run keeps its checkpoint's), identity and every start."""
+    run_id = uuid.uuid4().hex[:12]
+    if job.resume_from is not None:
+        saved = trainer_state(job.resume_from)
+        run_id = saved.get("run_id") or (old or {}).get("run_id") or run_id  # checkpoints of earlier versions have none
+    run = old if old and old.get("run_id") == run_id else {}
+    start = {"time": time.time(), "host": socket.gethostname(), "pid": os.getpid(),
+             "world_size": job.cfg.extra["world_size"], "resumed_from": str(job.resume_from or "") or None,
+             "config": job.cfg.to_dict()}
+    body = {"run_id": run_id, "bigfit_version": _version(), "identity": ident, "starts": run.get("starts", []) + [start]}
+    tmp = out / (RUN_FILE + ".tmp")
+    tmp.write_text(json.dumps(body, indent=1))
+    os.replace(tmp, out / RUN_FILE)
+
+
+def read(out: Path) -> dict:
+    """run.json of the run in `out` (the claim wrote it)."""
+    return json.loads((Path(out) / RUN_FILE).read_text())
+
+
+def _version() -> str:
+    try:
+        return version("bigfit")
+    except PackageNotFoundError:
+        return "unknown"
