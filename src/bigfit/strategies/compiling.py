@@ -9,7 +9,7 @@ map's, which switch threads and devices) and where models keep their Python (mas
 
 Why at all: a small model's step is bound by the host issuing its kernels one Python op at a time.
 Compiled, a block runs as a few fused kernels issued from generated code: T5-large's step on an H200
-took 1.72x less time (benchmarks/RESULTS.md, sixth session), and that is what lets a GPU stage of a
+took 1.72x less time (benchmarks/RESULTS.md, 2026-12-01), and that is what lets a GPU stage of a
 chunked device map work longer than the host takes to issue it.
 
 - `dynamic=True`: one graph serves every micro-batch size (the last batch, device-map chunks).
