@@ -226,3 +226,15 @@ def test_output_dir_without_room_for_one_checkpoint(tmp_path, model_dirs, capsys
     line = one_line(capsys.readouterr().err)
     assert "0.00 GB free, but one checkpoint of this model takes" in line
     assert not (tmp_path / "out").exists()
+
+
+def test_a_model_marker_never_reaches_outside_its_directory(tmp_path):
+    """--overwrite removes what bigfit-model.json lists: an edited marker cannot name another file."""
+    from bigfit.train.rundir import model_files
+
+    (tmp_path / "victim.txt").write_text("mine")
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "bigfit-model.json").write_text(json.dumps({"files": ["../victim.txt", "/etc/hosts", "config.json"]}))
+    assert model_files(model) == [model / "config.json", model / "bigfit-model.json"]

@@ -13,6 +13,7 @@ A run's files in OUTPUT:
 """
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import json
 import os
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import BigfitError
-from .ckptdir import NAME as STEP_NAME
+from .ckptdir import steps
 
 RUN_FILE = "run.json"
 LOGS = ("metrics.jsonl", "eval.jsonl")
@@ -66,7 +67,8 @@ def model_files(directory: Path, legacy: bool = False) -> list[Path] | None:
     marker = directory / MODEL_MARKER
     try:
         names = json.loads(marker.read_text())["files"]
-        return [directory / n for n in names if (directory / n).is_file()] + [marker]
+        # plain names only: a marker edited to hold "../x" must not reach outside the directory
+        return [directory / n for n in names if Path(n).name == n and (directory / n).is_file()] + [marker]
     except (OSError, ValueError, KeyError, TypeError):
         if not legacy or not directory.is_dir():
             return None
@@ -83,11 +85,8 @@ def inspect(root: Path) -> Contents:
         c.other.append(root / RUN_FILE)
     except (OSError, ValueError):
         pass
-    ckpts = root / "checkpoints"
-    if ckpts.is_dir():
-        steps = [p for p in ckpts.iterdir() if p.is_dir() and STEP_NAME.match(p.name)]
-        c.checkpoints = sorted(steps, key=lambda p: int(p.name[5:]), reverse=True)
-        c.partial = [p for p in ckpts.iterdir() if p.is_dir() and fnmatch.fnmatch(p.name, ".step-*.partial")]
+    c.checkpoints = steps(root / "checkpoints")
+    c.partial = [p for p in (root / "checkpoints").glob(".step-*.partial") if p.is_dir()]
     c.logs = [root / n for n in LOGS if (root / n).is_file()]
     c.model = model_files(root / "model", legacy=True) or []
     c.other += [p for pat in ("logs/rank-*.log", "logs/probe/rank-*.log", "nvme/rank-*/bucket-*.bin")
@@ -102,12 +101,10 @@ def remove_run(c: Contents) -> None:
         shutil.rmtree(d)
     for f in c.logs + c.model + c.other:
         f.unlink(missing_ok=True)
-    for d in ("checkpoints", "model", "logs/probe", "logs", *sorted({str(p.parent.relative_to(c.root))
-                                                                      for p in c.other if "nvme" in p.parts}), "nvme"):
-        try:
-            (c.root / d).rmdir()  # only when empty
-        except OSError:
-            pass
+    made = {f.parent for f in c.other} | {c.root / d for d in ("checkpoints", "model", "logs/probe", "logs", "nvme")}
+    for d in sorted(made - {c.root}, key=lambda d: len(d.parts), reverse=True):  # the deepest first
+        with contextlib.suppress(OSError):
+            d.rmdir()  # only when nothing else is left in it
 
 
 def check_location(path: Path, what: str) -> None:
@@ -116,9 +113,7 @@ def check_location(path: Path, what: str) -> None:
     if path.exists() and not path.is_dir():
         raise BigfitError(f"{what} {str(path)!r} is a file, not a directory; give a directory (it is created "
                           "if missing)")
-    near = path
-    while not near.exists():
-        near = near.parent
+    near = _nearest(path)
     if not near.is_dir():
         raise BigfitError(f"{what} {str(path)!r} cannot be created: {str(near)!r} is a file")
     if os.statvfs(near).f_flag & os.ST_RDONLY:
@@ -130,8 +125,12 @@ def check_location(path: Path, what: str) -> None:
 
 
 def free_bytes(path: Path) -> int:
-    near = path
-    while not near.exists():
-        near = near.parent
-    st = os.statvfs(near)
+    st = os.statvfs(_nearest(path))
     return st.f_bavail * st.f_frsize
+
+
+def _nearest(path: Path) -> Path:
+    """`path`, or the nearest folder above it that exists (where it would be created)."""
+    while not path.exists():
+        path = path.parent
+    return path
