@@ -238,3 +238,26 @@ def test_a_model_marker_never_reaches_outside_its_directory(tmp_path):
     (model / "config.json").write_text("{}")
     (model / "bigfit-model.json").write_text(json.dumps({"files": ["../victim.txt", "/etc/hosts", "config.json"]}))
     assert model_files(model) == [model / "config.json", model / "bigfit-model.json"]
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes anywhere: the read-only mount above covers it")
+def test_output_dir_without_write_permission(tmp_path, model_dirs, capsys):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    try:
+        assert main(["train", "--model", str(model_dirs["t5"]), "--strategy", "single", "--output-dir",
+                     str(locked / "out")]) == 2
+    finally:
+        locked.chmod(0o755)
+    assert "is not writable by this user" in one_line(capsys.readouterr().err)
+
+
+def test_a_directory_this_user_cannot_write_is_named(tmp_path, monkeypatch):
+    """The same check where this user is root (os.access answers as for another user)."""
+    from bigfit.errors import BigfitError
+    from bigfit.train import rundir
+
+    monkeypatch.setattr(rundir.os, "access", lambda path, mode: False)
+    with pytest.raises(BigfitError, match=f"'{tmp_path}' is not writable by this user"):
+        rundir.check_location(tmp_path / "out", "--output-dir")
