@@ -261,3 +261,31 @@ def test_a_directory_this_user_cannot_write_is_named(tmp_path, monkeypatch):
     monkeypatch.setattr(rundir.os, "access", lambda path, mode: False)
     with pytest.raises(BigfitError, match=f"'{tmp_path}' is not writable by this user"):
         rundir.check_location(tmp_path / "out", "--output-dir")
+
+
+def crash_while_claiming(out):
+    """On each rank: rank 0's claim fails with a machine fault; returns what each rank raised."""
+    import types
+
+    from bigfit.distributed import init_runtime
+    from bigfit.train import ownership
+
+    def fault(*args):
+        raise OSError(5, "Input/output error")
+
+    real, ownership._own = ownership._own, fault
+    try:
+        with ownership.claim(types.SimpleNamespace(cfg=types.SimpleNamespace(output_dir=out)), init_runtime()):
+            return "claimed"
+    except BaseException as e:
+        return f"{type(e).__name__}: {e}"
+    finally:
+        ownership._own = real
+
+
+def test_a_fault_while_rank_0_claims_fails_every_rank_instead_of_hanging_them(tmp_path):
+    from dist import run_ranks
+
+    raised = run_ranks(crash_while_claiming, 2, str(tmp_path / "out"))
+    assert raised[0] == "OSError: [Errno 5] Input/output error"
+    assert raised[1] == f"RuntimeError: rank 0 failed while claiming {tmp_path / 'out'}: {raised[0]}"

@@ -40,14 +40,7 @@ def claim(job, rt: Runtime | None = None, speak=print):
     if os.environ.get(CLAIMED) == str(out):
         yield None
         return
-    lock, error = None, None
-    if rt is None or rt.is_main:
-        try:
-            lock = _own(job, out, speak)
-        except BigfitError as e:
-            error = str(e)
-    if error := (broadcast_object(error, rt) if rt else error):
-        raise BigfitError(error)
+    lock = _claim_on_rank0(job, out, rt, speak)
     before, os.environ[CLAIMED] = os.environ.get(CLAIMED), str(out)
     try:
         yield lock
@@ -58,6 +51,27 @@ def claim(job, rt: Runtime | None = None, speak=print):
             os.environ[CLAIMED] = before
         if lock is not None:
             lock.release()
+
+
+def _claim_on_rank0(job, out: Path, rt: Runtime | None, speak) -> RunLock | None:
+    """Rank 0 (or the one process) claims; every rank then raises what it raised, so that no rank
+    waits for rank 0 forever: the user's mistake as one line everywhere, a crash as itself on rank 0
+    and as a RuntimeError naming it elsewhere."""
+    lock, outcome, crash = None, None, None  # outcome: (the user's mistake?, message)
+    if rt is None or rt.is_main:
+        try:
+            lock = _own(job, out, speak)
+        except BigfitError as e:
+            outcome = (True, str(e))
+        except Exception as e:
+            crash, outcome = e, (False, f"rank 0 failed while claiming {out}: {type(e).__name__}: {e}")
+    if rt is not None:
+        outcome = broadcast_object(outcome, rt)
+    if crash is not None:
+        raise crash
+    if outcome is not None:
+        raise (BigfitError if outcome[0] else RuntimeError)(outcome[1])
+    return lock
 
 
 def _own(job, out: Path, speak) -> RunLock:
