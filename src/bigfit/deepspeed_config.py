@@ -13,8 +13,8 @@ import math
 from dataclasses import dataclass, field
 
 from .config import REDUCE_DTYPES, WARMUPS, TrainConfig
-from .settings import field_type
 from .errors import BigfitError, one_of
+from .settings import field_type
 from .userfiles import read_text
 
 Z = "zero_optimization."
