@@ -292,7 +292,7 @@ def test_strategy_auto_choosing_pipeline_launches_its_resolved_layout(monkeypatc
     import bigfit.launch as launch
     import bigfit.planning.command as command
     from bigfit.cli import config_from_args, main, parse_args
-    from bigfit.config import resolve
+    from bigfit.resolution import resolve
     from bigfit.device_map.auto import profile_for
     from bigfit.planning.search import Job
     from bigfit.planning.stages import pipeline_row

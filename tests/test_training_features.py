@@ -83,7 +83,7 @@ def test_auto_values_in_files_and_flags(tmp_path):
     cfg = config_from_args(parse_args(["train", "--config", str(f)]))
     assert (cfg.micro_batch_size, cfg.precision, cfg.nproc) == ("auto", None, None)  # planned vs derived
     cfg = config_from_args(parse_args(["train", "--precision", "auto"]))
-    from bigfit.config import resolve
+    from bigfit.resolution import resolve
 
     resolved = resolve(cfg, 2)
     assert resolved.micro_batch_size == 16 and resolved.precision == "fp32"  # no bf16-capable GPU here

@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from bigfit.config import TrainConfig, resolve
+from bigfit.config import TrainConfig
+from bigfit.resolution import resolve
 from bigfit.settings import load_config_file
 from bigfit.data import Batcher, read_examples
 from bigfit.errors import BigfitError

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from .config import (OPTIMIZERS, PIPELINE_SCHEDULES, PIPELINE_STRATEGIES, PRECISIONS, REDUCE_DTYPES, SCHEDULES,
                      SPLIT_STRATEGIES, STRATEGIES, WARMUPS, TrainConfig)
-from .settings import holds, setting_names, type_problem
 from .errors import BigfitError, one_of
+from .settings import holds, setting_names, type_problem
 from .userfiles import check_encoding
 
 

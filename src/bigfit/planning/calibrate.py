@@ -41,7 +41,8 @@ def measure(model_config, strategy: str, batch: int, seq: int, precision: str, r
     training steps of `batch` (global) random sequences of `seq` tokens. Decoder-only models."""
     from transformers import AutoModelForCausalLM
 
-    from ..config import TrainConfig, resolve
+    from ..config import TrainConfig
+    from ..resolution import resolve
     from ..strategies import apply_strategy, build_optimizer
     from ..train.step import train_step
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import TrainConfig, resolve
+from ..config import TrainConfig
+from ..resolution import resolve
 from ..data import Dataset, build_dataset, digits_task, read_examples
 from ..models import ModelSource, is_seq2seq, load_config, load_tokenizer, locate
 from . import ckptdir
