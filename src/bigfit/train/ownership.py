@@ -87,8 +87,9 @@ def _own(job, out: Path, speak) -> RunLock:
     try:
         ident = runinfo.identity(job)
         contents = rundir.inspect(out)
-        notes += _settle(job, out, contents, ident)
-        runinfo.write(out, contents.run, ident, job)
+        saved = _verified_state(job, out)
+        notes += _settle(job, out, contents, ident, saved)
+        runinfo.write(out, contents.run, ident, job, saved)
     except BaseException:
         lock.release()
         if created:
@@ -100,11 +101,23 @@ def _own(job, out: Path, speak) -> RunLock:
     return lock
 
 
-def _settle(job, out: Path, contents: rundir.Contents, ident: dict) -> list[str]:
+def _verified_state(job, out: Path) -> dict:
+    """The trainer.json of the checkpoint to resume, once its manifest says it is intact ({} for a new run)."""
+    ckpt = job.resume_from
+    if ckpt is None:
+        return {}
+    if job.cfg.overwrite and out in ckpt.resolve().parents:
+        raise BigfitError(f"--overwrite would remove the run in --output-dir {str(out)!r}, checkpoint {str(ckpt)!r} "
+                          "included, that --resume continues: give one of them")
+    ckptdir.verify(ckpt, "resume from it with --resume {}")
+    return ckptdir.trainer_state(ckpt)
+
+
+def _settle(job, out: Path, contents: rundir.Contents, ident: dict, saved: dict) -> list[str]:
     """What the directory's contents allow this run; the lines to say (removals, resume notes)."""
     cfg = job.cfg
     if job.resume_from is not None:
-        return _check_resume(job, out, contents, ident)
+        return _check_resume(job, out, contents, ident, saved)
     if not contents.holds_run:
         return []
     if not cfg.overwrite:
@@ -114,21 +127,15 @@ def _settle(job, out: Path, contents: rundir.Contents, ident: dict) -> list[str]
     return [f"removed {contents.describe()} from {out} (--overwrite)"]
 
 
-def _check_resume(job, out: Path, contents: rundir.Contents, ident: dict) -> list[str]:
+def _check_resume(job, out: Path, contents: rundir.Contents, ident: dict, saved: dict) -> list[str]:
     cfg, ckpt = job.cfg, job.resume_from
     inside = out in ckpt.resolve().parents
-    if cfg.overwrite and inside:
-        raise BigfitError(f"--overwrite would remove the run in --output-dir {str(out)!r}, checkpoint {str(ckpt)!r} "
-                          "included, that --resume continues: give one of them")
-    ckptdir.verify(ckpt, "resume from it with --resume {}")
-    saved = ckptdir.trainer_state(ckpt)
     ours = saved.get("run_id") is not None and saved.get("run_id") == (contents.run or {}).get("run_id")
-    if contents.holds_run and not inside and not ours:
-        if not cfg.overwrite:
-            raise BigfitError(f"--output-dir {str(out)!r} holds {contents.describe()}, not the run of checkpoint "
-                              f"{str(ckpt)!r}; continue it in a new --output-dir, or replace what is there with "
-                              "--overwrite")
-        rundir.remove_run(contents)
+    replace = contents.holds_run and not inside and not ours
+    if replace and not cfg.overwrite:
+        raise BigfitError(f"--output-dir {str(out)!r} holds {contents.describe()}, not the run of checkpoint "
+                          f"{str(ckpt)!r}; continue it in a new --output-dir, or replace what is there with "
+                          "--overwrite")
     allowed = {k.strip() for k in (cfg.allow_changed or "").split(",") if k.strip()}
     if bad := sorted(allowed - set(resume.MATH)):
         raise BigfitError(f"--allow-changed {','.join(bad)}: not a setting that changes the math (those are "
@@ -140,6 +147,9 @@ def _check_resume(job, out: Path, contents: rundir.Contents, ident: dict) -> lis
         raise BigfitError(f"--resume: checkpoint {str(ckpt)!r} was saved with other settings that change the math: "
                           f"{'; '.join(refused)}; give the checkpoint's values, or continue anyway with "
                           f"--allow-changed {','.join(k.split(' ')[0] for k in refused)}")
+    if replace:  # only once every check passed: a refused resume removes nothing
+        rundir.remove_run(contents)
+        notes.append(f"removed {contents.describe()} from {out} (--overwrite)")
     return notes
 
 

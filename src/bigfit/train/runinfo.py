@@ -12,7 +12,6 @@ import uuid
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from .ckptdir import trainer_state
 from .rundir import RUN_FILE
 
 # Model config keys that say nothing about the architecture (or differ between transformers versions)
@@ -37,11 +36,11 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def write(out: Path, old: dict | None, ident: dict, job) -> None:
-    """run.json: the run's id (a resumed run keeps its checkpoint's), identity and every start."""
+def write(out: Path, old: dict | None, ident: dict, job, saved: dict) -> None:
+    """run.json: the run's id (a resumed run keeps its checkpoint's: `saved` is its trainer.json),
+    identity and every start."""
     run_id = uuid.uuid4().hex[:12]
     if job.resume_from is not None:
-        saved = trainer_state(job.resume_from)
         run_id = saved.get("run_id") or (old or {}).get("run_id") or run_id  # checkpoints of earlier versions have none
     run = old if old and old.get("run_id") == run_id else {}
     start = {"time": time.time(), "host": socket.gethostname(), "pid": os.getpid(),
