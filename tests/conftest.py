@@ -1,6 +1,7 @@
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -31,6 +32,15 @@ def pairs_file(tmp_path_factory) -> Path:
 
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def bigfit(*argv, fault: str | None = None, cwd=None) -> subprocess.CompletedProcess:
+    """`python -m bigfit ARGV` in a process of its own, as a user starts it (`fault`: BIGFIT_FAULT, faults.py)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("BIGFIT_FAULT", "BIGFIT_OUTPUT_CLAIMED")}
+    if fault:
+        env["BIGFIT_FAULT"] = fault
+    return subprocess.run([sys.executable, "-m", "bigfit", *map(str, argv)], capture_output=True, text=True, env=env,
+                          cwd=cwd, timeout=300)
 
 
 def snapshot(root: Path) -> dict[str, bytes]:
@@ -69,4 +79,4 @@ def run_copy(finished_run, tmp_path) -> tuple[Path, list[str]]:
     return tmp_path / "out", args
 
 
-__all__ = ["FAMILIES", "one_line", "read_jsonl", "snapshot"]
+__all__ = ["FAMILIES", "bigfit", "one_line", "read_jsonl", "snapshot"]

@@ -12,13 +12,7 @@ from pathlib import Path
 import pytest
 
 from bigfit.cli import main
-from conftest import one_line, read_jsonl, snapshot
-
-
-def cli(*argv, cwd=None) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("BIGFIT_FAULT", "BIGFIT_OUTPUT_CLAIMED")}
-    return subprocess.run([sys.executable, "-m", "bigfit", *map(str, argv)], capture_output=True, text=True,
-                          cwd=cwd, env=env, timeout=300)
+from conftest import bigfit, one_line, read_jsonl, snapshot
 
 
 def user_files(root: Path) -> None:
@@ -43,7 +37,7 @@ def test_consolidate_into_the_working_directory_is_refused(run_copy, tmp_path):
     out, _ = run_copy
     user_files(tmp_path / "work")
     before = snapshot(tmp_path / "work")
-    r = cli("consolidate", out / "checkpoints" / "step-00000004", ".", cwd=tmp_path / "work")
+    r = bigfit("consolidate", out / "checkpoints" / "step-00000004", ".", cwd=tmp_path / "work")
     assert r.returncode == 2 and "current directory" in one_line(r.stderr)
     assert snapshot(tmp_path / "work") == before
 
@@ -209,7 +203,7 @@ def read_only_dir(tmp_path):
 
 
 def test_output_dir_on_a_read_only_file_system(read_only_dir, model_dirs, pairs_file, run_copy, capsys):
-    r = cli("train", "--model", model_dirs["t5"], "--data", pairs_file, "--strategy", "single", "--output-dir",
+    r = bigfit("train", "--model", model_dirs["t5"], "--data", pairs_file, "--strategy", "single", "--output-dir",
             read_only_dir / "out")
     assert r.returncode == 2 and "read-only file system" in one_line(r.stderr)
     out, _ = run_copy

@@ -4,26 +4,13 @@ complete one and logs exactly the losses of an uninterrupted run; `bigfit consol
 directory transformers loads, equal to the checkpoint's tensors."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
-from conftest import read_jsonl
+from conftest import bigfit, read_jsonl
 
 ARGS = ["--max-steps", "6", "--save-every", "2", "--eval-every", "0", "--batch-size", "8", "--nproc", "2",
         "--eval-samples", "8", "--num-beams", "2", "--max-new-tokens", "8", "--lr", "3e-3"]
-
-
-def bigfit(*argv, fault: str | None = None) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    env.pop("BIGFIT_FAULT", None)
-    if fault:
-        env["BIGFIT_FAULT"] = fault
-    return subprocess.run([sys.executable, "-m", "bigfit", *argv], capture_output=True, text=True, env=env,
-                          timeout=300)
 
 
 @pytest.fixture(scope="module")
