@@ -38,7 +38,7 @@ CASES = [
     (["--resume", "{d}/notckpt"], "notckpt' is not a complete bigfit checkpoint"),
     (["--resume"], "--resume: no complete checkpoint in"),
     (["--config", "{d}/conf.yaml"], "unknown setting(s) 'batchsize'"),
-    (["--batch-size", "7", "--nproc", "2"], "--batch-size 7 is not divisible by the 2 processes"),
+    (["--batch-size", "7", "--nproc", "2"], "--batch-size 7 is not divisible by the 2 data-parallel processes"),
     (["--model", "{d}"], "holds no config.json"),
     (["--model", "nobody/no-such-model"], "--model 'nobody/no-such-model' could not be loaded"),  # offline hub
 ]

@@ -50,7 +50,8 @@ def _engine(compute, monkeypatch, kernel: bool, grads_on_device=False):
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
     applied = apply_offload(model, "zero2-offload", Runtime(0, 1, 0, torch.device("cpu")), compute, delayed=False,
                             nvme_dir=None, grads_on_device=grads_on_device)
-    return model, applied.make_optimizer(torch.optim.AdamW, lr=0.01, fused=True)
+    applied.attach_optimizer(torch.optim.AdamW, lr=0.01, fused=True)
+    return model, applied.engine
 
 
 @needs_kernel

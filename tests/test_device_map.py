@@ -329,7 +329,7 @@ def test_train_command_device_map_with_chunks_matches_single(tmp_path):
 
 @pytest.mark.parametrize("argv,message", [
     (["--strategy", "device_map", "--nproc", "2"], "strategy 'device_map' runs one process"),
-    (["--strategy", "zero3", "--chunks", "2"], "--chunks belongs to --strategy device_map or pipeline"),
+    (["--strategy", "zero3", "--chunks", "2"], "--chunks belongs to --strategy device_map or a pipeline (--pp)"),
     (["--strategy", "device_map", "--chunks", "5", "--batch-size", "4"], "--chunks 5 splits each micro-batch of 4"),
     (["--strategy", "device_map", "--device-map", "{d}/bad.json"], "the map of stack 'decoder' misses block(s) 1"),
     (["--strategy", "device_map", "--device-map", "{d}/none.json"], "none.json' is not a file"),

@@ -18,7 +18,7 @@ def test_main_job_end_to_end(tmp_path):
     out = tmp_path / "out"
     r = bigfit("train", "--max-steps", "8", "--eval-every", "4", "--save-every", "4", *SMALL, "--output-dir", str(out))
     assert r.returncode == 0, r.stderr
-    assert "zero3, precision fp32, on 2 x cpu" in r.stdout and "model (Hugging Face)" in r.stdout
+    assert "zero3: dp_shard 2; ZeRO-3 (FSDP2)" in r.stdout and "model (Hugging Face)" in r.stdout
     metrics = read_jsonl(out / "metrics.jsonl")
     assert [m["step"] for m in metrics] == list(range(1, 9)) and all(m["loss"] > 0 for m in metrics)
     evals = read_jsonl(out / "eval.jsonl")

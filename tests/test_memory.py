@@ -16,27 +16,28 @@ def measure(model_dir, data, nvme_root):
     from bigfit.distributed import init_runtime
     from bigfit.memory import state_bytes
     from bigfit.models import build_model, count_parameters
-    from bigfit.strategies import apply_strategy, build_optimizer
+    from bigfit.parallel.apply import apply
+    from bigfit.parallel.mesh import with_mesh
+    from bigfit.strategies import build_optimizer
     from bigfit.train.job import prepare
-    from bigfit.train.step import loss_sum
 
     out = {}
     for strategy in STRATEGIES:
         cfg = TrainConfig(model=str(model_dir), data=str(data), strategy=strategy, batch_size=4, eval_samples=0,
                           nvme_dir=str(nvme_root))
         job = prepare(cfg, 2)
-        rt = init_runtime()
+        rt = with_mesh(init_runtime(), job.plan)
         model = build_model(job.source, job.model_config, seed=0, on_meta=rt.rank > 0)  # as the loop does
         n = count_parameters(model)
         assert all(p.is_meta for p in model.parameters()) == (rt.rank > 0)
-        applied = apply_strategy(model, job.cfg, rt)
-        assert not any(p.is_meta for p in applied.model.parameters())
-        optimizer = build_optimizer(applied, job.cfg)
+        engine = apply(model, job.plan, job.cfg, rt)
+        assert not any(p.is_meta for p in engine.model.parameters())
+        build_optimizer(engine, job.cfg)
         batch = collate(job.dataset.train[rt.rank * 2:rt.rank * 2 + 2], job.dataset.pad_id)
-        loss_sum(applied, batch, job.seq2seq).backward()
-        grads = state_bytes(applied, optimizer)["grads"]
-        optimizer.step()
-        out[strategy] = dict(state_bytes(applied, optimizer), grads=grads, n=n)
+        engine.run_batch(batch, job.seq2seq, 1.0, sync=True)
+        grads = state_bytes(engine)["grads"]
+        engine.update(0.0, 1.0)
+        out[strategy] = dict(state_bytes(engine), grads=grads, n=n)
     return out
 
 

@@ -19,7 +19,8 @@ def _train_delayed(x: torch.Tensor, grads: str = "host", compute: torch.dtype | 
     model = Stack(width=5)
     applied = apply_offload(model, "zero2-offload", Runtime(rank, world, rank, torch.device("cpu")), compute,
                             delayed=True, nvme_dir=None, grads_on_device=grads == "device")
-    opt = applied.make_optimizer(torch.optim.AdamW, lr=0.01, fused=True)
+    applied.attach_optimizer(torch.optim.AdamW, lr=0.01, fused=True)
+    opt = applied.engine
     losses = []
     for _ in range(steps):
         loss = model(x.chunk(world)[rank].to(compute or torch.float32)).float().pow(2).mean()  # the engine averages

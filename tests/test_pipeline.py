@@ -194,10 +194,11 @@ def test_pruning_keeps_original_names():
                                         "interleaved"),
     (["--nproc", "3", "--pipeline-schedule", "interleaved", "--batch-size", "12"],  # the embedded 3 + 2 block T5
      "cuts the model into 6 stages (3 processes x 2 stages per rank), but it has only 5 blocks"),
-    (["--nproc", "4", "--pipeline-degree", "2"], "would run 2 pipelines side by side"),
+    (["--nproc", "4", "--pp", "3"], "pp 3 x dp_replicate 1 x dp_shard 1 x tp 1 multiply to 3, but the job has 4 processes"),
+    (["--nproc", "4", "--pp", "2", "--dp-shard", "2"], "--dp-shard 2 shards model states, which needs ZeRO stage"),
     (["--stages-per-rank", "2"], "--stages-per-rank 2 needs --pipeline-schedule interleaved"),
     (["--chunks", "3", "--batch-size", "8"], "--chunks 3 must divide the micro-batch of 8 samples"),
-    (["--nproc", "1"], "--strategy pipeline runs one process per stage"),
+    (["--nproc", "1"], "a pipeline runs one process per stage"),
 ])
 def test_bad_pipeline_input_fails_before_any_work(tmp_path, capsys, argv, message):
     from bigfit.cli import main
@@ -212,4 +213,5 @@ def test_pipeline_flags_belong_to_the_pipeline(tmp_path, capsys):
     from bigfit.cli import main
 
     assert main(["train", "--strategy", "zero3", "--pipeline-schedule", "gpipe", "--output-dir", str(tmp_path)]) == 2
-    assert "--pipeline-schedule belong(s) to --strategy pipeline, not zero3" in capsys.readouterr().err
+    assert "--pipeline-schedule belong(s) to a pipeline (--strategy pipeline or --pp 2 or more), not zero3" \
+        in capsys.readouterr().err

@@ -111,14 +111,14 @@ def test_strategy_auto_choosing_device_map_trains_with_the_auto_map(monkeypatch,
         asked.append(one_process)
         if not one_process:
             raise BigfitError("stop: --nproc fixes the processes")
-        return "device_map", "stubbed"
+        return "device_map", {}, "stubbed"
 
-    monkeypatch.setattr(command, "auto_strategy", recommend)
+    monkeypatch.setattr(command, "auto_plan", recommend)
     common = ["--strategy", "auto", "--data", str(pairs_file), "--max-steps", "1", "--batch-size", "4", "--eval-samples",
               "0", "--save-every", "0", "--no-consolidate", "--output-dir", str(tmp_path)]
     assert main(["train", *common]) == 0
     out = " ".join(capsys.readouterr().out.split())
-    assert "--strategy auto -> device_map: stubbed" in out and "device_map, precision" in out
+    assert "--strategy auto -> device_map: stubbed" in out and "device_map: 1 process" in out
     assert specs and set(specs) == {"auto"}  # the map balanced as the plan's was (checked, then applied)
     assert len(read_jsonl(tmp_path / "metrics.jsonl")) == 1
     assert main(["train", *common, "--nproc", "2"]) == 2  # device_map is not offered to a fixed process count
@@ -286,12 +286,13 @@ def test_auto_picks_pipeline_when_zero_waits_on_a_slow_link():
 
 
 def test_strategy_auto_choosing_pipeline_launches_its_resolved_layout(monkeypatch, tmp_path, pairs_file, model_dirs):
-    """`bigfit train --strategy auto` given a pipeline recommendation hands the workers `--strategy
-    pipeline` alone: they resolve the schedule and chunks the plan rated (config.pipeline_defaults).
+    """`bigfit train --strategy auto` given a pipeline recommendation hands the workers its settings
+    with strategy pipeline: they resolve the schedule and chunks the plan rated (config.pipeline_defaults).
     The planner's answer is stubbed (this CPU machine never gets a pipeline), the launch captured."""
     import bigfit.launch as launch
     import bigfit.planning.command as command
-    from bigfit.cli import config_from_args, main, parse_args
+    from bigfit.cli import main
+    from bigfit.config import TrainConfig
     from bigfit.resolution import resolve
     from bigfit.device_map.auto import profile_for
     from bigfit.planning.search import Job
@@ -299,12 +300,12 @@ def test_strategy_auto_choosing_pipeline_launches_its_resolved_layout(monkeypatc
     from tiny import tiny_config
 
     launched = []
-    monkeypatch.setattr(command, "auto_strategy", lambda cfg, world, one_process=True: ("pipeline", "stubbed"))
-    monkeypatch.setattr(launch, "launch_local", lambda argv, nproc, logs, **kw: launched.append((argv, nproc)) or 0)
+    monkeypatch.setattr(command, "auto_plan", lambda cfg, world, one_process=True: ("pipeline", {"pp": 2}, "stubbed"))
+    monkeypatch.setattr(launch, "launch_local", lambda argv, nproc, logs, **kw: launched.append((kw, nproc)) or 0)
     assert main(["train", "--strategy", "auto", "--nproc", "2", "--model", str(model_dirs["llama"]), "--data",
                  str(pairs_file), "--batch-size", "4", "--max-source-len", "32", "--output-dir", str(tmp_path)]) == 0
-    (argv, nproc), = launched
-    cfg = resolve(config_from_args(parse_args(argv)), nproc)  # as each worker does
+    (kw, nproc), = launched
+    cfg = resolve(TrainConfig(**kw["settings"]), nproc)  # as each worker does, from the launcher's file
     job = Job(batch_size=4, seq_len=32, precision="fp32")
     planned = pipeline_row(profile_for(tiny_config("llama"), job), Hardware(gpu_bytes=(80 * GB,) * 2), job).section
     assert (cfg.strategy, nproc, cfg.pipeline_schedule, cfg.chunks) == ("pipeline", 2, planned["schedule"],

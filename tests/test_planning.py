@@ -147,12 +147,12 @@ def test_traced_activations_match_a_real_forward(model_dirs, family, batch):
 
 
 def measure_peaks(strategies, cases) -> list[dict]:
-    """On this rank: planning.calibrate.measure for each strategy and (family, batch, seq)."""
+    """On this rank: train.calibrate.measure for each strategy and (family, batch, seq)."""
     import torch
     from transformers import GPT2Config, LlamaConfig
 
     from bigfit.distributed import init_runtime
-    from bigfit.planning.calibrate import measure
+    from bigfit.train.calibrate import measure
 
     torch.set_num_threads(1)
     configs = {"llama": LlamaConfig(hidden_size=384, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=6,

@@ -119,7 +119,7 @@ def test_micro_batch_auto_steps_down_after_out_of_memory(model_dirs, pairs_file,
     assert "micro-batch 8: out of memory in the probe" in printed.out
     out = " ".join(printed.out.split())
     assert "micro-batch auto -> 4: predicted 16 to fit" in out
-    assert "global 16 = 1 processes x 4 accumulation x micro-batch 4" in out
+    assert "global 16 = 1 data-parallel x 4 accumulation x micro-batch 4" in out
     assert len(read_jsonl(tmp_path / "metrics.jsonl")) == 2
 
 
@@ -161,7 +161,8 @@ def test_host_optimizer_is_adamw_and_the_delayed_one_lags_exactly_one_step(mode,
     applied = apply_offload(model, "zero2-offload", Runtime(0, 1, 0, torch.device("cpu")), None, delayed=delayed,
                             nvme_dir=None, eager=mode == "eager", grads_on_device=grads == "device")
     assert (applied.engine.slots is not None) == (grads == "device") and len(applied.engine.buckets) == 5
-    opt = applied.make_optimizer(torch.optim.AdamW, lr=0.1, fused=True)
+    applied.attach_optimizer(torch.optim.AdamW, lr=0.1, fused=True)
+    opt = applied.engine
     assert opt.kernel == (step == "kernel")
     # the host step runs beside the next forward: what a step uses is seen inside it, once the engine
     # has waited for every bucket (the head's is the last)
@@ -199,7 +200,8 @@ def test_offload_engine_leaves_frozen_parameters_alone():
     frozen = model[0].weight.detach().clone()
     applied = apply_offload(model, "zero2-offload", Runtime(0, 1, 0, torch.device("cpu")), torch.bfloat16,
                             delayed=False, nvme_dir=None)
-    opt = applied.make_optimizer(torch.optim.AdamW, lr=0.1, fused=True)
+    applied.attach_optimizer(torch.optim.AdamW, lr=0.1, fused=True)
+    opt = applied.engine
     before = model[1].weight.detach().clone()
     for _ in range(2):
         model(torch.randn(3, 4, dtype=torch.bfloat16)).float().pow(2).sum().backward()

@@ -39,7 +39,7 @@ def test_resolve_splits_global_batch():
 
 
 @pytest.mark.parametrize("kw,world,needle", [
-    (dict(batch_size=30), 4, "--batch-size 30 is not divisible by the 4 processes"),
+    (dict(batch_size=30), 4, "--batch-size 30 is not divisible by the 4 data-parallel processes"),
     (dict(batch_size=32, micro_batch_size=5), 2, "valid: 1, 2, 4, 8, 16"),
     (dict(strategy="zero9"), 1, "'zero9' is not valid; choose one of: single, ddp, zero1, zero2, zero3, "
                                 "zero2-offload, zero3-offload"),

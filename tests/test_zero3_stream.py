@@ -43,16 +43,20 @@ def _train(streamed: bool, steps: int = 4, micro: int = 2):
     import torch.distributed as dist
 
     from bigfit.distributed import Runtime
+    from bigfit.parallel import plan_for
+    from bigfit.parallel.mesh import with_mesh
     from bigfit.strategies.sharding import apply_fsdp
     from bigfit.strategies.streamed import stream_host_steps
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    rt = Runtime(rank, world, rank, torch.device("cpu"))
+    plan = plan_for("zero3-offload", world)
+    rt = with_mesh(Runtime(rank, world, rank, torch.device("cpu")), plan)
     model = _model()
-    applied = apply_fsdp(model, "zero3-offload", rt, None, torch.float32)
+    applied = apply_fsdp(model, plan, rt, None, torch.float32)
     if streamed:
         applied = stream_host_steps(applied, rt.device)
-    opt = applied.make_optimizer(torch.optim.AdamW, lr=0.05, weight_decay=0.1, fused=True)
+    applied.attach_optimizer(torch.optim.AdamW, lr=0.05, weight_decay=0.1, fused=True)
+    opt = applied.optimizer
     threads = []  # where each unit's streamed step ran
     for inner in getattr(applied, "steps", None) and applied.steps.inners or []:
         inner.register_step_post_hook(lambda *_: threads.append(threading.current_thread()))

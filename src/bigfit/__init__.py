@@ -1,13 +1,17 @@
 """bigfit: train transformer models that do not fit on one device.
 
 Public API: `TrainConfig` and `train` (one rank of a job; the `bigfit` command launches the ranks),
-`consolidate` (sharded checkpoint -> Hugging Face directory), `apply_strategy` (the transforms),
+`consolidate` (sharded checkpoint -> Hugging Face directory), `ParallelPlan` / `plan_for` (a job's
+parallel layout, from a strategy name and degrees) and `apply_plan` (its transforms, in order),
 `parallelize` / `deparallelize` (device-map model parallelism in one process, bigfit.device_map).
 """
 from .config import TrainConfig
 from .errors import BigfitError
 
-__all__ = ["BigfitError", "TrainConfig", "apply_strategy", "consolidate", "deparallelize", "parallelize", "train"]
+from .parallel.plan import ParallelPlan, plan_for
+
+__all__ = ["BigfitError", "ParallelPlan", "TrainConfig", "apply_plan", "consolidate", "deparallelize", "parallelize",
+           "plan_for", "train"]
 
 
 def __getattr__(name):  # heavy imports (torch, transformers) only when used
@@ -24,8 +28,8 @@ def __getattr__(name):  # heavy imports (torch, transformers) only when used
 
         device_map = importlib.import_module(".device_map", __name__)  # `from . import` would recurse here
         return device_map if name == "device_map" else getattr(device_map, name)
-    if name == "apply_strategy":
-        from .strategies import apply_strategy
+    if name == "apply_plan":
+        from .parallel.apply import apply
 
-        return apply_strategy
+        return apply
     raise AttributeError(name)

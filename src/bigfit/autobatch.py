@@ -3,6 +3,7 @@ fit, confirmed by a probe job in disposable worker processes that steps down aft
 error (the workers exit with OOM_EXIT), so an OOM never breaks the real job's process group."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from .config import TrainConfig
@@ -34,8 +35,8 @@ def choose_micro_batch(argv: list[str], cfg: TrainConfig, world: int, speaks: bo
                   "not probed under torchrun)")
         return predicted[0], predicted[1]
     for micro, batch, need in candidates:
-        code = launch_local([*argv, "--micro-batch-size", str(micro), "--batch-size", str(batch), "--probe-only"],
-                            world, Path(cfg.output_dir) / "logs" / "probe", quiet=True)
+        probe = dataclasses.replace(cfg, micro_batch_size=micro, batch_size=batch, probe_only=True)
+        code = launch_local(argv, world, Path(cfg.output_dir) / "logs" / "probe", quiet=True, settings=probe.to_dict())
         if code == 0:
             print(f"micro-batch auto -> {micro}: predicted {predicted[0]} to fit ({predicted[2] / 1e9:.2f} GB per "
                   f"GPU), confirmed {micro} by a probe step ({need / 1e9:.2f} GB predicted for it)")

@@ -46,8 +46,8 @@ def validate(cfg: TrainConfig) -> None:
                           f"{cfg.nproc}; use --nproc 1, or ddp / zero3 for several processes")
     if cfg.strategy != "device_map" and cfg.device_map is not None:
         raise BigfitError(f"--device-map belongs to --strategy device_map, not {cfg.strategy}")
-    if cfg.strategy not in ("device_map", "pipeline") and cfg.chunks not in (None, 1):
-        raise BigfitError(f"--chunks belongs to --strategy device_map or pipeline, not {cfg.strategy}")
+    if cfg.strategy not in ("device_map", "pipeline") and cfg.chunks not in (None, 1) and (cfg.pp or 1) == 1:
+        raise BigfitError(f"--chunks belongs to --strategy device_map or a pipeline (--pp), not {cfg.strategy}")
     if cfg.chunks is not None and (isinstance(cfg.chunks, bool) or not isinstance(cfg.chunks, int) or cfg.chunks < 1):
         raise BigfitError(f"--chunks must be a positive integer, got {cfg.chunks!r}")
     _validate_pipeline(cfg)
@@ -82,20 +82,25 @@ def _validate_compile(cfg: TrainConfig) -> None:
             raise one_of("--compile-backend", cfg.compile_backend, backends)
 
 
+def _pipelined(cfg: TrainConfig) -> bool:
+    return cfg.strategy == "pipeline" or (cfg.pp or 1) > 1
+
+
 def _validate_pipeline(cfg: TrainConfig) -> None:
-    given = [f"--{n.replace('_', '-')}" for n in ("pipeline_schedule", "stages_per_rank", "pipeline_degree")
+    given = [f"--{n.replace('_', '-')}" for n in ("pipeline_schedule", "stages_per_rank")
              if getattr(cfg, n) is not None]
-    if cfg.strategy != "pipeline":
+    if not _pipelined(cfg):
         if given:
-            raise BigfitError(f"{', '.join(given)} belong(s) to --strategy pipeline, not {cfg.strategy}")
+            raise BigfitError(f"{', '.join(given)} belong(s) to a pipeline (--strategy pipeline or --pp 2 or more), "
+                              f"not {cfg.strategy}")
         return
     if cfg.pipeline_schedule is not None and cfg.pipeline_schedule not in PIPELINE_SCHEDULES:
         raise one_of("--pipeline-schedule", cfg.pipeline_schedule, PIPELINE_SCHEDULES)
     if cfg.stages_per_rank is not None and cfg.stages_per_rank < 1:
         raise BigfitError(f"--stages-per-rank must be at least 1, got {cfg.stages_per_rank}")
     if cfg.nproc == 1:
-        raise BigfitError("--strategy pipeline runs one process per stage: use --nproc 2 or more (or device_map, "
+        raise BigfitError("a pipeline runs one process per stage: use --nproc 2 or more (or device_map, "
                           "which splits the model over the devices of one process)")
     if "auto" in (cfg.batch_size, cfg.micro_batch_size):
-        raise BigfitError("--strategy pipeline does not size its batches by probing yet (the probe runs data-parallel "
+        raise BigfitError("a pipeline does not size its batches by probing yet (the probe runs data-parallel "
                           "shares): give --batch-size and --micro-batch-size as numbers")

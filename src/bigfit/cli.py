@@ -15,6 +15,7 @@ from .checks import validate
 from .config import PIPELINE_SCHEDULES, PIPELINE_STRATEGIES, PRECISIONS, SPLIT_STRATEGIES, STRATEGIES, TrainConfig
 from .settings import HOW, NOUNS, as_type, field_type, load_config_file, normalise, setting_value
 from .errors import BigfitError
+from .launch import launched_settings
 from .train.command import speaks, train_command, world
 
 
@@ -120,6 +121,9 @@ def _plan_parser(sub) -> argparse.ArgumentParser:
                    help="zero2-offload: gradients wait for the host step in RAM (host) or on the GPU (device)")
     p.add_argument("--nvme-host-gb", type=_number(float), default=0.0,
                    help="zero2-offload-nvme: GB of states per node kept in RAM")
+    for dim, what in (("tp", "tensor-parallel"), ("pp", "pipeline"), ("dp-shard", "sharded data-parallel"),
+                      ("dp-replicate", "replicated data-parallel")):
+        p.add_argument(f"--{dim}", type=_number(int), help=f"composed plans: only those with this {what} degree")
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     p.add_argument("--plot", help="write per-GPU memory bars to this PNG")
     return p
@@ -182,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     ns = parse_args(argv)
     try:
         if ns.command == "train":
-            return train_command(argv, config_from_args(ns))
+            decided = launched_settings()  # a worker of bigfit's launcher runs what the launcher decided
+            return train_command(argv, TrainConfig(**decided) if decided else config_from_args(ns))
         if ns.command == "plan":
             from .planning.command import plan_command
 

@@ -10,6 +10,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 # What each data-parallel strategy shards across ranks (DeepSpeed's ZeRO stages) and keeps in host RAM.
+# (each strategy is an alias of a parallel plan: parallel/plan.py ALIASES)
 STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3", "zero2-offload", "zero3-offload", "zero2-offload-nvme")
 # ...and the model split over devices by one process (naive model parallelism, optionally GPipe chunks)
 SPLIT_STRATEGIES = ("device_map",)
@@ -48,7 +49,12 @@ class TrainConfig:
     chunks: int | None = None  # device_map, pipeline: pipeline micro-batches per micro-batch; None: 1, pipeline: one per stage
     pipeline_schedule: str | None = None  # pipeline: gpipe, 1f1b or interleaved (1F1B, several stages per process); None: 1f1b
     stages_per_rank: int | None = None  # pipeline: stages per process (interleaved: 2 or more); None: 2 if interleaved, else 1
-    pipeline_degree: int | None = None  # pipeline: processes per pipeline; None: all (data parallel x pipeline: not yet)
+    # parallel degrees (docs/architecture.md, "The plan"): they multiply to the processes; None: 1, except
+    # the one the strategy spreads over (pp for pipeline, dp_replicate for ddp, dp_shard for zero*) takes the rest
+    pp: int | None = None  # pipeline positions: the model cut into stages, each a process (x data parallel)
+    tp: int | None = None  # tensor parallel: each block's matrices split over this many processes
+    dp_shard: int | None = None  # data-parallel processes that shard model states (zero1/2/3, FSDP2)
+    dp_replicate: int | None = None  # data-parallel replicas (ddp; HSDP with --dp-shard)
     precision: str | None = "fp32"  # fp32, bf16 or fp16 (fp32 master weights either way); auto: bf16 where supported
     reduce_dtype: str = "fp32"  # dtype gradients are reduced in under bf16/fp16
     loss_scale: float = 0.0  # fp16: a static loss scale; 0 for dynamic scaling

@@ -22,6 +22,15 @@ class Runtime:
     local_rank: int
     device: torch.device
     owns_group: bool = False  # this Runtime created the process group and destroys it at shutdown
+    group: object = None  # the process group of this view's collectives; None: every process
+    mesh: object = None  # the job's named DeviceMesh (pp, dp_replicate, dp_shard, tp), once planned (parallel/mesh.py)
+    data_view: "Runtime | None" = None  # this rank among the data-parallel ranks; None: among all ranks
+
+    @property
+    def data(self) -> "Runtime":
+        """The ranks the global batch is divided over, and this rank's place among them: every rank,
+        unless pipeline or tensor-parallel ranks share a data shard."""
+        return self.data_view or self
 
     @property
     def is_main(self) -> bool:
@@ -48,12 +57,17 @@ def cores_per_rank() -> int:
     return max(1, allowed // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
+def world_size() -> int:
+    """Processes in this job, from the torchrun environment (1 without one)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def init_runtime(timeout_s: float = 300.0, group_for_one: bool = False, host_collectives: bool = False) -> Runtime:
     """Join the job's process group (NCCL on GPUs, gloo on CPUs) with a collective timeout, so that
     a dead or stuck peer fails this process instead of hanging it for the default 30 minutes.
     One process gets a group only when asked (`group_for_one`: FSDP2 needs a mesh even for one rank,
     to offload or to cast parameters); it lives in memory (HashStore), with no network."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = world_size()
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
@@ -77,11 +91,11 @@ def shutdown(rt: Runtime) -> None:
 
 
 def all_reduce_sum(values: list[float], rt: Runtime) -> list[float]:
-    """Sum a few numbers over all ranks (a float64 tensor on the job's device)."""
+    """Sum a few numbers over the ranks of `rt` (a float64 tensor on the job's device)."""
     if not rt.distributed:
         return list(values)
     t = torch.tensor(values, dtype=torch.float64, device=rt.device)
-    dist.all_reduce(t)
+    dist.all_reduce(t, group=rt.group)
     return t.tolist()
 
 

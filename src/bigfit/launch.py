@@ -22,12 +22,19 @@ from pathlib import Path
 from .errors import BigfitError
 
 GRACE_S = 5.0
+SETTINGS_ENV = "BIGFIT_SETTINGS_FILE"  # the launcher's decided settings, which its workers run
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def launched_settings() -> dict | None:
+    """In a worker of bigfit's launcher: the settings it decided (None elsewhere, e.g. under torchrun)."""
+    path = os.environ.get(SETTINGS_ENV)
+    return json.loads(Path(path).read_text()) if path else None
 
 
 def write_error(exc: BaseException) -> None:
@@ -72,17 +79,24 @@ def _report(exits: dict[int, int], err_dir: Path, log_dir: Path) -> str:
     return f"worker rank {rank} exited with status {code} {where}"
 
 
-def launch_local(argv: list[str], nproc: int, log_dir: Path, quiet: bool = False, lock_fd: int | None = None) -> int:
+def launch_local(argv: list[str], nproc: int, log_dir: Path, quiet: bool = False, lock_fd: int | None = None,
+                 settings: dict | None = None) -> int:
     """Run `python -m bigfit <argv>` as `nproc` workers on this machine; returns the exit status.
     `quiet`: rank 0 writes a log too, and a failure is left to the caller to report. `lock_fd`: the
     output directory's lock (train/lock.py), inherited by every worker so that it stays held while
-    any of them lives, even if this launcher is killed."""
+    any of them lives, even if this launcher is killed. `settings`: the job's settings as this
+    launcher decided them (strategy, degrees, batch sizes): the workers read them from a file
+    (SETTINGS_ENV) instead of parsing `argv` again, so they run exactly what was printed."""
     log_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="bigfit-errors-") as tmp:
         err_dir, procs = Path(tmp), {}
+        extra = {}
+        if settings is not None:
+            (err_dir / "settings.json").write_text(json.dumps(settings))
+            extra[SETTINGS_ENV] = str(err_dir / "settings.json")
         for rank in range(nproc):
-            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
+            env = dict(os.environ, **extra, RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
                        LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                        BIGFIT_ERROR_FILE=str(err_dir / f"rank-{rank}.json"), PYTHONUNBUFFERED="1")
             # rank 0 talks to the terminal; the others write logs, read only when something fails

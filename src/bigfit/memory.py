@@ -22,22 +22,14 @@ def _add(acc: dict, seen: set, t) -> None:
     acc[where] += t.numel() * t.element_size()
 
 
-def state_bytes(applied, optimizer) -> dict[str, dict[str, int]]:
-    """{"params"|"grads"|"optimizer": {"cuda"|"cpu"|"nvme": bytes}} for this rank (nvme: file-backed). Host master weights of
-    an offloading optimizer count as optimizer state (they exist only for the optimizer)."""
+def state_bytes(engine) -> dict[str, dict[str, int]]:
+    """{"params"|"grads"|"optimizer": {"cuda"|"cpu"|"nvme": bytes}} for this rank (nvme: file-backed),
+    from the tensors the engine says it holds (`Engine.memory_tensors`)."""
     out = {k: defaultdict(int) for k in ("params", "grads", "optimizer")}
     seen: set = set()
-    for p in applied.model.parameters():
-        _add(out["params"], seen, p)
-    for p in applied.model.parameters():
-        _add(out["grads"], seen, p.grad)
-    for g in getattr(optimizer, "grad_buffers", ()):  # the offload engine's host gradient buffers
-        _add(out["grads"], seen, g)
-    # ZeroRedundancyOptimizer keeps this rank's states in its local `optim`
-    for state in getattr(optimizer, "optim", optimizer).state.values():
-        for v in state.values():
-            if isinstance(v, torch.Tensor) and v.dim() > 0:  # per-element states, not step counters
-                _add(out["optimizer"], seen, v)
-    for m in getattr(optimizer, "masters", ()):
-        _add(out["optimizer"], seen, m)
+    held = engine.memory_tensors()
+    for kind in ("params", "grads", "optimizer"):
+        for t in held[kind]:
+            if kind != "optimizer" or (isinstance(t, torch.Tensor) and t.dim() > 0):  # not step counters
+                _add(out[kind], seen, t)
     return {k: dict(v) for k, v in out.items()}

@@ -2,7 +2,7 @@
 every device of the map. The map file holds a device map (maps.py), or {"auto": {device: budget}};
 `auto` alone balances over this machine: each GPU's memory less the planner's reserve, then 90% of
 host RAM as the overflow. `check` runs before any process or weight (on a meta-device model), and
-`apply_device_map` is the split step of `strategies.apply_strategy`."""
+`apply_device_map` is the split step of parallel/apply.py."""
 from __future__ import annotations
 
 import contextlib
@@ -15,14 +15,28 @@ import torch
 from ..errors import BigfitError
 from ..strategies.base import Applied
 from ..userfiles import read_text
+from .casts import cast_once
 from .maps import canonical_device, resolve_map
+from .pipeline import run_chunks, split_batch
 
 
 @dataclass
 class DeviceMapApplied(Applied):
     main: str = "cpu"  # where inputs, embeddings, the head and the loss live
-    chunks: int = 1  # GPipe micro-batches per forward (train/step.py runs them through pipeline.run_chunks)
+    chunks: int = 1  # GPipe micro-batches per forward (run_batch runs them through pipeline.run_chunks)
     device_types: tuple[str, ...] = ("cpu",)
+
+    def run_batch(self, batch: dict, seq2seq: bool, factor: float, sync: bool) -> torch.Tensor:
+        """With --chunks, the summed loss over GPipe micro-batches run by pipeline.run_chunks (a summed
+        token loss needs no reweighting across chunks), backpropagated in one call (the pipeline's
+        backward order needs it). Under autocast each weight is cast once for all chunks (casts.py)."""
+        if self.chunks == 1:
+            return super().run_batch(batch, seq2seq, factor, sync)
+        with cast_once(self.model, enabled=self.autocast is not None):  # each call enters autocast itself
+            loss = sum(run_chunks(lambda part: self.loss_sum(part, seq2seq), split_batch(batch, self.chunks),
+                                  self.main, ordered_backward=True))
+        (loss * factor).backward()
+        return loss.detach()
 
     def forward_context(self):
         """Autocast on every kind of device the map uses, so each block computes in the same dtype."""

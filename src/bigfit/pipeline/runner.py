@@ -1,7 +1,9 @@
 """Running the stages with torch.distributed.pipelining, as the training loop's `Applied`.
 
-- Every rank sees the whole batch (pure pipeline: no data parallelism), so the data view of the
-  job is one rank (`data_runtime`) and the loop's global-batch arithmetic stays as it is.
+- Every pipeline position of one data-parallel replica sees that replica's whole share of the
+  batch (the data view of the mesh, parallel/mesh.py), so the loop's global-batch arithmetic stays
+  as it is. Over data-parallel replicas, the stages' gradients are averaged each step (DDP's
+  all-reduce, `finish_backward`) or FSDP2 shards each stage's blocks (`shard_stages`).
 - Each micro-batch of the loop is one schedule step of `chunks` pipeline micro-batches. The loss
   is the loop's own (train/step.py `token_loss`: summed token cross-entropy from fp32 logits)
   computed on the last stage, times the loop's factor (loss scale / global-batch tokens), so the
@@ -10,25 +12,31 @@
   schedule is kept per batch shape (sequence lengths padded up to a multiple of PAD_TO, few shapes).
 - Tied parameters held on several ranks get their gradients summed over those ranks (one process
   group per tied parameter) before the update, so the copies take identical steps and stay equal.
-- The gradient norm for clipping is global: squared norms all-reduced over the stages, each tied
-  parameter counted once (on its lowest rank), as the single-process model counts it.
+- The gradient norm for clipping is global (parallel/norms.py): squared norms all-reduced over the
+  ranks, each tied parameter counted once (on its lowest position), as the single-process model counts it.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
-import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from ..data.tokenize import IGNORE
 from ..distributed import Runtime
-from ..strategies.base import Applied
-from ..train.step import target_tokens, token_loss
+from ..losses import target_tokens, token_loss
+from ..models import block_lists
+from ..parallel.mesh import fsdp_mesh
+from ..parallel.norms import clip_by, global_norm
+from ..strategies.base import Applied, local
 from .cut import PipelineLayout
 
 PAD_TO = 8  # sequence lengths are padded to a multiple of this: fewer shapes, fewer schedules
@@ -39,22 +47,44 @@ MAX_SCHEDULES = 8  # per mode; each holds receive buffers for every chunk, so ol
 class PipelineApplied(Applied):
     stage_modules: list = field(default_factory=list)  # this rank's StageModules
     layout: PipelineLayout | None = None
-    tied: list = field(default_factory=list)  # (parameter, process group, counted here) per tied group
+    tied: list = field(default_factory=list)  # (parameter name, process group, counted here) per tied group
     device: torch.device | None = None
     generates: bool = False  # generate() would need every stage in one process: use the consolidated model
-    flat_optimizer_state: bool = True  # checkpoints key optimizer settings by parameter (ranks differ)
+    group: object = None  # the process group of this rank's pipeline (its pp dimension)
+    replicas: object = None  # the data-parallel group whose gradients DDP-style averaging combines
+    ranks_per_position: int = 1  # ranks holding each pipeline position (data- and tensor-parallel peers)
+    shapes: object = None  # the data-parallel group that must agree on batch shapes (FSDP2 over the stages)
 
     def __post_init__(self):
         self._schedules: OrderedDict = OrderedDict()
         self._sums: list[torch.Tensor] = []
         self._factor = 1.0
 
-    def data_runtime(self, rt: Runtime) -> Runtime:
-        """Every pipeline rank reads the whole global batch."""
-        return Runtime(rank=0, world_size=1, local_rank=rt.local_rank, device=rt.device)
+    def state_options(self) -> StateDictOptions:
+        """Pipeline ranks hold different parameters: their optimizer's param_groups, one list per rank
+        under the same key, would overwrite each other in DCP; flattened, every entry is keyed by its
+        parameter."""
+        return StateDictOptions(flatten_optimizer_state_dict=True)
+
+    def shard_stages(self, plan, rt: Runtime, compute: torch.dtype | None, reduce: torch.dtype) -> None:
+        """Data parallelism over this rank's stages: FSDP2 units over the kept blocks and the root
+        (ZeRO-2/3), or gradients averaged over the replicas after backward (DDP)."""
+        if plan.engine != "fsdp":
+            self.replicas = rt.data.group
+            return
+        self.shapes = rt.data.group
+        kw = dict(mesh=fsdp_mesh(rt, plan), reshard_after_forward=plan.zero == 3,
+                  mp_policy=MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=reduce if compute else None))
+        for _, blocks in block_lists(self.model):
+            for block in blocks:
+                fully_shard(block, **kw)
+        # the root unit is the stage, not the model: a stage ends the model's forward early (stage.py),
+        # so hooks FSDP2 runs after the model's forward would never run, nor its root's backward
+        fully_shard(self.stage_modules[0], **kw)
+        self.notes.append(f"FSDP2 (ZeRO-{plan.zero}) over {plan.dp} data-parallel ranks on each stage")
 
     # -- forward and backward ----------------------------------------------------------------
-    def run_batch(self, batch: dict, seq2seq: bool, factor: float) -> torch.Tensor:
+    def run_batch(self, batch: dict, seq2seq: bool, factor: float, sync: bool) -> torch.Tensor:
         """One micro-batch through every stage, forward and backward; its summed token loss on the
         last stage's rank, zero elsewhere."""
         return self._run(batch, seq2seq, factor, train=True)
@@ -63,13 +93,24 @@ class PipelineApplied(Applied):
     def eval_batch(self, batch: dict, seq2seq: bool) -> tuple[float, int]:
         """(summed token loss, target tokens), both counted on the last stage's rank only, so that
         a sum over all ranks gives the batch's figures."""
-        rows = batch["labels"].shape[0]
-        batch = _fill_rows(batch, -rows % self.layout.chunks)
+        rows = self._common(batch["labels"].shape[0])
+        batch = _fill_rows(batch, rows - batch["labels"].shape[0] + (-rows % self.layout.chunks))
         loss = self._run(batch, seq2seq, 1.0, train=False)
         return (loss.item(), target_tokens(batch["labels"], seq2seq)) if self._holds_last else (0.0, 0)
 
+    def _common(self, *sizes: int) -> list[int] | int:
+        """The largest of each size over the data-parallel ranks whose stages FSDP2 shards: they must
+        run the same schedules (a new batch shape builds a new one, and its first step runs its stages
+        once more), or their FSDP2 collectives would not pair up."""
+        if self.shapes is None:
+            return sizes if len(sizes) > 1 else sizes[0]
+        t = torch.tensor(sizes, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.shapes)
+        return t.tolist() if len(sizes) > 1 else int(t[0])
+
     def _run(self, batch: dict, seq2seq: bool, factor: float, train: bool) -> torch.Tensor:
-        inputs = _pad(batch, seq2seq)
+        inputs = _pad(batch, seq2seq, *self._common(batch["input_ids"].shape[1], batch["labels"].shape[1]))
+        fresh = self._key(train, inputs) not in self._schedules
         schedule = self._schedule(train, seq2seq, inputs)
         self._factor, self._sums = factor, []
         kwargs = {"attention_mask": inputs["attention_mask"]}
@@ -78,24 +119,46 @@ class PipelineApplied(Applied):
         args = (inputs["input_ids"],) if self._holds_first else ()
         if "return_outputs" in inspect.signature(schedule.step).parameters:
             kwargs["return_outputs"] = False  # the logits are needed for the loss only
-        (schedule.step if train else schedule.eval)(*args, target=inputs["labels"], **kwargs)
+        with self._keeping_grads(fresh):
+            (schedule.step if train else schedule.eval)(*args, target=inputs["labels"], **kwargs)
         # some torch versions also run the loss once while learning shapes: the last `chunks` are the step's
         sums = self._sums[-self.layout.chunks:] if self._holds_last else []
         return torch.stack(sums).double().sum() if sums else torch.zeros((), dtype=torch.float64, device=self.device)
+
+    @contextlib.contextmanager
+    def _keeping_grads(self, fresh: bool):
+        """A new schedule's first step learns its shapes by a real forward and backward, after which
+        torch clears the gradients of FSDP2 modules, also those that earlier micro-batches of this
+        step accumulated: they are set aside for that step and added back after it."""
+        kept = {}
+        if fresh and self.shapes is not None:
+            kept = {p: p.grad for p in self.model.parameters() if p.grad is not None}
+            for p in kept:
+                p.grad = None
+        try:
+            yield
+        finally:
+            for p, g in kept.items():
+                p.grad = g if p.grad is None else p.grad + g
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor, seq2seq: bool) -> torch.Tensor:
         loss = token_loss(logits, labels, seq2seq)
         self._sums.append(loss.detach())
         return loss * self._factor
 
+    @staticmethod
+    def _key(train: bool, inputs: dict) -> tuple:
+        return train, tuple((k, tuple(v.shape)) for k, v in sorted(inputs.items()))
+
     def _schedule(self, train: bool, seq2seq: bool, inputs: dict):
-        key = (train, tuple((k, tuple(v.shape)) for k, v in sorted(inputs.items())))
+        key = self._key(train, inputs)
         if key in self._schedules:
             self._schedules.move_to_end(key)
             return self._schedules[key]
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-        stages = [PipelineStage(m, m.index, self.layout.stages, self.device) for m in self.stage_modules]
+        stages = [PipelineStage(m, m.index, self.layout.stages, self.device, group=self.group)
+                  for m in self.stage_modules]
         loss = functools.partial(self._loss, seq2seq=seq2seq)
         if self.layout.schedule == "interleaved":
             schedule = ScheduleInterleaved1F1B(stages, self.layout.chunks, loss_fn=loss, scale_grads=False)
@@ -117,38 +180,44 @@ class PipelineApplied(Applied):
 
     # -- before the update -------------------------------------------------------------------
     def finish_backward(self) -> None:
-        """Sum each tied parameter's gradient over the ranks holding a copy of it."""
-        for p, group, _ in self.tied:
+        """Sum each tied parameter's gradient over the ranks holding a copy of it; average every
+        gradient over the data-parallel replicas (the loop's factor counted them: a mean, as DDP's)."""
+        for p, group, _ in self._tied():
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad, group=group)
+            dist.all_reduce(local(p.grad), group=group)  # the copies are sharded alike (FSDP2 over the stages)
+        if self.replicas is not None:
+            n = dist.get_world_size(self.replicas)
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    dist.all_reduce(local(p.grad), group=self.replicas)  # tensor-parallel pieces: each its own
+                    p.grad.div_(n)
+
+    def _tied(self) -> list:
+        """(parameter, group, counted) now: sharding replaces the parameter objects, never their names."""
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        return [(params[name], group, counted) for name, group, counted in self.tied]
 
     def clip_grad_norm(self, params: list, max_norm: float) -> float:
         """The global gradient norm over all stages (tied copies counted once); clip by it."""
-        copies = {id(p) for p, _, counted in self.tied if not counted}
-        counted = [p.grad for p in params if id(p) not in copies]
-        local = torch.nn.utils.get_total_norm(counted) if counted else torch.zeros((), device=self.device)
-        squared = local.double().square()
-        dist.all_reduce(squared)
-        total = squared.sqrt().float()
-        if max_norm > 0 and math.isfinite(total.item()):
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
-        return total.item()
+        copies = {id(p) for p, _, counted in self._tied() if not counted}
+        return clip_by(params, max_norm, global_norm(params, self.ranks_per_position, copies))
 
 
-def _pad(batch: dict, seq2seq: bool) -> dict:
-    """Sequence lengths up to a multiple of PAD_TO: padded positions are masked and carry no label,
-    so the loss is unchanged, and the schedules see fewer shapes."""
+def _pad(batch: dict, seq2seq: bool, width: int, target_width: int) -> dict:
+    """Sequence lengths up to `width` (`target_width` for T5's labels), rounded up to a multiple of
+    PAD_TO: padded positions are masked and carry no label, so the loss is unchanged, and the
+    schedules see fewer shapes."""
     out = dict(batch)
-    width = batch["input_ids"].shape[1]
-    extra = -width % PAD_TO
+    extra = width - batch["input_ids"].shape[1] + (-width % PAD_TO)
     if extra:
         out["input_ids"] = F.pad(batch["input_ids"], (0, extra), value=0)
         out["attention_mask"] = F.pad(batch["attention_mask"], (0, extra), value=0)
         if not seq2seq:
             out["labels"] = F.pad(batch["labels"], (0, extra), value=IGNORE)
     if seq2seq:
-        out["labels"] = F.pad(batch["labels"], (0, -batch["labels"].shape[1] % PAD_TO), value=IGNORE)
+        more = target_width - batch["labels"].shape[1] + (-target_width % PAD_TO)
+        out["labels"] = F.pad(batch["labels"], (0, more), value=IGNORE)
     return out
 
 

@@ -1,4 +1,4 @@
-"""`--strategy pipeline`: the split step of `strategies.apply_strategy` for pipelines across processes.
+"""`--strategy pipeline`: the split step of parallel/apply.py for pipelines across processes.
 
 Every rank plans the same split on its copy of the model (rank 0's is real, the others' are on the
 meta device), prunes it to its own stages, and only then gets weights: rank 0 sends each other rank
@@ -10,27 +10,28 @@ import torch
 import torch.distributed as dist
 
 from ..distributed import Runtime, gather_objects
-from ..errors import BigfitError
 from ..precision import compute_dtype
+from ..strategies.materialise import to_empty
 from .cut import PipelineLayout
 from .runner import PipelineApplied
 from .split import Split, plan_split, prune, tied_groups
 from .stage import StageModule
 
 
-def layout_of(cfg, world: int) -> PipelineLayout:
-    return PipelineLayout(world=world, stages_per_rank=cfg.stages_per_rank, schedule=cfg.pipeline_schedule,
+def layout_of(cfg, positions: int) -> PipelineLayout:
+    """The layout over `positions` pipeline ranks (the plan's pp degree)."""
+    return PipelineLayout(world=positions, stages_per_rank=cfg.stages_per_rank, schedule=cfg.pipeline_schedule,
                           chunks=cfg.chunks)
 
 
-def check(cfg, model_config, world: int) -> str:
+def check(cfg, model_config, positions: int) -> str:
     """Every check of the split before any process or weight (on a meta-device model)."""
     from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
     auto = AutoModelForSeq2SeqLM if getattr(model_config, "is_encoder_decoder", False) else AutoModelForCausalLM
     with torch.device("meta"):
         model = auto.from_config(model_config)
-    split = plan_split(model, layout_of(cfg, world))
+    split = plan_split(model, layout_of(cfg, positions))
     tied_groups(model, split)  # raises for models whose non-block modules cannot be placed
     return describe(split)
 
@@ -45,18 +46,18 @@ def describe(split: Split) -> str:
     return "; ".join(parts)
 
 
-def apply_pipeline(model: torch.nn.Module, cfg, rt: Runtime) -> PipelineApplied:
-    if not rt.distributed:
-        raise BigfitError("--strategy pipeline runs one stage (or more) per process: use --nproc 2 or more, "
-                          "or device_map for one process")
-    layout = layout_of(cfg, rt.world_size)
+def apply_pipeline(model: torch.nn.Module, plan, cfg, rt: Runtime) -> PipelineApplied:
+    """This rank's stages of the pipeline it belongs to (its `pp` position; data-parallel and
+    tensor-parallel peers hold the same stages), with rank 0's weights in them."""
+    layout = layout_of(cfg, plan.pp)
+    position = rt.mesh.get_local_rank("pp")
     split = plan_split(model, layout)
     groups = tied_groups(model, split)
     full = _all_tensors(model) if rt.is_main else {}
-    prune(model, split, layout.stages_of(rt.rank))
+    prune(model, split, layout.stages_of(position))
     _materialise(model, full, rt)
     del full
-    mods = [StageModule(model, split, s, compute_dtype(cfg.precision)) for s in layout.stages_of(rt.rank)]
+    mods = [StageModule(model, split, s, compute_dtype(cfg.precision)) for s in layout.stages_of(position)]
     tied = _tied(model, groups, rt)
     notes = [f"pipeline {layout.schedule}, {layout.stages} stages, {layout.chunks} chunks per micro-batch: "
              f"{describe(split)}"]
@@ -68,8 +69,9 @@ def apply_pipeline(model: torch.nn.Module, cfg, rt: Runtime) -> PipelineApplied:
     if layout.chunks < layout.stages:
         notes.append(f"only {layout.chunks} chunks for {layout.stages} stages: most stages wait; use --chunks "
                      f"{layout.stages} or more")
-    return PipelineApplied(model=model, module=model, strategy="pipeline", notes=notes, stage_modules=mods,
-                           layout=layout, tied=tied, device=rt.device)
+    return PipelineApplied(model=model, module=model, strategy=plan.name, notes=notes, stage_modules=mods,
+                           layout=layout, tied=tied, device=rt.device, group=rt.mesh.get_group("pp"),
+                           ranks_per_position=rt.world_size // plan.pp)
 
 
 def _all_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -83,12 +85,10 @@ def _all_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def _materialise(model: torch.nn.Module, full: dict, rt: Runtime) -> None:
     """Rank 0's values into every rank's kept tensors, by point-to-point sends in a fixed order:
     each rank lists what it kept (one tensor once, under its first name); rank 0 sends exactly that."""
-    from ..strategies import _to_empty
-
     if rt.is_main:
         model.to(rt.device)
     elif any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
-        _to_empty(model, rt.device)
+        to_empty(model, rt.device)
     mine = _kept(model)
     wanted = gather_objects(list(mine), rt)
     if rt.is_main:
@@ -112,13 +112,18 @@ def _kept(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _tied(model: torch.nn.Module, groups, rt: Runtime) -> list:
-    """(parameter, its ranks' process group, counted here) for the tied groups this rank is in.
-    Every rank creates every group, in the same order (new_group is collective)."""
+    """(a name of the parameter, its copies' process group, counted here) for the tied groups this rank is in.
+    A tied group names pipeline positions; its copies are the ranks at those positions with this
+    rank's data- and tensor-parallel coordinates. Every rank creates every group, in the same order
+    (new_group is collective)."""
     params = dict(model.named_parameters(remove_duplicate=False))
+    grid = rt.mesh.mesh  # ranks by (pp, dp_replicate, dp_shard, tp)
     out = []
-    for names, ranks in groups:
-        group = dist.new_group(ranks)
-        if rt.rank in ranks:
-            p = next(params[n] for n in names if n in params)
-            out.append((p, group, rt.rank == ranks[0]))
+    for names, positions in groups:
+        for others in grid.flatten(1).unbind(1):  # each combination of the inner coordinates
+            ranks = [int(others[p]) for p in positions]
+            group = dist.new_group(ranks)
+            if rt.rank in ranks:
+                name = next(n for n in names if n in params)
+                out.append((name, group, rt.rank == ranks[0]))
     return out

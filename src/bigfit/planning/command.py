@@ -7,12 +7,15 @@ from ..config import PIPELINE_STRATEGIES, SPLIT_STRATEGIES, STRATEGIES
 from ..errors import BigfitError
 from ..hardware import MAX_NODES, Hardware, detect, host_ram, parse_gpus, parse_size
 from ..models import load_config, locate
+from ..parallel.plan import DIMS, plan_for
 from .estimate import RESERVE
+from .layouts import SHOWN, check_degrees, flag
 from .search import Job, plan_for_config
 from .split import NAME as DEVICE_MAP
+from .tp_trace import split_counts
 
 # `bigfit plan` flags that must be more than 0 (None: the default), the hardware's rates among them...
-POSITIVE = ("batch_size", "seq_len", "chunks", "stages_per_rank", "micro_batch_size")
+POSITIVE = ("batch_size", "seq_len", "chunks", "stages_per_rank", "micro_batch_size", *DIMS)
 RATES = ("pcie_gbps", "intra_gbps", "inter_gbps", "nvme_gbps", "cpu_tflops")
 # ...and those that may be 0 too
 AT_LEAST_0 = ("target_len", "nvme_host_gb")
@@ -59,28 +62,20 @@ def plan_command(ns) -> int:
             raise BigfitError(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(ns, name)}")
     hw = hardware_from_args(ns)
     config = load_config(locate(ns.model))
+    fixed = {d: getattr(ns, d) for d in DIMS if getattr(ns, d) is not None}  # the composed plans' degrees
+    check_degrees(fixed, hw, *split_counts(config))
     job = Job(batch_size=ns.batch_size, seq_len=ns.seq_len, target_len=ns.target_len if config.is_encoder_decoder
               else 0, micro_batch=ns.micro_batch_size, precision=ns.precision, checkpointing=ns.activation_checkpointing,
               chunks=ns.chunks, pipeline_schedule=ns.pipeline_schedule, stages_per_rank=ns.stages_per_rank,
               delayed_update=ns.delayed_update, offload_grads=ns.offload_grads, nvme_host_gb=ns.nvme_host_gb)
-    p = plan_for_config(config, hw, job)
+    p = plan_for_config(config, hw, job, layouts=fixed)
+    if fixed and not p.layouts and p.layout_rejected:  # the degrees asked for rule out every composed plan
+        r = p.layout_rejected[0]
+        raise BigfitError(f"{' '.join(f'--{flag(d)} {v}' for d, v in fixed.items())}: {r.group} ({r.name}: {r.detail})")
     if ns.json:
         print(json.dumps(p.to_json(), indent=1))
     else:
-        from .report import plan_table
-
-        console = Console(width=150)  # the table is wide; pipes would otherwise cut it at 80 columns
-        console.print(plan_table(p))
-        for c in p.candidates:
-            if c.why_not:
-                console.print(f"  {c.estimate.name}: {c.why_not}")
-        console.print(f"[bold]recommended[/bold]: {p.recommended or 'none'}: {p.reason}")
-        for note in p.notes:
-            console.print(f"  {note}")
-        from .report import device_map_text, pipeline_text
-
-        console.print(device_map_text(p.device_map))
-        console.print(pipeline_text(p.pipeline))
+        _show(Console(width=150), p, fixed)  # the table is wide; pipes would otherwise cut it at 80 columns
     if ns.plot:
         from .report import plot_plan
 
@@ -88,6 +83,30 @@ def plan_command(ns) -> int:
         if not ns.json:
             print(f"wrote {ns.plot}")
     return 0
+
+
+def _show(console, p, fixed: dict) -> None:
+    from .report import device_map_text, layout_table, pipeline_text, plan_table, rejected_text
+
+    console.print(plan_table(p))
+    for c in p.candidates:
+        if c.why_not:
+            console.print(f"  {c.estimate.name}: {c.why_not}")
+    restricted = " with " + ", ".join(f"{d} {v}" for d, v in fixed.items()) if fixed else ""
+    table = layout_table(p, SHOWN, restricted)
+    if table is not None:
+        console.print(table)
+    if p.layouts is not None and not p.layouts and not p.layout_rejected:
+        console.print(f"  no composed plan{restricted}: the named rows above rate that layout")
+    for line in rejected_text(p):
+        console.print(line)
+    console.print(f"[bold]recommended[/bold]: {p.recommended or 'none'}: {p.reason}")
+    pick = p.layout_pick
+    console.print(f"[bold]composed[/bold]: {pick.estimate.name if pick else 'none recommended'}: {p.layout_reason}")
+    for note in p.notes:
+        console.print(f"  {note}")
+    console.print(device_map_text(p.device_map))
+    console.print(pipeline_text(p.pipeline))
 
 
 def _this_machine(world: int, strategy: str | None = None) -> Hardware:
@@ -117,16 +136,50 @@ def auto_strategy(cfg, world: int, one_process: bool = True) -> tuple[str, str]:
     are 2 processes or more and the batch sizes are numbers (`auto` sizes probe data-parallel shares).
     Picked, they run with their defaults (--device-map auto; pipeline: config.pipeline_defaults), as
     planned."""
-    config = load_config(locate(cfg.model))
-    micro = cfg.micro_batch_size if isinstance(cfg.micro_batch_size, int) else None
-    batch = cfg.batch_size if isinstance(cfg.batch_size, int) else world
-    sized = "auto" not in (cfg.batch_size, cfg.micro_batch_size)
-    strategies = (STRATEGIES + (SPLIT_STRATEGIES if one_process else ())
-                  + (PIPELINE_STRATEGIES if world > 1 and sized else ()))
-    p = plan_for_config(config, _this_machine(world), _job(cfg, config, batch, micro), strategies)
+    p = _auto(cfg, world, _named(cfg, world, one_process), None)
     if p.recommended is None:
         raise BigfitError(f"--strategy auto: {p.reason}")
     return p.recommended, p.reason
+
+
+def auto_plan(cfg, world: int, one_process: bool = True) -> tuple[str, dict[str, int], str]:
+    """`--strategy auto` over the named strategies (as auto_strategy) and the composed plans:
+    (strategy alias, {"tp", "pp", "dp_shard", "dp_replicate"} for plan_for, why). A composed plan is
+    taken only where it beats every named one that fits (layouts.choose); the degrees cfg gives
+    (--tp, --pp, --dp-shard, --dp-replicate) restrict both. device_map's degrees are its one process's."""
+    fixed = {d: getattr(cfg, d) for d in DIMS if getattr(cfg, d, None)}
+    named = tuple(s for s in _named(cfg, world, one_process) if _agrees(_degrees(s, world), fixed))
+    p = _auto(cfg, world, named, fixed)
+    if p.layout_pick is not None:
+        return p.layout_pick.strategy, p.layout_pick.degrees, p.layout_reason
+    if p.recommended is None:
+        raise BigfitError(f"--strategy auto: {p.reason}; composed plans: {p.layout_reason}")
+    return p.recommended, _degrees(p.recommended, world), f"{p.reason}; composed plans: {p.layout_reason}"
+
+
+def _named(cfg, world: int, one_process: bool) -> tuple[str, ...]:
+    """The named candidates of `auto`: device_map (one process driving every GPU) unless the job's
+    processes are fixed; pipeline with 2 processes or more and numbers for the batch sizes."""
+    sized = "auto" not in (cfg.batch_size, cfg.micro_batch_size)
+    return (STRATEGIES + (SPLIT_STRATEGIES if one_process else ())
+            + (PIPELINE_STRATEGIES if world > 1 and sized else ()))
+
+
+def _auto(cfg, world: int, strategies: tuple[str, ...], layouts: dict | None):
+    config = load_config(locate(cfg.model))
+    micro = cfg.micro_batch_size if isinstance(cfg.micro_batch_size, int) else None
+    batch = cfg.batch_size if isinstance(cfg.batch_size, int) else world
+    return plan_for_config(config, _this_machine(world), _job(cfg, config, batch, micro), strategies, layouts)
+
+
+def _agrees(degrees: dict[str, int], fixed: dict[str, int]) -> bool:
+    return all(degrees[d] == v for d, v in fixed.items())
+
+
+def _degrees(strategy: str, world: int) -> dict[str, int]:
+    """The degrees a named strategy runs with on `world` processes (device_map: one process)."""
+    p = plan_for(strategy, 1 if strategy == DEVICE_MAP else world)
+    return {d: getattr(p, d) for d in DIMS}
 
 
 def auto_micro_batch(cfg, world: int) -> list[tuple[int, int, int]]:

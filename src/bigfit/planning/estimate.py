@@ -41,7 +41,8 @@ def _bytes(**kw) -> dict[str, int]:
 
 
 def memory(strategy: str, prof, hw, c: int, checkpointing: bool, accum: int = 1, backend: str = "nccl",
-           grads_on_device: bool = False, nvme_host: float = 0.0, grad_bytes: int = 4) -> tuple[dict, dict]:
+           grads_on_device: bool = False, nvme_host: float = 0.0, grad_bytes: int = 4,
+           shards: int | None = None) -> tuple[dict, dict]:
     """(per-GPU bytes, per-host bytes) for one rank's GPU and one node's host RAM.
 
     The GPU figure is the step's peak: the largest of three moments, each counted with what is alive
@@ -61,8 +62,9 @@ def memory(strategy: str, prof, hw, c: int, checkpointing: bool, accum: int = 1,
     zero2-offload: `grads_on_device` (offload_grads device) keeps the gradients on the GPU until the
     host step (gradslots.py); `nvme_host` is the node's bytes of optimizer states kept in RAM (nvme);
     `grad_bytes` is the size of a gradient value while it waits: 2 where it travels in bf16 (bf16
-    compute and bigfit's host Adam kernel, cpu_adam.py), else 4."""
-    n, w, u, r, v = prof.params, hw.world_size, prof.largest_unit_params, prof.root_params, prof.head_params
+    compute and bigfit's host Adam kernel, cpu_adam.py), else 4. `shards`: the data-parallel ranks the
+    states are divided over, when not every GPU (composed layouts: dp_shard; layouts.py)."""
+    n, w, u, r, v = prof.params, shards or hw.world_size, prof.largest_unit_params, prof.root_params, prof.head_params
     act, loss_act = prof.activations(checkpointing), prof.activations(checkpointing) - prof.loss_saved
     lc, l32 = prof.logits_bytes, (prof.logits_numel or prof.logits_bytes // c) * 4
     held = 1 if accum > 1 else 0

@@ -16,6 +16,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..models import block_lists, is_seq2seq
 from ..precision import DTYPES
+from .tp_trace import TensorSplit, split_counts
 
 
 @dataclass
@@ -41,6 +42,14 @@ class ModelProfile:
     outside: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)
     pipeline_error: str | None = None  # why --strategy pipeline cannot cut this model
     notes: list[str] = field(default_factory=list)
+    # tensor parallelism (tp_trace.py): each block's parameters it splits, the part of each block's saved
+    # bytes it divides, the elements per token it all-reduces (forward, backward); what a degree must divide
+    block_tp_params: list[int] = field(default_factory=list)
+    block_tp_saved: list[int] = field(default_factory=list)
+    tp_reduce: list[tuple[int, int]] = field(default_factory=list)
+    hidden: int = 0
+    tp_counts: dict[str, int] = field(default_factory=dict)
+    tp_error: str | None = None  # why this model has no tensor-parallel plan
 
     def activations(self, checkpointing: bool) -> int:
         if not checkpointing:
@@ -150,14 +159,15 @@ def _trace(model, seq2seq: bool, b: int, t: int, tt: int, skip=None) -> ModelPro
     stacks = block_lists(model)
     blocks = [blk for _, s in stacks for blk in s]
     block_params = [sum(p.numel() for p in blk.parameters()) for blk in blocks]
-    saved: dict = {}  # storage -> (bytes, block index or -1)
+    saved: dict = {}  # storage -> (bytes, block index or -1, whether tensor parallelism divides it)
     inputs = [0] * len(blocks)
     current = [-1]
+    split = TensorSplit(model, blocks, _hidden(model.config))
 
     def pack(x):  # current[0]: the block running, -1 outside blocks, -2 the loss
         key = _storage_key(x)
         if key not in params and key not in saved and key not in skip:
-            saved[key] = (x.untyped_storage().nbytes(), current[0])
+            saved[key] = (x.untyped_storage().nbytes(), current[0], current[0] >= 0 and split.divides(x))
         return x
 
     def pre(i):
@@ -185,18 +195,19 @@ def _trace(model, seq2seq: bool, b: int, t: int, tt: int, skip=None) -> ModelPro
     finally:
         for h in handles:
             h.remove()
-    per_block = [0] * len(blocks)
+        split.remove()
+    per_block, divided = [0] * len(blocks), [0] * len(blocks)
     other = loss = 0
-    for nbytes, i in saved.values():
+    for nbytes, i, divides in saved.values():
         if i >= 0:
             per_block[i] += nbytes
+            divided[i] += nbytes if divides else 0
         else:
             other += nbytes
             loss += nbytes if i == -2 else 0
     n = sum(params.values())
     emb = model.get_input_embeddings().weight.numel()
-    cfg = model.config
-    hidden = getattr(cfg, "d_model", None) or getattr(cfg, "hidden_size", None) or cfg.n_embd
+    hidden = _hidden(model.config)
     tokens = b * (t + (tt if seq2seq else 0))
     seq = (t + tt) / 2 if seq2seq else t
     flops = 6 * (n - emb) + 12 * len(blocks) * hidden * seq
@@ -206,7 +217,18 @@ def _trace(model, seq2seq: bool, b: int, t: int, tt: int, skip=None) -> ModelPro
                         logits_bytes=logits.numel() * logits.element_size(), tokens=tokens, flops_per_token=flops,
                         loss_saved=loss, logits_numel=logits.numel(),
                         head_params=model.get_output_embeddings().weight.numel(), matmul_params=_matmul_params(model),
-                        block_params=block_params, stacks=[(p, len(s)) for p, s in stacks], **_outside(model))
+                        block_params=block_params, stacks=[(p, len(s)) for p, s in stacks], **_outside(model),
+                        block_tp_params=split.params, block_tp_saved=divided,
+                        tp_reduce=[tuple(r) for r in split.reduce], hidden=hidden, **_tp_counts(model.config, split))
+
+
+def _hidden(cfg) -> int:
+    return getattr(cfg, "d_model", None) or getattr(cfg, "hidden_size", None) or cfg.n_embd
+
+
+def _tp_counts(config, split: TensorSplit) -> dict:
+    counts, error = split_counts(config)
+    return {"tp_counts": counts, "tp_error": error or split.error}
 
 
 def _outside(model) -> dict:

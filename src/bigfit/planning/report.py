@@ -10,20 +10,64 @@ def _gb(n: float) -> str:
     return f"{n / 1e9:.1f}"
 
 
+SHORT = {"params": "params", "grads": "grads", "optimizer": "optim", "activations": "activ", "buffers": "buffers"}
+
+
+def _table(title: str, first: str) -> Table:
+    t = Table(title=title, title_justify="left")
+    for col in (first, "fits", *(SHORT[k] for k in KEYS), "GPU total", "host", "step s", "tok/s", "bound by"):
+        t.add_column(col, justify="left" if col in (first, "fits", "bound by") else "right")
+    return t
+
+
+def _add(t: Table, c, bold: bool) -> None:
+    e = c.estimate
+    mark = "[green]yes[/green]" if c.fits else "[red]no[/red]"
+    t.add_row(f"[bold]{e.name}[/bold]" if bold else e.name, mark, *(_gb(e.per_gpu[k]) for k in KEYS),
+              _gb(e.per_gpu["total"]), _gb(e.per_host["total"]), f"{e.step_time_s:.3f}", f"{c.tokens_per_s:,.0f}",
+              e.bottleneck)
+
+
 def plan_table(p) -> Table:
-    t = Table(title=f"bigfit plan: {p.hardware}", title_justify="left")
-    short = {"params": "params", "grads": "grads", "optimizer": "optim", "activations": "activ", "buffers": "buffers"}
-    for col in ("strategy", "fits", *(short[k] for k in KEYS), "GPU total", "host", "step s", "tok/s", "bound by"):
-        t.add_column(col, justify="left" if col in ("strategy", "fits", "bound by") else "right")
+    t = _table(f"bigfit plan: {p.hardware}", "strategy")
     for c in p.candidates:
-        e = c.estimate
-        mark = "[green]yes[/green]" if c.fits else "[red]no[/red]"
-        name = f"[bold]{e.name}[/bold]" if e.name == p.recommended else e.name
-        t.add_row(name, mark, *(_gb(e.per_gpu[k]) for k in KEYS), _gb(e.per_gpu["total"]),
-                  _gb(e.per_host["total"]), f"{e.step_time_s:.3f}", f"{c.tokens_per_s:,.0f}", e.bottleneck)
+        _add(t, c, c.estimate.name == p.recommended)
     t.caption = ("per-GPU memory in GB (10^9 bytes; device_map and pipeline: their fullest GPU, every device "
                  "below); host: one node's RAM for offloaded state")
     return t
+
+
+def layout_table(p, shown: int, restricted: str = "") -> Table | None:
+    """The fastest composed plans that fit (layouts.py), `shown` of them; None when none fits."""
+    fit = [c for c in p.layouts or () if c.fits][:shown]
+    if not fit:
+        return None
+    t = _table(f"composed plans{restricted}: the {len(fit)} fastest that fit", "plan")
+    for c in fit:
+        _add(t, c, c is p.layout_pick)
+    t.caption = "per-GPU memory of the fullest rank in GB; degrees in mesh order: pp x dp_replicate x dp_shard x tp"
+    return t
+
+
+def rejected_text(p) -> list[str]:
+    """Why the other composed plans are not listed: one line per reason, with how many, a few of their
+    names and, for one of them, the line that says it."""
+    lines = []
+    over = sorted((c for c in p.layouts or () if not c.fits), key=lambda c: c.estimate.per_gpu["total"])
+    if over:
+        closest = over[0]
+        lines.append(f"  does not fit: {_names([c.estimate.name for c in over])}; the closest, "
+                     f"{closest.estimate.name}, {closest.why_not}")
+    groups: dict[str, list] = {}
+    for r in p.layout_rejected:
+        groups.setdefault(r.group, []).append(r)
+    for why, items in groups.items():
+        lines.append(f"  {why}: {_names([r.name for r in items])} ({items[0].name}: {items[0].detail})")
+    return lines
+
+
+def _names(names: list[str], first: int = 4) -> str:
+    return ", ".join(names[:first]) + (f", ... ({len(names)} in all)" if len(names) > first else "")
 
 
 def device_map_text(dm: dict | None) -> str:

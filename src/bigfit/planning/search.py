@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from ..config import PIPELINE_STRATEGIES, SPLIT_STRATEGIES, STRATEGIES
 from ..precision import DTYPES
 from .estimate import RESERVE, Estimate, combine, memory, nvme_bytes, step_time
+from .layouts import LayoutCandidate, Rejected, choose, layout_rows
+from .rows import Candidate, fit_problem as _fit, gb as _gb, host_problem as _host_fit
 from .split import device_map_row
 from .stages import pipeline_row
 
@@ -38,21 +40,6 @@ class Job:
 
 
 @dataclass
-class Candidate:
-    estimate: Estimate
-    fits: bool  # every device within its budget, host RAM and NVMe too
-    why_not: str | None  # why it cannot be recommended: it does not fit, or (device_map) would not split
-    tokens_per_s: float
-
-    def to_json(self) -> dict:
-        e = self.estimate
-        return {"name": e.name, "fits": self.fits, "per_gpu_bytes": e.per_gpu, "per_host_bytes": e.per_host,
-                "per_node_nvme_bytes": e.nvme,
-                "step_time_s": e.step_time_s, "tokens_per_s": self.tokens_per_s, "bottleneck": e.bottleneck,
-                "why_not": self.why_not}
-
-
-@dataclass
 class Plan:
     candidates: list[Candidate]
     recommended: str | None
@@ -62,41 +49,35 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     device_map: dict | None = None  # the device_map row's map and every device's bytes (device_map/auto.py)
     pipeline: dict | None = None  # the pipeline row's layout, cut and every rank's bytes (stages.py)
+    # composed plans (layouts.py), when asked for: every rated one (fitting first, fastest first), the
+    # rejected ones, and the one recommended over every named row (None: a named row stays the pick)
+    layouts: list[LayoutCandidate] | None = None
+    layout_rejected: list[Rejected] = field(default_factory=list)
+    layout_pick: LayoutCandidate | None = None
+    layout_reason: str = ""
 
     def to_json(self) -> dict:
-        return {"strategies": [c.to_json() for c in self.candidates], "recommended": self.recommended,
-                "reason": self.reason, "hardware": self.hardware, "job": vars(self.job), "notes": self.notes,
-                "device_map": self.device_map, "pipeline": self.pipeline}
-
-
-def _gb(n: float) -> str:
-    return f"{n / 1e9:.1f} GB"
-
-
-def _fit(e: Estimate, hw) -> str | None:
-    gpu_cap = min(hw.gpu_bytes) - RESERVE
-    if e.per_gpu["total"] > gpu_cap:
-        worst = max(("params", "grads", "optimizer", "activations", "buffers"), key=e.per_gpu.get)
-        return (f"needs {_gb(e.per_gpu['total'])} per GPU, {_gb(e.per_gpu['total'] - gpu_cap)} more than the "
-                f"smallest GPU offers (largest part: {worst} {_gb(e.per_gpu[worst])})")
-    return _host_fit(e, hw)
-
-
-def _host_fit(e: Estimate, hw) -> str | None:
-    if e.per_host["total"] > hw.cpu_ram * 0.9:
-        return f"needs {_gb(e.per_host['total'])} of host RAM per node, more than 90% of {_gb(hw.cpu_ram)}"
-    if e.nvme > hw.nvme:
-        return f"needs {_gb(e.nvme)} of NVMe per node for optimizer states; --nvme gives {_gb(hw.nvme)}"
-    return None
+        out = {"strategies": [c.to_json() for c in self.candidates], "recommended": self.recommended,
+               "reason": self.reason, "hardware": self.hardware, "job": vars(self.job), "notes": self.notes,
+               "device_map": self.device_map, "pipeline": self.pipeline}
+        if self.layouts is not None:
+            out["composed"] = [c.to_json() for c in self.layouts]
+            out["composed_rejected"] = [vars(r) for r in self.layout_rejected]
+            out["composed_recommended"] = self.layout_pick.estimate.name if self.layout_pick else None
+            out["composed_reason"] = self.layout_reason
+        return out
 
 
 AUTOCAST = ("single", "ddp", "zero1")  # mixed precision by autocast (the others cast the parameters)
 
 
-def plan(prof, hw, job: Job, strategies=ALL, autocast_prof=None, split_prof=None) -> Plan:
+def plan(prof, hw, job: Job, strategies=ALL, autocast_prof=None, split_prof=None,
+         layouts: dict | None = None) -> Plan:
     """`autocast_prof`: the model traced as autocast runs it (fp32 weights, casts per op), for the
     autocast strategies; `split_prof`: traced at one process's whole micro-batch, for device_map and
-    pipeline (default `prof`, the same when there is one GPU); `prof` otherwise."""
+    pipeline (default `prof`, the same when there is one GPU); `prof` otherwise, traced at
+    job.micro(world). `layouts`: None for the named rows alone, else the composed plans too, with
+    these degrees fixed ({} for all: layouts.py)."""
     world = hw.world_size
     accum = max(1, job.batch_size // (job.micro(world) * world))
     c = DTYPES[job.precision].itemsize
@@ -121,8 +102,13 @@ def plan(prof, hw, job: Job, strategies=ALL, autocast_prof=None, split_prof=None
         out.append(Candidate(e, why is None, why, tokens / e.step_time_s))
     ok = sorted((c for c in out if not c.why_not), key=_rank)
     best = ok[0].estimate.name if ok else None
-    return Plan(out, best, _reason(ok[0], out, world) if ok else _advice(out, job, hw), hw.describe(), job,
-                device_map=sections.get("device_map"), pipeline=sections.get("pipeline"))
+    why = _reason(ok[0], out, world) if ok else _advice(out, job, hw) if out else "no named strategy was rated"
+    result = Plan(out, best, why, hw.describe(), job,
+                  device_map=sections.get("device_map"), pipeline=sections.get("pipeline"))
+    if layouts is not None:
+        result.layouts, result.layout_rejected = layout_rows(prof, hw, job, layouts)
+        result.layout_pick, result.layout_reason = choose(out, result.layouts)
+    return result
 
 
 # device_map's and pipeline's times leave out what no GPU run has measured yet (small chunks run
@@ -184,13 +170,14 @@ def _advice(cands: list[Candidate], job: Job, hw) -> str:
     return f"{head}: the most frugal, {least.estimate.name}, is {_gb(short)} over per GPU; try " + ", ".join(tips)
 
 
-def plan_for_config(model_config, hw, job: Job, strategies=ALL) -> Plan:
+def plan_for_config(model_config, hw, job: Job, strategies=ALL, layouts: dict | None = None) -> Plan:
     from ..device_map.auto import profile_for
     from .profile import profile_model
 
     micro = job.micro(hw.world_size)
     lengths = (model_config, micro, job.seq_len, job.target_len or job.seq_len, job.precision, hw.device)
-    data_parallel = [s for s in strategies if s not in WHOLE]
+    # the data-parallel trace, at each process's micro-batch: the named data-parallel rows and the composed ones
+    data_parallel = any(s not in WHOLE for s in strategies) or layouts is not None
     whole = [s for s in strategies if s in WHOLE]
     split = None
     # device_map's and pipeline's trace is the balancer's (device_map/auto.py): one process's whole
@@ -199,8 +186,9 @@ def plan_for_config(model_config, hw, job: Job, strategies=ALL) -> Plan:
         split = profile_for(model_config, job)
     prof = profile_model(*lengths) if data_parallel else split
     mixed = job.precision != "fp32" and hw.device == "cuda" and any(s in AUTOCAST for s in strategies)
-    result = plan(prof, hw, job, strategies, profile_model(*lengths, autocast=True) if mixed else None, split)
-    traced = ([f"micro-batch {micro}"] * bool(data_parallel)
+    result = plan(prof, hw, job, strategies, profile_model(*lengths, autocast=True) if mixed else None, split,
+                  layouts)
+    traced = ([f"micro-batch {micro}"] * data_parallel
               + [f"micro-batch {job.micro(1)} for {' and '.join(whole)} (whole micro-batch)"] * bool(split))
     result.notes.append(f"model: {prof.params / 1e6:.1f}M parameters, {prof.n_blocks} blocks; activations traced at "
                         + " and ".join(traced or [f"micro-batch {micro}"]))

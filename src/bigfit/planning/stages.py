@@ -42,7 +42,7 @@ class PipelineRow:
 def pipeline_row(prof, hw, job) -> PipelineRow:
     layout, why = _layout(prof, hw, job)
     runs = balance(prof.block_params, layout.stages)  # the cut training makes (pipeline/split.py plan_split)
-    ranks = _rank_bytes(prof, job, layout, runs)
+    ranks = rank_bytes(prof, job, layout, runs)
     budgets = [hw.gpu_bytes[r % hw.gpus_per_node] - RESERVE for r in range(layout.world)]
     shown = max(range(layout.world), key=lambda r: ranks[r]["total"])
     costs, bubble = _costs(prof, hw, job, layout, runs, ranks)
@@ -99,7 +99,7 @@ def in_flight(layout: PipelineLayout, rank: int) -> list[int]:
     return counts
 
 
-def _rank_bytes(prof, job, layout, runs) -> list[dict[str, int]]:
+def rank_bytes(prof, job, layout, runs) -> list[dict[str, int]]:
     """Each rank's bytes by kind (estimate.KEYS) when its schedule holds the most chunks: a sum of
     everything it holds then, gradients included (they exist from the first backward on)."""
     cost, c, m, last = profile_costs(prof, job), DTYPES[job.precision].itemsize, layout.chunks, layout.stages - 1
@@ -109,9 +109,9 @@ def _rank_bytes(prof, job, layout, runs) -> list[dict[str, int]]:
         for part in cost.parts[a:b]:
             _add(ranks[layout.rank_of(s)], {k: v for k, v in part.items() if k != "activations"})
         per_chunk.append((sum(p["activations"] for p in cost.parts[a:b]) + (prof.other_saved if s == last else 0)) / m)
-    for r, nbytes in enumerate(_received(prof, layout, runs)):  # one buffer per chunk: the whole micro-batch
+    for r, nbytes in enumerate(received(prof, layout, runs)):  # one buffer per chunk: the whole micro-batch
         ranks[r]["buffers"] += nbytes
-    for n, held in _outside(prof, layout, runs):
+    for n, held in holders(prof, layout, runs):
         for r in held:
             _add(ranks[r], state_bytes(n, c))
     for r, held in enumerate(ranks):
@@ -129,7 +129,7 @@ def _add(into: dict, parts: dict) -> None:
         into[k] += v
 
 
-def _received(prof, layout, runs) -> list[int]:
+def received(prof, layout, runs) -> list[int]:
     """Bytes each rank receives per micro-batch: every stage but the first its input, every stage but
     the last its output's gradient (as large as the next stage's input). A block's traced inputs are
     the hidden state with whatever goes with it (masks, position bias, encoder output): an upper bound
@@ -141,7 +141,7 @@ def _received(prof, layout, runs) -> list[int]:
     return out
 
 
-def _outside(prof, layout, runs) -> list[tuple[int, set[int]]]:
+def holders(prof, layout, runs) -> list[tuple[int, set[int]]]:
     """(elements, the ranks holding it) of each parameter outside the blocks, where the cut puts it
     (profile.outside, from pipeline.split.anchors). No placement (a model the pipeline cannot cut,
     shown as one stage): the one stage holds them."""
@@ -159,9 +159,9 @@ def _costs(prof, hw, job, layout, runs, ranks) -> tuple[dict[str, float], float]
     busy = stage_seconds(prof, hw, job, devices, f"cuda:{layout.rank_of(layout.stages - 1)}")
     m, idle = layout.chunks, (layout.world - 1) / layout.stages_per_rank
     link, accum = hw.intra_gbps * 1e9, max(1, job.batch_size // job.micro(1))
-    tied = [(n, len(held)) for n, held in _outside(prof, layout, runs) if len(held) > 1]
+    tied = [(n, len(held)) for n, held in holders(prof, layout, runs) if len(held) > 1]
     costs = {"compute": max(busy.values()) * (m + idle) / m,
-             "point-to-point": max(_received(prof, layout, runs)) * accum / link,
+             "point-to-point": max(received(prof, layout, runs)) * accum / link,
              "tied all-reduce": sum(2 * 4 * n * (k - 1) / k for n, k in tied) / link,  # fp32 gradients, a ring
              "optimizer": max(r["params"] for r in ranks) / 4 * ADAM_BYTES / HBM_BYTES_PER_S}
     return costs, idle / (m + idle)

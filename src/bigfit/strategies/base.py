@@ -1,11 +1,25 @@
-"""What applying a strategy returns: the callable model plus the few hooks the loop needs."""
+"""The one protocol the training loop, evaluation and checkpoints talk to (`Engine`), and `Applied`,
+its plain implementation: the model (or a DDP / FSDP2 wrapper of it) and a torch optimizer.
+
+Each engine (FSDP2, DDP + ZeRO-1, the offload engine, device maps, pipeline stages) subclasses
+Applied and overrides only what it does differently, so a new strategy knows from `Engine` what it
+must provide, and the loop never asks an object what it can do.
+"""
 from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
+import torch.distributed.tensor
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+from ..losses import model_logits, target_tokens, token_loss
+from ..parallel.norms import clip_by, global_norm
+from ..tensor import param_groups
 
 
 @contextlib.contextmanager
@@ -21,22 +35,90 @@ def syncing(owner, sync: bool):
 
 def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of a tensor: the local shard of a DTensor, the tensor itself otherwise."""
-    return t.to_local() if hasattr(t, "to_local") else t
+    return t.to_local() if isinstance(t, torch.distributed.tensor.DTensor) else t
+
+
+class Engine(Protocol):
+    """What a strategy gives the loop. One step: `set_lr`, `run_batch` per micro-batch, `update`."""
+
+    model: torch.nn.Module  # what forward passes call (a DDP wrapper, an FSDP2 module, the model)
+    module: torch.nn.Module  # the Hugging Face model itself: config, generate(), state dict names
+    strategy: str  # the plan's name, for messages
+    notes: list[str]  # what was applied, for the start-of-run table
+    generates: bool  # evaluation may call generate()
+    counts: bool  # this rank's losses and texts are counted: False on tensor-parallel peers, which repeat them
+
+    def attach_optimizer(self, cls: type, **kw) -> None:
+        """Build the optimizer over the parameters, where the strategy keeps its states."""
+
+    def set_lr(self, lr: float) -> None: ...
+
+    def run_batch(self, batch: dict, seq2seq: bool, factor: float, sync: bool) -> torch.Tensor:
+        """Forward and backward of one micro-batch, gradients scaled by `factor`; `sync` False for
+        accumulation micro-batches. Returns the summed token loss (detached)."""
+
+    def eval_batch(self, batch: dict, seq2seq: bool) -> tuple[float, int]:
+        """(summed token loss, target tokens) of this rank's share: a sum over ranks gives the batch's."""
+
+    def update(self, max_norm: float, loss_scale: float) -> float:
+        """Unscale, clip and step unless the gradients overflowed; returns the global gradient norm."""
+
+    def flush(self) -> None:
+        """Land any update still under way (before anything reads the parameters)."""
+
+    def checkpoint_state(self, loading: bool = False) -> dict:
+        """{"model": ..., "optim": ...} keyed by parameter names, for DCP; `loading`: to load into."""
+
+    def after_load(self, state: dict) -> None:
+        """Take the values DCP wrote into `checkpoint_state(loading=True)`'s tensors."""
+
+    def memory_tensors(self) -> dict[str, Iterable]:
+        """{"params" | "grads" | "optimizer": tensors this rank holds}, for memory.py."""
+
+    def forward_context(self): ...
+
+    def generation_context(self): ...
+
+    def reshard(self) -> None: ...
 
 
 @dataclass
 class Applied:
-    model: torch.nn.Module  # what the training loop calls (a DDP wrapper, an FSDP2 module, or the model)
-    module: torch.nn.Module  # the Hugging Face model itself: config, generate(), state dict names
+    """The plain engine: one process, or replicas whose wrapper reduces gradients (DDP)."""
+
+    model: torch.nn.Module
+    module: torch.nn.Module
     strategy: str
     autocast: torch.dtype | None = None  # autocast dtype for forward passes (mixed precision without FSDP)
-    notes: list[str] = field(default_factory=list)  # what was applied, for the start-of-run table
-    generates: bool = True  # evaluation may call generate() (not across pipeline stages)
+    notes: list[str] = field(default_factory=list)
+    generates: bool = True
+    counts: bool = True
+    norm_ranks: int = 0  # > 0: ranks whose gradients mix DTensors and plain tensors (tensor parallel)
+    optimizer: torch.optim.Optimizer | None = None
 
-    def data_runtime(self, rt):
-        """The ranks the global batch is divided over: every rank, except where ranks are pipeline
-        stages that all see the whole batch."""
-        return rt
+    # -- the optimizer -------------------------------------------------------------------------
+    def attach_optimizer(self, cls: type, **kw) -> None:
+        # one group per kind of tensor: fused kernels refuse plain tensors beside DTensors (tensor parallel)
+        self.optimizer = cls(param_groups(self.model.parameters()), **kw)
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:  # before backward: an engine may step during it
+            group["lr"] = lr
+
+    # -- forward and backward ------------------------------------------------------------------
+    def loss_sum(self, batch: dict, seq2seq: bool) -> torch.Tensor:
+        with self.forward_context():
+            logits = model_logits(self.model, self.module, batch, seq2seq)
+        return token_loss(logits, batch["labels"], seq2seq)
+
+    def run_batch(self, batch: dict, seq2seq: bool, factor: float, sync: bool) -> torch.Tensor:
+        with self.accumulation_context(sync):
+            loss = self.loss_sum(batch, seq2seq)
+            (loss * factor).backward()
+        return loss.detach()
+
+    def eval_batch(self, batch: dict, seq2seq: bool) -> tuple[float, int]:
+        return self.loss_sum(batch, seq2seq).item(), target_tokens(batch["labels"], seq2seq)
 
     def forward_context(self):
         if self.autocast is None:
@@ -46,7 +128,7 @@ class Applied:
 
     def accumulation_context(self, sync: bool):
         """Skip the gradient all-reduce on accumulation micro-batches (DDP); a no-op elsewhere."""
-        if sync or not hasattr(self.model, "no_sync"):
+        if sync or not isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
             return contextlib.nullcontext()
         return self.model.no_sync()
 
@@ -58,15 +140,49 @@ class Applied:
     def reshard(self) -> None:
         """Return parameters to their at-rest layout after forward passes without backward."""
 
+    # -- the update ----------------------------------------------------------------------------
+    def update(self, max_norm: float, loss_scale: float) -> float:
+        self.finish_backward()
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if loss_scale != 1.0:
+            for p in params:
+                p.grad.div_(loss_scale)
+        grad_norm = self.clip_grad_norm(params, max_norm)
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm
+
     def finish_backward(self) -> None:
         """Combine gradients that the engine left apart (tied copies on pipeline stages); a no-op here."""
 
     def clip_grad_norm(self, params: list, max_norm: float) -> float:
-        """The global gradient norm (clipped to `max_norm` when it is positive)."""
+        """The global gradient norm (clipped to `max_norm` when it is positive). Parameters may mix
+        DTensors (FSDP2 shards, tensor-parallel pieces) and plain tensors: then parallel/norms.py
+        counts each element once over the `norm_ranks` ranks that hold the model."""
+        if self.norm_ranks:
+            return clip_by(params, max_norm, global_norm(params, self.norm_ranks))
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf)
-        if hasattr(norm, "full_tensor"):  # a DTensor under FSDP2
+        if isinstance(norm, torch.distributed.tensor.DTensor):  # under FSDP2
             norm = norm.full_tensor()
         return float(norm)
 
-    def make_optimizer(self, cls, **kw) -> torch.optim.Optimizer:
-        return cls(self.model.parameters(), **kw)
+    def flush(self) -> None:
+        """Nothing is ever under way after `update` here."""
+
+    # -- checkpoints and memory ----------------------------------------------------------------
+    def state_options(self) -> StateDictOptions:
+        return StateDictOptions()
+
+    def checkpoint_state(self, loading: bool = False) -> dict:
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self.state_options())
+        return {"model": model_sd, "optim": optim_sd}
+
+    def after_load(self, state: dict) -> None:
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=self.state_options())
+
+    def memory_tensors(self) -> dict[str, Iterable]:
+        params = list(self.model.parameters())
+        states = [v for st in self.optimizer.state.values() for v in st.values()] if self.optimizer else []
+        return {"params": params, "grads": [p.grad for p in params], "optimizer": states}

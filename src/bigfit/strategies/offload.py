@@ -209,14 +209,6 @@ class OffloadEngine(HostSteps, EngineStates):
             self._upload_pending()
         self._await(self.buckets)
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for b in self.buckets:
-            for s in b.slots:
-                s.param.grad = None
-
-    def step(self) -> None:
-        self.clip_and_step(0.0)
-
     def remove(self) -> None:
         """Take the hooks off (the model keeps its device parameters)."""
         self.flush()
@@ -227,21 +219,44 @@ class OffloadEngine(HostSteps, EngineStates):
 
 @dataclass
 class OffloadApplied(Applied):
-    """zero2-offload(-nvme): the model itself, in the compute dtype, with the engine's hooks."""
+    """zero2-offload(-nvme): the model itself, in the compute dtype, with the engine's hooks. The
+    engine, not a torch optimizer, holds the states and steps them."""
     engine: OffloadEngine | None = None
 
     def accumulation_context(self, sync: bool):
         return self.engine.syncing(sync)
 
-    def make_optimizer(self, cls, **kw) -> OffloadEngine:
-        return self.engine.attach(cls, **kw)
+    def attach_optimizer(self, cls, **kw) -> None:
+        self.engine.attach(cls, **kw)
+
+    def set_lr(self, lr: float) -> None:
+        self.engine.param_groups[0]["lr"] = lr  # before backward: the engine may step during it
+
+    def update(self, max_norm: float, loss_scale: float) -> float:
+        return self.engine.clip_and_step(max_norm, loss_scale)  # unscales and clips inside its host step
+
+    def flush(self) -> None:
+        self.engine.flush()
+
+    def checkpoint_state(self, loading: bool = False) -> dict:
+        return self.engine.checkpoint_state(self.module)
+
+    def after_load(self, state: dict) -> None:
+        self.engine.reload_params()  # the host masters were loaded in place; the device copies follow
+
+    def memory_tensors(self) -> dict:
+        """Host master weights count as optimizer state (they exist only for the optimizer)."""
+        params = list(self.model.parameters())
+        states = [v for st in self.engine.state.values() for v in st.values()]
+        return {"params": params, "grads": [p.grad for p in params] + list(self.engine.grad_buffers or ()),
+                "optimizer": states + list(self.engine.masters)}
 
 
-def apply_offload(model: torch.nn.Module, strategy: str, rt, compute: torch.dtype | None, *, delayed: bool,
+def apply_offload(model: torch.nn.Module, name: str, rt, compute: torch.dtype | None, *, delayed: bool,
                   nvme_dir, eager: bool = False, nvme_host_bytes: float = 0,
                   grads_on_device: bool = False) -> OffloadApplied:
     """`eager`: the job neither clips nor scales its loss (so the engine may step during backward)."""
     engine = OffloadEngine(model, rt, compute, delayed=delayed, eager=eager, nvme_dir=nvme_dir,
                            nvme_host_bytes=nvme_host_bytes, grads_on_device=grads_on_device)
     notes = [f"offload engine: {len(engine.buckets)} buckets" + (", delayed update" if delayed else "")]
-    return OffloadApplied(model=model, module=model, strategy=strategy, notes=notes, engine=engine)
+    return OffloadApplied(model=model, module=model, strategy=name, notes=notes, engine=engine)

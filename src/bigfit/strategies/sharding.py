@@ -22,15 +22,18 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from dataclasses import dataclass
 
 import torch
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from ..distributed import Runtime
 from ..models import block_lists
+from ..parallel.mesh import fsdp_mesh
+from ..parallel.plan import ParallelPlan
 from .base import Applied
 
 
@@ -52,39 +55,80 @@ class FSDPApplied(Applied):
             unit.reshard()
 
 
-def apply_fsdp(model: torch.nn.Module, strategy: str, rt: Runtime, compute: torch.dtype | None,
+def apply_fsdp(model: torch.nn.Module, plan: ParallelPlan, rt: Runtime, compute: torch.dtype | None,
                reduce: torch.dtype) -> Applied:
+    """FSDP2 units over the data-parallel mesh (tensor-parallel pieces, if any, become 2-D DTensors)."""
     # T5 blocks return their position bias as a view; it is only ever used out of place, which the
     # T5 parity test checks, so FSDP2's warning about in-place use of views is noise here.
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-    mesh = init_device_mesh(rt.device.type, (rt.world_size,))
-    kw = dict(mesh=mesh, reshard_after_forward=strategy.startswith("zero3"),
+    kw = dict(mesh=fsdp_mesh(rt, plan), reshard_after_forward=plan.zero == 3,
               mp_policy=MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=reduce if compute else None),
               offload_policy=CPUOffloadPolicy(pin_memory=rt.device.type == "cuda")
-              if strategy == "zero3-offload" else OffloadPolicy())
+              if plan.offload_params else OffloadPolicy())
     for _, blocks in block_lists(model):
         for block in blocks:
             fully_shard(block, **kw)
     fully_shard(model, **kw)
     assert isinstance(model, FSDPModule)
-    return FSDPApplied(model=model, module=model, strategy=strategy, notes=[f"FSDP2 over {len(list(_units(model)))} units"])
+    return FSDPApplied(model=model, module=model, strategy=plan.name,
+                       notes=[f"FSDP2 over {len(list(_units(model)))} units"])
 
 
 def _units(model):
     return (m for m in model.modules() if isinstance(m, FSDPModule))
 
 
+@dataclass
 class ZeroOneApplied(Applied):
-    def make_optimizer(self, cls, **kw):
-        return ShardedStateOptimizer(self.model.parameters(), optimizer_class=cls, **kw)
+    """ZeRO-1: every rank's optimizer states for the parameters it owns; checkpoints by parameter name."""
+
+    def attach_optimizer(self, cls, **kw):
+        self.optimizer = ShardedStateOptimizer(self.model.parameters(), optimizer_class=cls,
+                                               process_group=self.group, **kw)
+
+    def checkpoint_state(self, loading: bool = False) -> dict:
+        """Every parameter's state saved by its owner alone, under the parameter's name."""
+        if loading:
+            _init_optimizer_state(self.optimizer)
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        states = {names[id(p)]: dict(st) for p, st in self.optimizer.owned()}
+        return {"model": get_model_state_dict(self.model), "optim": {"state": states}}
+
+    def after_load(self, state: dict) -> None:
+        set_model_state_dict(self.model, state["model"])  # the states were loaded in place
+
+    def memory_tensors(self) -> dict:
+        out = super().memory_tensors()
+        out["optimizer"] = [v for st in self.optimizer.optim.state.values() for v in st.values()]
+        return out
+
+    group: object = None  # the data-parallel process group
 
 
-def apply_ddp(model: torch.nn.Module, strategy: str, rt: Runtime, autocast: torch.dtype | None,
+@torch.no_grad()
+def _init_optimizer_state(optimizer) -> None:
+    """Create the (lazily built) optimizer states so that a checkpoint can be loaded into them: one
+    step on zero gradients with the learning rate at 0 changes no parameter."""
+    lrs = [g["lr"] for g in optimizer.param_groups]
+    for g in optimizer.param_groups:
+        g["lr"] = 0.0
+    for p in [p for g in optimizer.param_groups for p in g["params"]]:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    for g, lr in zip(optimizer.param_groups, lrs):
+        g["lr"] = lr
+
+
+def apply_ddp(model: torch.nn.Module, plan: ParallelPlan, rt: Runtime, autocast: torch.dtype | None,
               bucket_mb: float) -> Applied:
+    """DDP over the data-parallel ranks (their own group when pipeline ranks share the world)."""
     ids = [rt.device.index] if rt.device.type == "cuda" else None
-    wrapped = DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=bucket_mb)
-    cls = ZeroOneApplied if strategy == "zero1" else Applied
-    return cls(model=wrapped, module=model, strategy=strategy, autocast=autocast)
+    group = rt.data.group
+    wrapped = DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=bucket_mb, process_group=group)
+    if plan.zero == 1:
+        return ZeroOneApplied(model=wrapped, module=model, strategy=plan.name, autocast=autocast, group=group)
+    return Applied(model=wrapped, module=model, strategy=plan.name, autocast=autocast)
 
 
 class ShardedStateOptimizer(ZeroRedundancyOptimizer):

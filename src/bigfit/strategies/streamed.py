@@ -130,10 +130,9 @@ class StreamedFSDPApplied(FSDPApplied):
     def finish_backward(self) -> None:
         self.steps.join()  # the gradient norm follows: nothing may still be reading or writing
 
-    def make_optimizer(self, cls, **kw) -> torch.optim.Optimizer:
-        optimizer = super().make_optimizer(cls, **kw)
-        self.steps.attach(optimizer, cls, **kw)
-        return optimizer
+    def attach_optimizer(self, cls, **kw) -> None:
+        super().attach_optimizer(cls, **kw)
+        self.steps.attach(self.optimizer, cls, **kw)
 
 
 def stream_host_steps(applied: FSDPApplied, device: torch.device) -> StreamedFSDPApplied:

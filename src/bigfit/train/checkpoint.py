@@ -23,13 +23,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_model_state_dict, set_state_dict)
-from torch.distributed.tensor import DTensor
 
 from ..distributed import Runtime, barrier, gather_objects
 from ..errors import BigfitError
 from ..faults import maybe_die
+from ..strategies import Engine
 from . import manifest
 from .ckptdir import MARKER, is_checkpoint, steps, trainer_state
 
@@ -42,49 +40,7 @@ def _sync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _state(applied, optimizer) -> dict:
-    """Model and optimizer state keyed by parameter names. torch optimizers over DDP / FSDP2 models
-    go through DCP's own get_state_dict; bigfit's ZeRO-1 optimizer lists the states it owns; the
-    offload engine gives its fp32 master weights as the model and its moments, each rank's rows as
-    DTensors, so that DCP writes each piece once and can load it at another world size."""
-    if hasattr(optimizer, "checkpoint_state"):
-        return optimizer.checkpoint_state(applied.module)
-    if not hasattr(optimizer, "owned"):
-        model_sd, optim_sd = get_state_dict(applied.model, optimizer, options=_options(applied))
-        return {"model": model_sd, "optim": optim_sd}
-    names = {id(p): n for n, p in applied.module.named_parameters()}
-    states = {names[id(p)]: {k: _like(v, p) for k, v in st.items()} for p, st in optimizer.owned()}
-    return {"model": get_model_state_dict(applied.model), "optim": {"state": states}}
-
-
-def _options(applied) -> StateDictOptions:
-    """Pipeline ranks hold different parameters: their optimizer's param_groups, one list per rank under
-    the same key, would overwrite each other in DCP; flattened, every entry is keyed by its parameter."""
-    return StateDictOptions(flatten_optimizer_state_dict=getattr(applied, "flat_optimizer_state", False))
-
-
-def _like(v: torch.Tensor, p) -> torch.Tensor:
-    if isinstance(p, DTensor) and v.dim() > 0:
-        return DTensor.from_local(v, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(), run_check=False)
-    return v
-
-
-@torch.no_grad()
-def _init_optimizer_state(optimizer) -> None:
-    """Create the (lazily built) optimizer states so that a checkpoint can be loaded into them: one
-    step on zero gradients with the learning rate at 0 changes no parameter."""
-    lrs = [g["lr"] for g in optimizer.param_groups]
-    for g in optimizer.param_groups:
-        g["lr"] = 0.0
-    for p in [p for g in optimizer.param_groups for p in g["params"]]:
-        p.grad = torch.zeros_like(p)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    for g, lr in zip(optimizer.param_groups, lrs):
-        g["lr"] = lr
-
-
-def save(root: Path, step: int, applied, optimizer, rt: Runtime, trainer_state: dict, write_assets,
+def save(root: Path, step: int, engine: Engine, rt: Runtime, trainer_state: dict, write_assets,
          keep: int = 0) -> Path:
     """Collective: every rank calls it. `write_assets(dir)` runs on rank 0 (config, tokenizer).
     `keep` > 0: older complete checkpoints beyond the newest `keep` are deleted once this one is."""
@@ -94,7 +50,7 @@ def save(root: Path, step: int, applied, optimizer, rt: Runtime, trainer_state: 
         tmp.mkdir(parents=True)
     barrier(rt)
     with _one_process_quiet(rt):
-        dcp.save(_state(applied, optimizer), checkpoint_id=str(tmp))
+        dcp.save(engine.checkpoint_state(), checkpoint_id=str(tmp))  # keyed by parameter names
     torch.save(_rng_state(), tmp / f"rank-{rt.rank}.pt")
     if rt.is_main:
         write_assets(tmp)
@@ -138,26 +94,19 @@ class _StatesAcrossOptimizers(DefaultLoadPlanner):
         return super().create_local_plan()
 
 
-def load(path: Path, applied, optimizer, rt: Runtime) -> dict:
+def load(path: Path, engine: Engine, rt: Runtime) -> dict:
     """Restore model, optimizer and this rank's RNG in place; returns trainer.json. A checkpoint that
-    does not fit this job (another model, or a strategy it cannot convert from) is a BigfitError."""
-    if hasattr(optimizer, "owned"):
-        _init_optimizer_state(optimizer)
-    state = _state(applied, optimizer)
+    does not fit this job (another model, or a strategy it cannot convert from) is a BigfitError.
+    Every engine keys its state by parameter name, so DCP reshards across layouts and strategies."""
+    state = engine.checkpoint_state(loading=True)
     try:
         with _one_process_quiet(rt):
             dcp.load(state, checkpoint_id=str(path), planner=_StatesAcrossOptimizers())
     except CheckpointException as e:  # a BaseException: it carries every rank's failure
         exc = next(iter(e.failures.values()))[0]
-        raise BigfitError(f"checkpoint {str(path)!r} does not fit this {applied.strategy} job: "
+        raise BigfitError(f"checkpoint {str(path)!r} does not fit this {engine.strategy} job: "
                           f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
-    if hasattr(optimizer, "reload_params"):  # the host masters were loaded in place
-        optimizer.reload_params()
-    elif hasattr(optimizer, "owned"):  # states were loaded in place; the model goes through DCP's setter
-        set_model_state_dict(applied.model, state["model"])
-    else:
-        set_state_dict(applied.model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                       options=_options(applied))
+    engine.after_load(state)
     trainer = trainer_state(path)
     rng_file = path / f"rank-{rt.rank}.pt"
     if trainer.get("world_size") == rt.world_size and rng_file.is_file():

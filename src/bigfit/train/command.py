@@ -15,6 +15,7 @@ from pathlib import Path
 from ..config import SPLIT_STRATEGIES, TrainConfig
 from ..distributed import launched_by_torchrun_env
 from ..errors import BigfitError
+from ..parallel.plan import ALIASES
 
 
 def speaks() -> bool:
@@ -45,11 +46,12 @@ def check_gpus(nproc: int) -> None:
 
 
 def train_command(argv: list[str], cfg: TrainConfig) -> int:
-    """Run `bigfit train` with `argv` (what workers are started with) parsed into `cfg`."""
+    """Run `bigfit train` with `argv` parsed into `cfg` (in a worker of bigfit's launcher: the
+    launcher's decided settings). Workers get the settings decided here as a file (launch.py)."""
     if cfg.strategy == "auto":
-        cfg, argv = _auto_strategy(cfg, argv)
+        cfg = _auto_strategy(cfg)
     if cfg.resume and cfg.batch_size == "auto":
-        cfg, argv = _resumed_batch(cfg, argv)
+        cfg = _resumed_batch(cfg)
     if launched_by_torchrun_env():  # a worker: of bigfit's launcher or of torchrun
         return _worker(cfg, argv)
     nproc = cfg.nproc or default_nproc(cfg)
@@ -61,7 +63,7 @@ def train_command(argv: list[str], cfg: TrainConfig) -> int:
     _check_split(job, nproc)
     with claim(job) as lock:  # the output directory is this run's from here on, or one line says why not
         if "auto" in (cfg.batch_size, cfg.micro_batch_size):
-            cfg, argv = _auto_batch(cfg, argv, nproc)  # probe jobs, under this claim
+            cfg = _auto_batch(cfg, argv, nproc)  # probe jobs, under this claim
         if nproc == 1:
             from .loop import train
 
@@ -69,7 +71,8 @@ def train_command(argv: list[str], cfg: TrainConfig) -> int:
             return 0
         from ..launch import launch_local
 
-        return launch_local(argv, nproc, Path(cfg.output_dir) / "logs", lock_fd=lock.fd if lock else None)
+        return launch_local(argv, nproc, Path(cfg.output_dir) / "logs", lock_fd=lock.fd if lock else None,
+                            settings=cfg.to_dict())
 
 
 def _worker(cfg: TrainConfig, argv: list[str]) -> int:
@@ -78,7 +81,7 @@ def _worker(cfg: TrainConfig, argv: list[str]) -> int:
     from .loop import train
 
     if "auto" in (cfg.batch_size, cfg.micro_batch_size):  # under torchrun: the prediction, no probe
-        cfg, argv = _auto_batch(cfg, argv, world(cfg.nproc, cfg))
+        cfg = _auto_batch(cfg, argv, world(cfg.nproc, cfg))
     try:
         train(cfg)
     except Exception as e:
@@ -89,20 +92,23 @@ def _worker(cfg: TrainConfig, argv: list[str]) -> int:
     return 0
 
 
-def _auto_strategy(cfg: TrainConfig, argv: list[str]) -> tuple[TrainConfig, list[str]]:
-    from ..planning.command import auto_strategy
+def _auto_strategy(cfg: TrainConfig) -> TrainConfig:
+    """`--strategy auto`: the planner's pick over the named strategies and the composed plans."""
+    from ..planning.command import auto_plan
 
     # device_map is one process driving every GPU: a candidate unless --nproc or torchrun fix the processes
     one_process = cfg.nproc is None and not launched_by_torchrun_env()
-    name, reason = auto_strategy(cfg, world(cfg.nproc, cfg), one_process)
+    name, degrees, reason = auto_plan(cfg, world(cfg.nproc, cfg), one_process)
+    # the degrees the alias does not fill by itself (plan.py ALIASES), so the workers resolve the same plan
+    given = {d: v for d, v in degrees.items() if v > 1 and d != ALIASES[name].fills}
     if speaks():
-        print(f"--strategy auto -> {name}: {reason}")
-    split = ["--device-map", "auto"] if name in SPLIT_STRATEGIES else []  # balanced as the plan was
-    cfg = dataclasses.replace(cfg, strategy=name, **({"device_map": "auto"} if split else {}))
-    return cfg, [*argv, "--strategy", name, *split]  # workers start from the decision, not from "auto"
+        shown = "".join(f" --{d.replace('_', '-')} {v}" for d, v in given.items())
+        print(f"--strategy auto -> {name}{shown}: {reason}")
+    split = {"device_map": "auto"} if name in SPLIT_STRATEGIES else {}  # balanced as the plan was
+    return dataclasses.replace(cfg, strategy=name, **split, **given)  # workers start from the decision, not from "auto"
 
 
-def _resumed_batch(cfg: TrainConfig, argv: list[str]) -> tuple[TrainConfig, list[str]]:
+def _resumed_batch(cfg: TrainConfig) -> TrainConfig:
     """`--batch-size auto` on resume is the checkpoint's global batch: another would change the math."""
     from .ckptdir import resolve_resume
 
@@ -110,10 +116,10 @@ def _resumed_batch(cfg: TrainConfig, argv: list[str]) -> tuple[TrainConfig, list
         saved = json.loads((resolve_resume(cfg.resume, cfg.output_dir) / "trainer.json").read_text())
         batch = int(saved["config"]["batch_size"])
     except (BigfitError, OSError, ValueError, KeyError, TypeError):
-        return cfg, argv  # the claim says what is wrong with the checkpoint
+        return cfg  # the claim says what is wrong with the checkpoint
     if speaks():
         print(f"--batch-size auto on resume -> {batch}, the checkpoint's")
-    return dataclasses.replace(cfg, batch_size=batch), [*argv, "--batch-size", str(batch)]
+    return dataclasses.replace(cfg, batch_size=batch)
 
 
 def _checkable(cfg: TrainConfig, nproc: int) -> TrainConfig:
@@ -126,20 +132,24 @@ def _checkable(cfg: TrainConfig, nproc: int) -> TrainConfig:
 
 
 def _check_split(job, nproc: int) -> None:
-    """device_map's map and pipeline's cut against the model's stacks, on the meta device."""
-    if job.cfg.strategy == "device_map":
+    """The plan's split against the model's stacks, on the meta device: device_map's map, the pipeline's
+    cut, the tensor-parallel degree against the heads."""
+    if job.plan.split == "device_map":
         from ..device_map.strategy import check
 
         check(job.cfg, job.model_config)
-    if job.cfg.strategy == "pipeline":
-        from ..pipeline import check
+    if job.plan.pp > 1:
+        from ..pipeline.strategy import check
 
-        check(job.cfg, job.model_config, nproc)
+        check(job.cfg, job.model_config, job.plan.pp)
+    if job.plan.tp > 1:
+        from ..tensor import check_tensor_parallel
+
+        check_tensor_parallel(job.model_config, job.plan.tp)
 
 
-def _auto_batch(cfg: TrainConfig, argv: list[str], nproc: int) -> tuple[TrainConfig, list[str]]:
+def _auto_batch(cfg: TrainConfig, argv: list[str], nproc: int) -> TrainConfig:
     from ..autobatch import choose_micro_batch
 
     micro, batch = choose_micro_batch(argv, cfg, nproc, speaks=speaks())
-    cfg = dataclasses.replace(cfg, micro_batch_size=micro, batch_size=batch)
-    return cfg, [*argv, "--micro-batch-size", str(micro), "--batch-size", str(batch)]
+    return dataclasses.replace(cfg, micro_batch_size=micro, batch_size=batch)

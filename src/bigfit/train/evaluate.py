@@ -16,8 +16,7 @@ import torch
 
 from ..data import collate
 from ..distributed import Runtime, all_reduce_sum, gather_objects
-from ..strategies import Applied
-from .step import loss_sum, target_tokens
+from ..strategies import Engine
 
 
 def shard_batches(items: list, rt: Runtime, batch_size: int) -> list[tuple[list, int]]:
@@ -31,7 +30,7 @@ def shard_batches(items: list, rt: Runtime, batch_size: int) -> list[tuple[list,
 
 
 @torch.no_grad()
-def evaluate(applied: Applied, samples: list[dict], *, tokenizer, pad_id: int, seq2seq: bool, rt: Runtime,
+def evaluate(applied: Engine, samples: list[dict], *, tokenizer, pad_id: int, seq2seq: bool, rt: Runtime,
              batch_size: int, num_beams: int, max_new_tokens: int) -> dict:
     if not samples:
         return {}
@@ -41,14 +40,14 @@ def evaluate(applied: Applied, samples: list[dict], *, tokenizer, pad_id: int, s
     loss, tokens, pairs = 0.0, 0, []
     generate = seq2seq and applied.generates
     try:
-        for items, n_real in shard_batches(samples, applied.data_runtime(rt), batch_size):
+        for items, n_real in shard_batches(samples, rt.data, batch_size):
             batch = collate(items, pad_id, rt.device)
-            l, n = _loss_and_tokens(applied, batch, seq2seq)
-            if n_real:
+            l, n = applied.eval_batch(batch, seq2seq)
+            if n_real and applied.counts:
                 loss, tokens = loss + l, tokens + n
             if generate:
                 texts = _generate(applied, batch, tokenizer, num_beams, max_new_tokens, rt)
-                pairs += [(t, s["target"]) for t, s in zip(texts[:n_real], items[:n_real])]
+                pairs += [(t, s["target"]) for t, s in zip(texts[:n_real], items[:n_real]) if applied.counts]
     finally:
         model.train(was_training)
         applied.reshard()
@@ -62,15 +61,7 @@ def evaluate(applied: Applied, samples: list[dict], *, tokenizer, pad_id: int, s
     return out
 
 
-def _loss_and_tokens(applied: Applied, batch: dict, seq2seq: bool) -> tuple[float, int]:
-    """This rank's share of the batch's summed loss and target tokens (pipeline ranks other than the
-    last stage's report zeros: the sum over ranks is the batch's)."""
-    if hasattr(applied, "eval_batch"):
-        return applied.eval_batch(batch, seq2seq)
-    return loss_sum(applied, batch, seq2seq).item(), target_tokens(batch["labels"], seq2seq)
-
-
-def _generate(applied: Applied, batch: dict, tokenizer, num_beams: int, max_new_tokens: int, rt: Runtime) -> list[str]:
+def _generate(applied: Engine, batch: dict, tokenizer, num_beams: int, max_new_tokens: int, rt: Runtime) -> list[str]:
     from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 
     # A cache that grows one layer at a time: transformers sizes the default one by the encoder's

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import TrainConfig
-from ..resolution import resolve
+from ..parallel.plan import ParallelPlan
+from ..resolution import plan_of, resolve
 from ..data import Dataset, build_dataset, digits_task, read_examples
 from ..models import ModelSource, is_seq2seq, load_config, load_tokenizer, locate
 from . import ckptdir
@@ -25,6 +26,7 @@ class Job:
     seq2seq: bool
     dataset: Dataset
     resume_from: Path | None
+    plan: ParallelPlan  # how the model is spread over the processes (parallel/plan.py)
 
 
 def prepare(cfg: TrainConfig, world_size: int) -> Job:
@@ -41,7 +43,7 @@ def prepare(cfg: TrainConfig, world_size: int) -> Job:
     dataset = build_dataset(examples, tokenizer, seq2seq, max_source_len=cfg.max_source_len,
                             max_target_len=cfg.max_target_len, eval_samples=cfg.eval_samples,
                             seed=cfg.seed, min_train=cfg.batch_size)
-    return Job(cfg, source, model_config, tokenizer, seq2seq, dataset, resume_from)
+    return Job(cfg, source, model_config, tokenizer, seq2seq, dataset, resume_from, plan_of(cfg))
 
 
 def describe(job: Job, n_params: int, device, notes: list[str]) -> list[tuple[str, object]]:
@@ -52,11 +54,10 @@ def describe(job: Job, n_params: int, device, notes: list[str]) -> list[tuple[st
     return [
         ("model", f"{model} [{job.source.kind}], {n_params / 1e6:.2f}M parameters"),
         ("data", f"{data}: {len(job.dataset.train)} train / {len(job.dataset.eval)} eval samples"),
-        ("strategy", f"{c.strategy}, precision {c.precision}, on {x['world_size']} x {device.type}"
-                     + "".join(f"; {n}" for n in notes)),
-        ("batch", f"global {c.batch_size} = {x['data_parallel']} processes x {x['grad_accum']} accumulation "
-                  f"x micro-batch {c.micro_batch_size}" + (f" (all {x['world_size']} pipeline stages see it whole, "
-                                                           f"in {c.chunks} chunks)" if c.strategy == "pipeline" else "")),
+        ("plan", f"{job.plan.describe()}; precision {c.precision}, on {x['world_size']} x {device.type}"
+                 + "".join(f"; {n}" for n in notes)),
+        ("batch", f"global {c.batch_size} = {x['data_parallel']} data-parallel x {x['grad_accum']} accumulation "
+                  f"x micro-batch {c.micro_batch_size}" + _shared(job)),
         ("schedule", f"{c.max_steps} steps, {c.optimizer} lr {c.lr:g} ({c.warmup_type} warm-up {c.warmup_steps}, "
                      f"{c.lr_schedule} after), weight decay {c.weight_decay:g}, clip {c.max_grad_norm:g}, seed {c.seed}"),
         ("eval", f"every {c.eval_every or 'end'}: loss" + _eval_extras(job)),
@@ -65,10 +66,20 @@ def describe(job: Job, n_params: int, device, notes: list[str]) -> list[tuple[st
     ]
 
 
+def _shared(job: Job) -> str:
+    """Who sees each data-parallel share whole: pipeline positions (in chunks) and tensor-parallel peers."""
+    p, parts = job.plan, []
+    if p.pp > 1:
+        parts.append(f"all {p.pp} pipeline stages see it whole, in {p.chunks} chunks")
+    if p.tp > 1:
+        parts.append(f"{p.tp} tensor-parallel ranks compute each sample together")
+    return f" ({'; '.join(parts)})" if parts else ""
+
+
 def _eval_extras(job: Job) -> str:
     c = job.cfg
     if not job.seq2seq:
         return ", perplexity"
-    if c.strategy == "pipeline":  # generate() would need every stage in one process
+    if job.plan.pp > 1:  # generate() would need every stage in one process
         return "; no generate() across pipeline stages (generate with OUTPUT/model)"
     return f", beam-{c.num_beams} generate, BLEU and exact match"

@@ -8,10 +8,12 @@ from pathlib import Path
 from .. import faults
 from ..config import TrainConfig
 from ..data import Batcher
-from ..distributed import Runtime, init_runtime, shutdown
+from ..distributed import Runtime, init_runtime, shutdown, world_size
 from ..models import build_model, count_parameters
+from ..parallel.apply import apply
+from ..parallel.mesh import with_mesh
 from ..precision import LossScaler, fp16_warning
-from ..strategies import FSDP_STRATEGIES, apply_strategy, build_optimizer
+from ..strategies import Engine, build_optimizer
 from . import checkpoint, runinfo
 from .consolidate import consolidate
 from .evaluate import evaluate
@@ -23,10 +25,12 @@ from .step import lr_at, train_step
 
 def train(cfg: TrainConfig) -> dict:
     """Run the job on this process (one rank of it). Returns the final metrics and output paths."""
-    rt = init_runtime(cfg.timeout_s, group_for_one=cfg.strategy in FSDP_STRATEGIES,
-                      host_collectives=cfg.strategy == "zero3-offload")
+    job = prepare(cfg, world_size())
+    # FSDP2 needs a mesh even for one rank (to offload or to cast parameters); zero3-offload reduces
+    # gradients that live in host RAM, which needs gloo beside NCCL
+    rt = init_runtime(cfg.timeout_s, group_for_one=job.plan.engine == "fsdp", host_collectives=job.plan.offload_params)
     try:
-        job = prepare(cfg, rt.world_size)
+        rt = with_mesh(rt, job.plan)
         with claim(job, rt):  # the output directory is this run's (a launcher may have claimed it already)
             return _train(job, rt)
     finally:
@@ -48,16 +52,16 @@ def _train(job: Job, rt: Runtime) -> dict:
     cfg, ds = job.cfg, job.dataset
     out_dir = Path(cfg.output_dir)
     ckpt_root = out_dir / "checkpoints"
-    model = build_model(job.source, job.model_config, cfg.seed, on_meta=not rt.is_main and cfg.strategy != "single")
+    model = build_model(job.source, job.model_config, cfg.seed, on_meta=not rt.is_main)
     n_params = count_parameters(model)
-    applied = apply_strategy(model, cfg, rt)
-    optimizer = build_optimizer(applied, cfg)
+    applied = apply(model, job.plan, cfg, rt)
+    build_optimizer(applied, cfg)
     scaler = LossScaler.from_config(cfg) if cfg.precision == "fp16" else None
     if cfg.probe_only:
-        return _probe(job, applied, optimizer, scaler, rt)
+        return _probe(job, applied, scaler, rt)
     step = 0
     if job.resume_from:
-        trainer = checkpoint.load(job.resume_from, applied, optimizer, rt)
+        trainer = checkpoint.load(job.resume_from, applied, rt)
         step = trainer["step"]
         if scaler and trainer.get("loss_scaler"):
             scaler.load_state_dict(trainer["loss_scaler"])
@@ -74,7 +78,7 @@ def _train(job: Job, rt: Runtime) -> dict:
     run = runinfo.read(out_dir) if rt.is_main else {}  # written by the claim: checkpoints carry the run's identity
 
     def run_eval() -> dict:
-        _settle(optimizer)
+        applied.flush()  # a delayed update lands before anything reads the parameters
         return evaluate(applied, ds.eval, tokenizer=job.tokenizer, pad_id=ds.pad_id, seq2seq=job.seq2seq, rt=rt,
                         batch_size=cfg.micro_batch_size, num_beams=cfg.num_beams, max_new_tokens=cfg.max_new_tokens)
 
@@ -86,9 +90,9 @@ def _train(job: Job, rt: Runtime) -> dict:
     last_eval, last_ckpt, t_start = first_eval, None, time.perf_counter()
     while step < cfg.max_steps:
         t0 = time.perf_counter()
-        data = applied.data_runtime(rt)  # pipeline stages all read the whole batch
+        data = rt.data  # pipeline and tensor-parallel peers read the same samples
         micro = batcher.micro_batches(step, data.rank, data.world_size, cfg.micro_batch_size)
-        record = train_step(applied, optimizer, [[ds.train[i] for i in mb] for mb in micro], pad_id=ds.pad_id,
+        record = train_step(applied, [[ds.train[i] for i in mb] for mb in micro], pad_id=ds.pad_id,
                             seq2seq=job.seq2seq, rt=rt, lr=lr_at(step, cfg), max_grad_norm=cfg.max_grad_norm,
                             scaler=scaler)
         step += 1
@@ -106,11 +110,11 @@ def _train(job: Job, rt: Runtime) -> dict:
                 progress.print(_overflow_text(step, record, scaler))
         faults.maybe_die("step", step, rt)
         if step == cfg.max_steps or (cfg.save_every and step % cfg.save_every == 0):
-            _settle(optimizer)
+            applied.flush()
             trainer = {"step": step, "world_size": rt.world_size, "config": cfg.to_dict(),
                        "loss_scaler": scaler.state_dict() if scaler else None, "run_id": run.get("run_id"),
                        "identity": run.get("identity")}
-            last_ckpt = checkpoint.save(ckpt_root, step, applied, optimizer, rt, trainer, write_assets,
+            last_ckpt = checkpoint.save(ckpt_root, step, applied, rt, trainer, write_assets,
                                         keep=cfg.keep_checkpoints)
     summary = {"steps": step, "first_eval": first_eval, "last_eval": last_eval, "checkpoint": last_ckpt,
                "metrics": out_dir / "metrics.jsonl", "evals": out_dir / "eval.jsonl", "train_time_s": time.perf_counter() - t_start}
@@ -125,20 +129,15 @@ def _train(job: Job, rt: Runtime) -> dict:
     return summary
 
 
-def _settle(optimizer) -> None:
-    """Land a delayed optimizer update before anything reads the parameters."""
-    if hasattr(optimizer, "flush"):
-        optimizer.flush()
-
-
-def _probe(job: Job, applied, optimizer, scaler, rt: Runtime) -> dict:
+def _probe(job: Job, applied: Engine, scaler, rt: Runtime) -> dict:
     """One full step (forward, backward, optimizer) on this rank's micro-batch of the longest samples:
     the memory peak training will see. An out-of-memory error ends the process (see autobatch.py)."""
     cfg, ds = job.cfg, job.dataset
     faults.maybe_oom(cfg.micro_batch_size)
     longest = sorted(ds.train, key=lambda s: len(s["input_ids"]) + len(s["labels"]), reverse=True)
-    mine = longest[rt.rank * cfg.micro_batch_size:(rt.rank + 1) * cfg.micro_batch_size]
-    return train_step(applied, optimizer, [mine], pad_id=ds.pad_id, seq2seq=job.seq2seq, rt=rt, lr=0.0,
+    data = rt.data
+    mine = longest[data.rank * cfg.micro_batch_size:(data.rank + 1) * cfg.micro_batch_size]
+    return train_step(applied, [mine], pad_id=ds.pad_id, seq2seq=job.seq2seq, rt=rt, lr=0.0,
                       max_grad_norm=cfg.max_grad_norm, scaler=scaler)
 
 

@@ -16,7 +16,7 @@ MATH = ("model", "data", "data_encoding", "batch_size", "seed", "max_source_len"
         "warmup_steps", "warmup_type", "warmup_min_lr", "min_lr", "max_grad_norm", "precision", "reduce_dtype",
         "loss_scale", "loss_scale_window", "hysteresis", "min_loss_scale", "delayed_update")
 LAYOUT = ("nproc", "micro_batch_size", "strategy", "device_map", "chunks", "pipeline_schedule", "stages_per_rank",
-          "pipeline_degree", "activation_checkpointing", "compile", "compile_backend", "offload_grads",
+          "pp", "tp", "dp_shard", "dp_replicate", "activation_checkpointing", "compile", "compile_backend", "offload_grads",
           "nvme_host_gb", "nvme_dir", "ddp_bucket_mb")
 # initial_scale_power: the loss scaler's state is restored from the checkpoint, so it no longer matters
 FREE = ("output_dir", "overwrite", "resume", "allow_changed", "save_every", "keep_checkpoints", "eval_every",
@@ -64,10 +64,16 @@ def _layout_notes(saved: dict, now: dict, changed: set[str]) -> list[str]:
     if saved.get("world_size") not in (None, now["world_size"]):
         n = now["world_size"]
         notes.append(f"note: resuming at {n} process{'es' if n > 1 else ''}; saved with {saved['world_size']}")
+    if (was := old.get("extra", {}).get("plan")) and (plan := new.get("extra", {}).get("plan")) and was != plan:
+        notes.append(f"note: resuming as {_degrees(plan)}; saved as {_degrees(was)}")
     for k in LAYOUT:
-        if k not in ("nproc", "pipeline_degree", *now.get("undecided", ())) and _differs(old, new, k):
+        if k not in ("nproc", *now.get("undecided", ())) and _differs(old, new, k):
             notes.append(f"note: resuming with {k} {new.get(k)!r}; saved with {old[k]!r}")
     for k, what in (("model", "--model"), ("data", "--data")):
         if k not in changed and k in old and old[k] != new.get(k):
             notes.append(f"note: {what} given as {new.get(k)!r}, saved as {old[k]!r}: the same content")
     return notes
+
+
+def _degrees(plan: dict) -> str:
+    return " x ".join(f"{d} {plan[d]}" for d in ("pp", "dp_replicate", "dp_shard", "tp") if plan.get(d, 1) > 1) or "1 process"

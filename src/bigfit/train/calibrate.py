@@ -1,16 +1,25 @@
 """Predicted against measured peak memory of one training configuration, on this process's device:
 the GPU's max_memory_allocated, or on a CPU the growth of peak RSS (VmHWM, reset via clear_refs).
-tests/test_planning.py runs it on the CPU; benchmarks/plan_accuracy.py on the GPU machine."""
+tests/test_planning.py runs it on the CPU; benchmarks/plan_accuracy.py on the GPU machine. Above the
+planner (it trains), beside the loop."""
 from __future__ import annotations
 
 import gc
 
 import torch
+from transformers import AutoModelForCausalLM
 
+from ..config import TrainConfig
+from ..distributed import Runtime
 from ..hardware import Hardware
+from ..parallel.apply import apply
+from ..parallel.mesh import with_mesh
+from ..planning.estimate import memory
+from ..planning.profile import profile_model
 from ..precision import DTYPES
-from .estimate import memory
-from .profile import profile_model
+from ..resolution import plan_of, resolve
+from ..strategies import build_optimizer
+from .step import train_step
 
 
 def _status(key: str) -> int:
@@ -36,16 +45,9 @@ def _peak(gpu: bool) -> int:
     return torch.cuda.max_memory_allocated() if gpu else _status("VmHWM")
 
 
-def measure(model_config, strategy: str, batch: int, seq: int, precision: str, rt, steps: int = 2) -> dict:
+def measure(model_config, strategy: str, batch: int, seq: int, precision: str, rt: Runtime, steps: int = 2) -> dict:
     """Per-rank predicted bytes (by part) and the measured peak over building, sharding and `steps`
     training steps of `batch` (global) random sequences of `seq` tokens. Decoder-only models."""
-    from transformers import AutoModelForCausalLM
-
-    from ..config import TrainConfig
-    from ..resolution import resolve
-    from ..strategies import apply_strategy, build_optimizer
-    from ..train.step import train_step
-
     micro = batch // rt.world_size
     prof = profile_model(model_config, micro, seq, 0, precision, rt.device.type,
                          autocast=strategy in ("single", "ddp", "zero1"))
@@ -57,11 +59,12 @@ def measure(model_config, strategy: str, batch: int, seq: int, precision: str, r
     base = _start(gpu)
     model = AutoModelForCausalLM.from_config(model_config)
     cfg = resolve(TrainConfig(strategy=strategy, batch_size=batch, precision=precision), rt.world_size)
-    applied = apply_strategy(model, cfg, rt)
-    optimizer = build_optimizer(applied, cfg)
+    plan = plan_of(cfg)
+    engine = apply(model, plan, cfg, with_mesh(rt, plan))
+    build_optimizer(engine, cfg)
     for _ in range(steps):
-        train_step(applied, optimizer, [samples], pad_id=0, seq2seq=False, rt=rt, lr=1e-4, max_grad_norm=1.0)
+        train_step(engine, [samples], pad_id=0, seq2seq=False, rt=rt, lr=1e-4, max_grad_norm=1.0)
     measured = _peak(gpu) - base
-    del model, applied, optimizer
+    del model, engine
     return {"strategy": strategy, "batch": batch, "seq": seq, "rank": rt.rank, "predicted": predicted["total"],
             "measured": measured, "ratio": predicted["total"] / measured, "parts": predicted}

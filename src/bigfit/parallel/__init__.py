@@ -1,0 +1,5 @@
+"""The parallel layout of a job: the plan (plan.py, pure), the device mesh built from it (mesh.py),
+and the transforms that apply it to an unmodified model in one order (apply.py)."""
+from .plan import ALIASES, DIMS, ParallelPlan, plan_for
+
+__all__ = ["ALIASES", "DIMS", "ParallelPlan", "plan_for"]

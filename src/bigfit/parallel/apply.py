@@ -1,0 +1,136 @@
+"""`apply`: the plan's transforms on an unmodified model, in their one order (torchtitan's):
+
+    split -> tensor parallel -> activation checkpointing -> compile -> sharding -> materialise -> offload
+
+- split: a device map (one process drives every device) or pipeline stages (this rank keeps its
+  stages' blocks, gets their weights from rank 0, and runs them through torch's schedules); first,
+  because every later transform works on the blocks this rank keeps.
+- tensor parallel: each kept block's matrices split over the mesh's `tp` ranks (DTensor); before
+  checkpointing and compile, so that both see the parallel block.
+- activation checkpointing, then compile, of every kept block: inside the units FSDP2 makes next,
+  so a block's parameters are gathered around its recompute.
+- sharding over the data-parallel ranks: FSDP2 units (ZeRO-2/3, HSDP), DDP (+ ZeRO-1), or DDP's
+  gradient all-reduce on pipeline stages. zero2-offload's engine shards rows itself (offload step).
+- materialise: ranks that built the model on the meta device receive rank 0's weights into their
+  shards, so the whole model exists only on rank 0.
+- offload: the offload engine (optimizer states and update in host RAM or files), or zero3-offload's
+  host steps streamed under backward.
+Each step is a no-op when its part of the plan is off; none returns early.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..device_map.strategy import apply_device_map
+from ..distributed import Runtime
+from ..pipeline.strategy import apply_pipeline
+from ..precision import DTYPES, compute_dtype
+from ..strategies.base import Applied
+from ..strategies.checkpointing import apply_activation_checkpointing
+from ..strategies.compiling import apply_compile
+from ..strategies.materialise import materialise_from_rank0, to_device
+from ..strategies.offload import apply_offload
+from ..strategies.sharding import apply_ddp, apply_fsdp
+from ..strategies.streamed import stream_host_steps
+from ..tensor import apply_tensor_parallel
+from .plan import ParallelPlan
+
+
+def apply(model: torch.nn.Module, plan: ParallelPlan, cfg, rt: Runtime) -> Applied:
+    """Spread `model` as `plan` says. Rank 0 brings the real weights; other ranks may bring a meta-device
+    model. Returns the engine the training loop drives (strategies/base.py `Engine`)."""
+    full = model.state_dict() if rt.is_main and _materialises(plan, rt) else {}  # references, not copies
+    split = apply_split(model, plan, cfg, rt)
+    notes = apply_tp(split.module, plan, rt)
+    notes += apply_per_block(split.module, plan, cfg)
+    engine = apply_sharding(model, split, plan, cfg, rt)
+    engine = apply_materialise(engine, full, plan, rt)
+    engine = apply_offloading(engine, plan, cfg, rt)
+    engine.notes[:0] = notes
+    if plan.tp > 1:
+        engine.counts = rt.mesh.get_local_rank("tp") == 0  # tensor-parallel peers repeat its losses and texts
+        engine.norm_ranks = engine.norm_ranks or rt.world_size  # pipelines set their own
+    return engine
+
+
+def _materialises(plan: ParallelPlan, rt: Runtime) -> bool:
+    """Weights reach the other ranks by broadcast after sharding: FSDP2 and tensor-parallel layouts.
+    Pipelines send each rank its stages' tensors while splitting; DDP broadcasts on wrapping; the
+    offload engine copies each rank's rows itself."""
+    return rt.distributed and plan.pp == 1 and (plan.engine == "fsdp" or plan.tp > 1)
+
+
+def apply_split(model, plan: ParallelPlan, cfg, rt: Runtime) -> Applied:
+    """Device map or pipeline stages; otherwise the model whole, as a plain engine to build on."""
+    if plan.split == "device_map":
+        return apply_device_map(model, cfg, rt)
+    if plan.pp > 1:
+        return apply_pipeline(model, plan, cfg, rt)
+    return Applied(model=model, module=model, strategy=plan.name)
+
+
+def apply_tp(model, plan: ParallelPlan, rt: Runtime) -> list[str]:
+    if plan.tp == 1:
+        return []
+    return apply_tensor_parallel(model, rt.mesh["tp"])
+
+
+def apply_per_block(model, plan: ParallelPlan, cfg) -> list[str]:
+    """Activation checkpointing, then compile, of each block this rank keeps."""
+    notes = []
+    if plan.checkpointing:
+        notes.append(f"activation checkpointing on {apply_activation_checkpointing(model)} blocks")
+    if plan.compile:
+        notes.append(f"torch.compile ({cfg.compile_backend}) on {apply_compile(model, cfg.compile_backend)} blocks")
+    return notes
+
+
+def apply_sharding(model, split: Applied, plan: ParallelPlan, cfg, rt: Runtime) -> Applied:
+    """The data-parallel engine over the `dp` ranks, or the split's own engine where it has one."""
+    compute = compute_dtype(cfg.precision)
+    if plan.split or plan.pp > 1:  # a device map (one process) or pipeline stages
+        if plan.dp > 1:
+            split.shard_stages(plan, rt, compute, DTYPES[cfg.reduce_dtype])
+        return split
+    if plan.engine == "fsdp":
+        return apply_fsdp(model, plan, rt, compute, DTYPES[cfg.reduce_dtype])
+    if plan.engine == "offload":
+        return split  # the offload engine shards rows itself: it is built at the offload step
+    if plan.engine == "ddp":
+        to_device(model, rt.device)
+        return apply_ddp(model, plan, rt, compute, cfg.ddp_bucket_mb)  # DDP broadcasts rank 0's weights
+    to_device(model, rt.device)  # a meta model: storage only, filled from rank 0 next
+    return Applied(model=model, module=model, strategy=plan.name, autocast=compute)
+
+
+def apply_materialise(engine: Applied, full: dict, plan: ParallelPlan, rt: Runtime) -> Applied:
+    if _materialises(plan, rt):
+        # zero3-offload's shards live in host RAM; FSDP2 copies them to the device for compute
+        materialise_from_rank0(engine.module, full, rt, "cpu" if plan.offload_params else rt.device)
+    return engine
+
+
+def apply_offloading(engine: Applied, plan: ParallelPlan, cfg, rt: Runtime) -> Applied:
+    eager = cfg.max_grad_norm <= 0 and cfg.precision != "fp16"  # no global norm needed before a host step
+    if plan.engine == "offload":
+        return apply_offload(engine.module, plan.name, rt, compute_dtype(cfg.precision), delayed=cfg.delayed_update,
+                             nvme_dir=_nvme_dir(plan, cfg), eager=eager,
+                             nvme_host_bytes=cfg.nvme_host_gb * 1e9 / _local_ranks(),
+                             grads_on_device=cfg.offload_grads == "device")
+    if plan.offload_params and eager:
+        return stream_host_steps(engine, rt.device)
+    return engine
+
+
+def _local_ranks() -> int:
+    """The node's ranks share its host RAM budget (--nvme-host-gb is per node)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+def _nvme_dir(plan: ParallelPlan, cfg) -> str | None:
+    """The NVMe tier: one directory per rank (each keeps only its own rows' states)."""
+    if plan.offload != "nvme":
+        return None
+    return os.path.join(cfg.nvme_dir or os.path.join(cfg.output_dir, "nvme"), f"rank-{os.environ.get('RANK', '0')}")

@@ -1,0 +1,180 @@
+"""Memory and step time of a composed layout: a ParallelPlan whose pipeline (pp), data-parallel
+(dp_replicate x dp_shard) and tensor-parallel (tp) degrees are not those of one named strategy.
+Pure, from the data-parallel ModelProfile (traced at job.micro(world)), scaled to one rank's part.
+
+- `share`: one TP rank's view of the model: the blocks' split parameters and divided activations
+  over tp (tp_trace.py), the replicated parts (embeddings, norms, head, the residual stream) whole,
+  activations scaled to the layout's micro-batch (saved tensors grow with its samples).
+- Without a pipeline a rank is a data-parallel rank of that smaller model: estimate.memory of the
+  engine that runs it over dp_shard (HSDP's replicas each hold what dp_shard alone holds), so a
+  composed row with tp 1 counts exactly as the named rows do.
+- With a pipeline each position holds what stages.py counts for its stages (the same cut, the
+  chunks its schedule keeps in flight), of that smaller model, divided over dp_shard by ZeRO stage.
+Times: compute per rank (its tokens, its share of the FLOPs) stretched by the bubble, TP's
+all-reduces (blocking, on the node's link), the data-parallel traffic (overlapped with compute),
+the pipeline's sends and the host step of zero3-offload (docs/planning.md, "Composed plans").
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from ..pipeline.cut import PipelineLayout
+from ..precision import DTYPES
+from .estimate import KEYS, Estimate, _bytes, memory
+from .split import stage_seconds
+from .stages import holders, rank_bytes, received
+
+# The fraction of a block's compute speed kept per doubling of tp, its matmuls 1/tp as wide: an
+# assumption awaiting a multi-GPU measurement (none was available); Megatron-LM's published
+# intra-node scaling loses a few percent per doubling.
+TP_EFFICIENCY = 0.95
+
+
+@dataclass(frozen=True)
+class Pipe:
+    layout: PipelineLayout  # one pipeline position per rank of a data-parallel x tensor-parallel group
+    runs: list[tuple[int, int]]  # each stage's blocks [start, stop): pipeline/cut.py's balance
+
+
+def share(prof, tp: int, scale: float):
+    """One TP rank's part of the model, at `scale` times the traced micro-batch."""
+    cut = 1 - 1 / tp
+    split = prof.block_tp_params or [0] * prof.n_blocks
+    divided = prof.block_tp_saved or [0] * prof.n_blocks
+    blocks = [n - s * cut for n, s in zip(prof.block_params, split)]
+    params = prof.params - sum(split) * cut
+    attention = prof.flops_per_token - 6 * (prof.params - prof.embedding_params)  # split by heads too
+    return replace(prof, params=params, largest_unit_params=max(blocks, default=0), block_params=blocks,
+                   matmul_params=max(0, prof.matmul_params - sum(split) * cut),
+                   flops_per_token=6 * (params - prof.embedding_params) + attention / tp,
+                   block_saved=[(a - d * cut) * scale for a, d in zip(prof.block_saved, divided)],
+                   block_inputs=[x * scale for x in prof.block_inputs], other_saved=prof.other_saved * scale,
+                   loss_saved=prof.loss_saved * scale, logits_bytes=prof.logits_bytes * scale,
+                   logits_numel=prof.logits_numel * scale, tokens=prof.tokens * scale)
+
+
+def estimate(name: str, plan, prof, hw, job, micro: int, pipe: Pipe | None = None) -> Estimate:
+    """The row of `plan`: `micro` samples per micro-batch on each data-parallel rank."""
+    c = DTYPES[job.precision].itemsize
+    accum = job.batch_size // (micro * plan.dp)
+    rank = share(prof, plan.tp, micro / job.micro(hw.world_size))
+    if pipe is None:
+        gpu, host = memory(_row_of(plan), rank, hw, c, job.checkpointing, accum,
+                           shards=plan.dp_shard if plan.engine == "fsdp" else plan.dp)
+    else:
+        gpu, host = _positions(plan, rank, job, c, pipe), _bytes()
+    # the host holds rank 0's whole fp32 model while it is spread, as in every multi-process row
+    host = _bytes(**{**{k: host[k] for k in KEYS}, "buffers": 4 * prof.params})
+    costs, label = _costs(plan, rank, hw, job, c, micro, accum, pipe)
+    gpu_s = max(costs["compute"], costs["communication"])
+    step = gpu_s + sum(v for k, v in costs.items() if k not in ("compute", "communication"))
+    return Estimate(name, gpu, host, step, costs, labels={"compute": label})
+
+
+def _row_of(plan) -> str:
+    """The named row whose arithmetic one rank follows: its engine, on a model of the rank's part."""
+    if plan.offload_params:
+        return "zero3-offload"
+    return {"fsdp": f"zero{plan.zero}", "ddp": "zero1" if plan.zero == 1 else "ddp", "local": "single"}[plan.engine]
+
+
+def _positions(plan, rank, job, c: int, pipe: Pipe) -> dict[str, int]:
+    """The fullest position: stages.py's bytes (fp32 states, autocast's compute-dtype copy, chunks in
+    flight, receive buffers, the loss), the states divided over dp_shard by the ZeRO stage. FSDP2's
+    units are the blocks (pipeline/runner.py shard_stages) and torch's stage does not wrap them, so
+    they reshard after each chunk as outside a pipeline: zero2 keeps the position's parameters
+    gathered in the compute dtype (in place of autocast's copy), zero3 two units and one unit's
+    unsharded gradients."""
+    out = []
+    for r, held in enumerate(rank_bytes(rank, job, pipe.layout, pipe.runs)):
+        parts = {k: held[k] for k in KEYS}
+        n, dps = parts["params"] / 4, plan.dp_shard
+        if plan.zero >= 1:
+            parts["optimizer"] /= dps
+        if plan.zero >= 2:
+            unit = max(rank.block_params[g] for s in pipe.layout.stages_of(r) for g in range(*pipe.runs[s]))
+            parts["params"], parts["grads"] = parts["params"] / dps, parts["grads"] / dps
+            gathered = c * n if plan.zero == 2 else (2 * c + 4) * unit
+            parts["buffers"] += gathered - (c * n if c < 4 else 0)
+        out.append(_bytes(**parts))
+    return max(out, key=lambda b: b["total"])
+
+
+def link(hw, inner: int) -> float:
+    """Bytes/s of a group whose ranks lie within `inner` consecutive ranks (the mesh's inner degrees
+    times its own): the node's link when that span divides a node, else its share of the node's."""
+    if hw.nodes > 1 and hw.gpus_per_node % inner:
+        return hw.inter_gbps / hw.gpus_per_node * 1e9
+    return hw.intra_gbps * 1e9
+
+
+def _costs(plan, rank, hw, job, c: int, micro: int, accum: int, pipe: Pipe | None) -> tuple[dict, str]:
+    per_rank = replace(job, batch_size=job.batch_size // plan.dp, micro_batch=micro)
+    if pipe:
+        layout, runs = pipe.layout, pipe.runs
+        where = [layout.rank_of(s) for s, (a, b) in enumerate(runs) for _ in range(a, b)]
+        last, m, idle = layout.rank_of(layout.stages - 1), layout.chunks, (layout.world - 1) / layout.stages_per_rank
+    else:
+        where, last, m, idle = [0] * rank.n_blocks, 0, 1, 0.0
+    busy = stage_seconds(rank, hw, per_rank, [f"cuda:{r}" for r in where], f"cuda:{last}")
+    stretch = (m + idle) / m  # the fill and drain of the pipeline: its bubble
+    tokens = per_rank.batch_size * (job.seq_len + job.target_len)
+    costs = {"compute": max(busy.values()) / TP_EFFICIENCY ** math.log2(plan.tp) * stretch,
+             "tensor parallel": _tp_seconds(rank, hw, job, c, plan.tp, where, tokens) * stretch,
+             **_dp_seconds(plan, rank, hw, c, accum, pipe)}
+    if pipe:
+        p2p = link(hw, plan.world)  # the stages are the mesh's outermost dimension: they span the job
+        tied = [(n, len(ranks)) for n, ranks in holders(rank, layout, runs) if len(ranks) > 1]
+        costs["point-to-point"] = max(received(rank, layout, runs)) * accum / p2p
+        costs["tied all-reduce"] = sum(2 * 4 * n * (k - 1) / k for n, k in tied) / p2p  # fp32 gradients
+    if plan.offload_params:  # zero3-offload: shards up for forward and backward, gradients down; the host step
+        n = rank.params / plan.dp_shard
+        costs["pcie"] = (accum * 2 * 4 * n + 4 * n) / (hw.pcie_gbps * 1e9)
+        costs["cpu_optimizer"] = n * hw.gpus_per_node / hw.cpu_adam_params_per_s
+    label = f"compute (pipeline bubble {idle / (m + idle):.0%})" if pipe else "compute"
+    return costs, label
+
+
+def _tp_seconds(rank, hw, job, c: int, tp: int, where: list[int], tokens: float) -> float:
+    """The busiest position's all-reduces of activations over its TP group, per step: each
+    row-parallel output in forward (again in the recompute, with checkpointing), each column-parallel
+    input's gradient in backward (tp_trace.py), as a ring on the node's link; they block the next op."""
+    if tp == 1 or not rank.tp_reduce:
+        return 0.0
+    again = 2 if job.checkpointing else 1
+    per: dict[int, float] = {}
+    for r, (forward, backward) in zip(where, rank.tp_reduce):
+        per[r] = per.get(r, 0) + forward * again + backward
+    return max(per.values()) * tokens * c * 2 * (tp - 1) / tp / (hw.intra_gbps * 1e9)
+
+
+def _dp_seconds(plan, rank, hw, c: int, accum: int, pipe: Pipe | None) -> dict[str, float]:
+    """Data-parallel traffic per step of the fullest position's parameters (n per TP rank). FSDP2:
+    per micro-batch (per chunk in a pipeline) an all-gather of the compute-dtype parameters (zero3:
+    again for backward) and a reduce-scatter of fp32 gradients over dp_shard, then HSDP's all-reduce
+    of the gradient shard across dp_replicate; hidden under compute as far as it goes. DDP (+ ZeRO-1's
+    broadcast): one all-reduce of fp32 gradients, under backward, or after the schedule in a pipeline."""
+    n = rank.params if pipe is None else max(_position_params(rank, pipe))
+    dps, dpr, out = plan.dp_shard, plan.dp_replicate, {"communication": 0.0}
+    if plan.engine == "fsdp":
+        m = pipe.layout.chunks if pipe else 1
+        gathers = (2 if plan.zero == 3 else 1) * m
+        out["communication"] = accum * (gathers * c * n + m * 4 * n) * (dps - 1) / dps / link(hw, plan.tp * dps)
+        if dpr > 1:
+            shard = 4 * n / dps
+            out["communication"] += accum * m * 2 * shard * (dpr - 1) / dpr / link(hw, plan.tp * dps * dpr)
+    elif plan.dp > 1:
+        moved = (2 * 4 * n + (4 * n if plan.zero == 1 else 0)) * (plan.dp - 1) / plan.dp / link(hw, plan.tp * plan.dp)
+        out["gradient all-reduce" if pipe else "communication"] = moved
+    return out
+
+
+def _position_params(rank, pipe: Pipe) -> list[float]:
+    """Each position's parameters (per TP rank): its stages' blocks and the outside ones it holds."""
+    layout, runs = pipe.layout, pipe.runs
+    out = [sum(rank.block_params[g] for s in layout.stages_of(r) for g in range(*runs[s])) for r in range(layout.world)]
+    for n, ranks in holders(rank, layout, runs):
+        for r in ranks:
+            out[r] += n
+    return out

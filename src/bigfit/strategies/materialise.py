@@ -1,0 +1,43 @@
+"""Weights onto the ranks that built their model on the meta device: only rank 0 ever holds the
+whole model, the others get storage for what they keep and rank 0's values in it."""
+from __future__ import annotations
+
+import torch
+from torch.distributed import broadcast
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+from ..distributed import Runtime
+from .placement import owners
+
+
+def to_device(model: torch.nn.Module, device) -> None:
+    """Real tensors move; a meta model gets uninitialised storage, to be overwritten from rank 0."""
+    if any(p.is_meta for p in model.parameters()):
+        to_empty(model, device)
+    else:
+        model.to(device)
+
+
+def to_empty(model: torch.nn.Module, device) -> None:
+    """`to_empty`, keeping tied parameters tied (it gives each module its own new parameter)."""
+    held = owners(model)
+    model.to_empty(device=device)
+    for refs in held.values():
+        first = refs[0][0]._parameters[refs[0][1]]
+        for mod, name in refs[1:]:
+            mod._parameters[name] = first
+
+
+def materialise_from_rank0(model: torch.nn.Module, full: dict, rt: Runtime, device) -> None:
+    """After sharding: ranks whose model was on meta allocate their shards, then every shard and
+    buffer is filled from rank 0's full state dict (one broadcast per tensor, each rank keeping its
+    shard, FSDP2's or tensor parallelism's), so no rank but 0 ever holds the whole model."""
+    if not rt.distributed:
+        return
+    if any(p.is_meta for p in model.parameters()):
+        to_empty(model, device)
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    for _, buf in model.named_buffers():  # non-persistent buffers (rotary tables) are in no state dict
+        local = buf.to(rt.device)
+        broadcast(local, src=0)
+        buf.copy_(local)

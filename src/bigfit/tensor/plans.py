@@ -1,0 +1,162 @@
+"""Which module of each family gets which ParallelStyle, which per-rank attributes the attention
+code then needs, and whether a TP degree can split a model: from its config alone.
+
+Three sources of plans:
+- the model's own `config.base_model_tp_plan`, where transformers ships one (Llama, Mistral, Qwen,
+  Gemma, ...), its style names translated into torch's styles;
+- GPT-2 (no plan in transformers: Conv1D layers, fused c_attn): styles.py;
+- T5 / mT5 (no plan in transformers): q, k, v and FFN wi column-parallel, o and wo row-parallel,
+  the relative attention bias Embedding(buckets, heads) split by heads.
+Embeddings and LM heads stay replicated in all three, so tied weights stay one parameter."""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+from torch import nn
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
+
+from ..errors import BigfitError
+from .styles import Conv1DColwise, Conv1DRowwise, FusedConv1DColwise
+
+T5_TYPES = ("t5", "mt5")
+
+# transformers' style names -> torch's styles. None: the module stays replicated, which is always
+# correct (the plan asked for vocabulary-parallel embeddings: a saving we do not take).
+HF_STYLES = {
+    "colwise": ColwiseParallel,
+    "rowwise": RowwiseParallel,
+    # fused projections (Phi-3's qkv_proj) or norms over all heads (OLMo 2): whole outputs on every rank
+    "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+    "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
+    # per-head q/k norms (Qwen 3, Gemma 3) on (batch, seq, heads, head_dim) inputs of local heads:
+    # replicated weights, the input marked as split on its heads dim, so DTensor all-reduces the
+    # weight's gradient, to which every rank's heads contribute
+    "replicated_with_grad_allreduce": lambda: SequenceParallel(sequence_dim=2, use_local_output=True),
+    "embedding_rowwise": None,
+    "embedding_colwise": None,
+}
+# per-rank head counts that attention code may read (transformers 5.x mostly reshapes with -1)
+HEAD_COUNTS = ("num_heads", "num_attention_heads", "num_key_value_heads")
+
+
+@dataclass
+class Plan:
+    styles: dict[str, ParallelStyle] = field(default_factory=dict)  # module name -> its style
+    local: list[tuple[nn.Module, tuple[str, ...]]] = field(default_factory=list)  # attributes to divide by tp
+    blocks: str = ""  # for the start-of-run note
+
+
+def split_counts(config) -> dict[str, int]:
+    """What the TP degree must divide, named as the error line names it."""
+    kind = config.model_type
+    if kind == "gpt2":
+        return {"attention heads": config.n_head, "FFN width": config.n_inner or 4 * config.n_embd}
+    if kind in T5_TYPES:
+        return {"attention heads": config.num_heads, "FFN width": config.d_ff}
+    _hf_styles(config)
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    return {"attention heads": heads, "KV heads": kv, "FFN width": config.intermediate_size}
+
+
+def check(config, tp) -> None:
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+        raise BigfitError(f"tensor parallel degree {tp!r} is not valid; it must be a whole number of at least 1")
+    if tp == 1:  # nothing is split: any model will do
+        return
+    counts = split_counts(config)
+    valid = ", ".join(str(d) for d in _divisors(math.gcd(*counts.values())))
+    for what, n in counts.items():
+        if n % tp:
+            raise BigfitError(f"tensor parallel degree {tp} does not divide the {n} {what} of this "
+                              f"{config.model_type} model; valid degrees: {valid}")
+
+
+def build(model: nn.Module) -> Plan:
+    kind = model.config.model_type
+    if kind == "gpt2":
+        return _gpt2(model)
+    if kind in T5_TYPES:
+        return _t5(model)
+    return _from_config(model)
+
+
+def _gpt2(model: nn.Module) -> Plan:
+    plan, width = Plan(), model.config.n_embd
+    for name, mod in model.named_modules():
+        if hasattr(mod, "c_attn") and hasattr(mod, "split_size"):  # GPT2Attention
+            plan.styles[f"{name}.c_attn"] = FusedConv1DColwise(mod.c_attn.nf // width, width)
+            plan.styles[f"{name}.c_proj"] = Conv1DRowwise()
+            if hasattr(mod, "q_attn"):  # cross-attention: c_attn is [k | v], q_attn a plain Conv1D
+                plan.styles[f"{name}.q_attn"] = Conv1DColwise()
+            plan.local.append((mod, ("num_heads", "split_size", "embed_dim")))
+        elif hasattr(mod, "c_fc") and hasattr(mod, "c_proj"):  # GPT2MLP
+            plan.styles[f"{name}.c_fc"], plan.styles[f"{name}.c_proj"] = Conv1DColwise(), Conv1DRowwise()
+    plan.blocks = f"{model.config.n_layer} blocks"
+    return plan
+
+
+def _t5(model: nn.Module) -> Plan:
+    plan, cfg = Plan(), model.config
+    for name, mod in model.named_modules():
+        if all(hasattr(mod, a) for a in ("q", "k", "v", "o", "n_heads")):  # T5Attention
+            for proj in "qkv":
+                plan.styles[f"{name}.{proj}"] = ColwiseParallel()
+            plan.styles[f"{name}.o"] = RowwiseParallel()
+            if getattr(mod, "has_relative_attention_bias", False):
+                # Embedding(buckets, heads): torch's ColwiseParallel splits an Embedding's dim 1, the heads.
+                # Blocks without one take the first block's bias, of this rank's heads as well.
+                plan.styles[f"{name}.relative_attention_bias"] = ColwiseParallel()
+            # n_heads also sizes the zero bias of the decoder's cross-attention, which has no table
+            plan.local.append((mod, ("n_heads", "inner_dim")))
+        elif hasattr(mod, "wo") and (hasattr(mod, "wi") or hasattr(mod, "wi_0")):  # T5Dense(Gated)ActDense
+            for proj in ("wi", "wi_0", "wi_1"):
+                if hasattr(mod, proj):
+                    plan.styles[f"{name}.{proj}"] = ColwiseParallel()
+            plan.styles[f"{name}.wo"] = RowwiseParallel()
+    plan.blocks = f"{cfg.num_layers + cfg.num_decoder_layers} blocks ({cfg.num_layers} encoder, " \
+                  f"{cfg.num_decoder_layers} decoder)"
+    return plan
+
+
+def _from_config(model: nn.Module) -> Plan:
+    """transformers' plan, whose keys are relative to the base model ("layers.*.self_attn.q_proj")."""
+    plan, styles = Plan(), _hf_styles(model.config)
+    prefix = _prefix_of(model, model.base_model)
+    patterns = [(re.compile(re.escape(k).replace(r"\*", r"[^.]+") + "$"), k) for k in styles]
+    for name, mod in model.base_model.named_modules():
+        for pattern, key in patterns:
+            if pattern.match(name) and styles[key] is not None:
+                plan.styles[prefix + name] = styles[key]()
+                parent = model.base_model.get_submodule(name.rpartition(".")[0])
+                counts = tuple(a for a in HEAD_COUNTS if isinstance(getattr(parent, a, None), int))
+                if model.config.base_model_tp_plan[key] == "colwise" and counts and (parent, counts) not in plan.local:
+                    plan.local.append((parent, counts))
+    plan.blocks = f"{model.config.num_hidden_layers} blocks"
+    return plan
+
+
+def _hf_styles(config) -> dict:
+    """The config's plan as style factories; BigfitError where it has none or uses one we lack."""
+    plan = getattr(config, "base_model_tp_plan", None)
+    if not plan:
+        raise BigfitError(f"model type {config.model_type!r} has no tensor-parallel plan; supported: gpt2, t5, "
+                          "mt5 and models whose config carries base_model_tp_plan (llama, mistral, qwen2, ...)")
+    unknown = sorted({s for s in plan.values() if s not in HF_STYLES})
+    if unknown:
+        raise BigfitError(f"the tensor-parallel plan of model type {config.model_type!r} uses style "
+                          f"{unknown[0]!r}, which bigfit cannot apply; supported styles: {', '.join(HF_STYLES)}")
+    return {k: HF_STYLES[s] for k, s in plan.items()}
+
+
+def _prefix_of(model: nn.Module, sub: nn.Module) -> str:
+    if sub is model:
+        return ""
+    return next(name for name, mod in model.named_modules() if mod is sub) + "."
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]

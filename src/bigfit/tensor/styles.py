@@ -1,0 +1,100 @@
+"""ParallelStyles for what torch's ColwiseParallel / RowwiseParallel refuse: Hugging Face's Conv1D
+(GPT-2: a linear layer whose weight is stored (in, out)) and GPT-2's fused q/k/v projection.
+
+Every parameter becomes a DTensor on the TP mesh in the unparallelised layout (a plain Shard of
+the Hugging Face tensor), so full_tensor(), state dicts, optimizer states and DCP checkpoints
+stay in Hugging Face layout and load under any other plan. `src_data_rank` (set by
+parallelize_module) None makes each rank cut its shard from its own copy, with no communication:
+a rank whose model is on the meta device gets meta shards, to be filled afterwards."""
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from .comms import HeadLayout, ReduceGradient, ToHeads
+
+
+def _shard_params(module: nn.Module, mesh, placements: dict, src_data_rank) -> None:
+    """Each of `module`'s own parameters as a DTensor with placements[name]."""
+    for name, param in list(module.named_parameters(recurse=False)):
+        dt = distribute_tensor(param.data, mesh, [placements[name]], src_data_rank=src_data_rank)
+        module.register_parameter(name, nn.Parameter(dt, requires_grad=param.requires_grad))
+
+
+def _replicated_input(module, inputs, mesh):
+    """Forward: nothing moves. Backward: DTensor all-reduces the input's gradient (each rank's
+    columns contribute part of it)."""
+    x = inputs[0]
+    return (x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, [Replicate()], run_check=False),
+            *inputs[1:])
+
+
+def _sharded_input(module, inputs, mesh):
+    """Forward and backward: nothing moves; the input is this rank's slice of the last dim."""
+    x = inputs[0]
+    return (x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, [Shard(-1)], run_check=False),
+            *inputs[1:])
+
+
+class Conv1DColwise(ParallelStyle):
+    """Conv1D split by output features: weight (in, out) Shard(1), bias Shard(0). Forward: nothing
+    moves; the output is this rank's slice of the features, a plain tensor. Backward: the input's
+    gradient is all-reduced over the TP group."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        def partition(name, mod, mesh):
+            _shard_params(mod, mesh, {"weight": Shard(1), "bias": Shard(0)}, self.src_data_rank)
+
+        return distribute_module(module, device_mesh, partition, _replicated_input,
+                                 lambda mod, out, mesh: out.to_local())
+
+
+class Conv1DRowwise(ParallelStyle):
+    """Conv1D split by input features: weight (in, out) Shard(0), bias replicated. Its input is a
+    column-parallel layer's local output. Forward: the partial outputs are all-reduced (the bias
+    added once). Backward: nothing moves; each rank keeps its slice of the input's gradient."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        def partition(name, mod, mesh):
+            _shard_params(mod, mesh, {"weight": Shard(0), "bias": Replicate()}, self.src_data_rank)
+
+        return distribute_module(module, device_mesh, partition, _sharded_input,
+                                 lambda mod, out, mesh: out.redistribute(placements=[Replicate()]).to_local())
+
+
+class FusedConv1DColwise(ParallelStyle):
+    """GPT-2's c_attn: one Conv1D whose output is `parts` projections side by side ([q | k | v],
+    or [k | v] for cross-attention), each `width` wide. A contiguous split of its columns would give
+    rank 0 all of q; each rank must compute with group r of every part's heads instead.
+
+    The parameters stay a contiguous Shard (Hugging Face layout: see the module docstring) and the
+    columns are moved to the heads layout in forward (comms.ToHeads), whichever of the two tensors
+    is smaller: the weight (training, where a micro-batch has more tokens than the layer has input
+    features) or the output (generation, a few tokens a step). Forward: that all-to-all, nothing
+    else. Backward: its inverse, and the all-reduce of the input's gradient (comms.ReduceGradient)."""
+
+    def __init__(self, parts: int, width: int):
+        super().__init__()
+        self.parts, self.width = parts, width
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        _shard_params(module, device_mesh, {"weight": Shard(1), "bias": Shard(0)}, self.src_data_rank)
+        layout = HeadLayout(self.parts, self.width, device_mesh.get_group())
+        # an instance attribute shadows Conv1D.forward: the module's class, name and state dict stay
+        module.forward = functools.partial(_fused_forward, module, layout)
+        return module
+
+
+def _fused_forward(module: nn.Module, layout: HeadLayout, x: torch.Tensor) -> torch.Tensor:
+    weight, bias = module.weight.to_local(), module.bias.to_local()
+    rows = ReduceGradient.apply(x.reshape(-1, x.size(-1)), layout.group)
+    if rows.size(0) > weight.size(0):  # more tokens than input features: the weight is the smaller to move
+        moved = ToHeads.apply(torch.cat([bias[None], weight]), layout)
+        out = torch.addmm(moved[0], rows, moved[1:])
+    else:
+        out = ToHeads.apply(torch.addmm(bias, rows, weight), layout)
+    return out.view(*x.shape[:-1], out.size(-1))

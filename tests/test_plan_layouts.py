@@ -1,0 +1,195 @@
+"""Composed plans (planning/layouts.py, composed.py): per-GPU bytes of tensor, pipeline and data
+parallelism combined, the search over every factorisation of the world, its recommendation beside
+the named strategies, and `bigfit plan --tp/--pp/--dp-shard/--dp-replicate`. Pure: nothing runs."""
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import pytest
+
+from bigfit.config import STRATEGIES
+from bigfit.hardware import Hardware
+from tiny import tiny_config
+
+GB = 10**9
+NOT_OFFLOAD = ("ddp", "zero1", "zero2", "zero3")
+
+
+def traced(family: str, micro: int, seq: int = 64, target: int = 16):
+    from bigfit.planning.profile import profile_model
+
+    return profile_model(tiny_config(family), micro, seq, target if family == "t5" else 0, "bf16", "cuda")
+
+
+def rows(prof, gpus: int, job, nodes: int = 1, named=(), **fixed):
+    """The plan of `job` on `gpus` 80 GB GPUs per node: by name, the named rows and the composed ones."""
+    from bigfit.planning.search import plan
+
+    p = plan(prof, Hardware(gpu_bytes=(80 * GB,) * gpus, nodes=nodes, cpu_ram=2000 * GB), job, named, layouts=fixed)
+    return p, {c.estimate.name: c for c in p.candidates + p.layouts}
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return traced("llama", 4)
+
+
+def test_tp_halves_the_block_states_and_keeps_the_replicated_parts_whole(llama):
+    """tp2 (one rank of two, no data parallelism) against single on one GPU at the same micro-batch:
+    the blocks' split parameters halve, embeddings, head and norms stay whole; so do the activations
+    TP does not divide (the residual stream, norms' inputs)."""
+    from bigfit.planning.search import Job
+
+    job = Job(batch_size=4, micro_batch=4, seq_len=64)
+    _, one = rows(llama, 1, job, named=("single",))
+    _, two = rows(llama, 2, job)
+    single, tp2 = one["single"].estimate.per_gpu, two["tp2"].estimate.per_gpu
+    blocks, split = sum(llama.block_params), sum(llama.block_tp_params)
+    assert split > 0.99 * blocks  # block norms are all the blocks keep whole
+    replicated = 4 * llama.root_params
+    assert tp2["params"] == int(replicated + 4 * (blocks - split / 2))
+    assert tp2["params"] == pytest.approx((single["params"] - replicated) / 2 + replicated, rel=0.01)
+    assert tp2["optimizer"] == pytest.approx(2 * tp2["params"], abs=2)
+    kept = sum(llama.block_saved) - sum(llama.block_tp_saved)
+    assert 0 < kept < sum(llama.block_saved)
+    assert single["activations"] - tp2["activations"] == pytest.approx(sum(llama.block_tp_saved) / 2, abs=2)
+
+
+def test_fsdp_over_tp_shards_by_both_and_pipeline_over_dp_too(llama):
+    """dp_shard4 x tp2 (zero3): the TP rank's states sharded four ways. pp2 x dp_shard2: a position's
+    stage (pipeline/cut.py's cut) sharded two ways: its parameters and optimizer states half of those
+    of pp2 x dp_replicate2 (DDP), which hold the fuller position whole."""
+    from bigfit.planning.search import Job
+
+    _, by = rows(llama, 8, Job(batch_size=16, micro_batch=2, seq_len=64))
+    share = llama.params - sum(llama.block_tp_params) / 2  # one TP rank's parameters
+    assert by["dp_shard4 x tp2 (zero3)"].estimate.per_gpu["params"] == int(4 * share / 4)
+    _, by = rows(llama, 4, Job(batch_size=8, micro_batch=2, seq_len=64))
+    ddp, zero3 = by["pp2 x dp_replicate2 (ddp)"].estimate.per_gpu, by["pp2 x dp_shard2 (zero3)"].estimate.per_gpu
+    emb, head = llama.embedding_params, llama.head_params  # untied: embeddings with block 0, the head with the last
+    fuller = max(llama.block_params[0] + emb, llama.params - llama.block_params[0] - emb)
+    assert ddp["params"] == 4 * fuller and ddp["optimizer"] == 8 * fuller and head > 0
+    assert zero3["params"] == pytest.approx(ddp["params"] / 2, abs=1)
+    assert zero3["optimizer"] == pytest.approx(ddp["optimizer"] / 2, abs=1)
+
+
+def test_hsdp_per_gpu_bytes_equal_those_of_dp_shard_alone(llama):
+    """HSDP (dp_replicate 2 x dp_shard 4 on 8 GPUs) holds what zero3 / zero2 over 4 GPUs hold, at the
+    same micro-batch: the replicas divide the batch, not the states."""
+    from bigfit.planning.search import Job
+
+    _, eight = rows(llama, 8, Job(batch_size=16, micro_batch=2, seq_len=64))
+    _, four = rows(llama, 4, Job(batch_size=8, micro_batch=2, seq_len=64), named=("zero2", "zero3"))
+    for kind in ("zero2", "zero3"):
+        assert eight[f"dp_replicate2 x dp_shard4 ({kind})"].estimate.per_gpu == four[kind].estimate.per_gpu
+
+
+def check_invariants(p, prof, world: int, per_node: int, batch: int) -> None:
+    from bigfit.parallel.plan import DIMS
+
+    assert p.layouts, "no composed plan rated"
+    heads = prof.tp_counts["attention heads"]
+    for c in p.layouts:
+        d = c.degrees
+        assert math.prod(d[k] for k in DIMS) == world, c.estimate.name
+        assert heads % d["tp"] == 0 and per_node % d["tp"] == 0 and d["pp"] <= prof.n_blocks
+        assert batch % (d["dp_replicate"] * d["dp_shard"]) == 0
+        assert not (d["tp"] == d["pp"] == 1 and world in (d["dp_shard"], d["dp_replicate"] * (c.plan.zero == 0)))
+    assert len({c.estimate.name for c in p.layouts}) == len(p.layouts)  # one row per distinct plan
+
+
+def test_every_rated_plan_multiplies_to_the_world_and_tp_divides_the_heads():
+    from bigfit.planning.search import Job
+
+    prof = traced("t5", 1)
+    p, _ = rows(prof, 8, Job(batch_size=16, seq_len=64, target_len=16), nodes=2, named=STRATEGIES)
+    check_invariants(p, prof, 16, 8, 16)
+    groups = {r.group for r in p.layout_rejected}
+    assert any(g.startswith("tp must divide the model's attention heads (4)") for g in groups)
+    assert "more pipeline stages than the model's 5 blocks" in groups
+
+
+@pytest.fixture(scope="module")
+def llama70b():
+    """A Llama-3-70B-class config on the meta device (fake tensors), traced as the planner traces it
+    for 8 x 4096 tokens on 8 or more GPUs: micro-batch 1."""
+    from transformers import LlamaConfig
+
+    from bigfit.planning.profile import profile_model
+
+    config = LlamaConfig(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                         num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192)
+    return profile_model(config, 1, 4096, 0, "bf16", "cuda")
+
+
+def test_70b_fits_only_composed_and_only_on_enough_gpus(llama70b):
+    """On 8 x 80 GB nothing fits without offload, composed or named: AdamW's fp32 states alone are 16
+    bytes a parameter, 141 GB per GPU however the 70.6B parameters are spread over 8. On 8 nodes (64
+    GPUs) zero3 still holds every block's activations of a 4096-token sample (~145 GB); with TP 8 a
+    rank holds the residual stream and 1/8 of the rest, and a tp-8 plan is the one predicted to fit
+    (by 0.9 GB, this trace's figure) and recommended."""
+    from bigfit.planning.search import Job
+
+    job = Job(batch_size=8, seq_len=4096, precision="bf16")
+    assert 16 * llama70b.params / 8 > 80 * GB
+    p, by = rows(llama70b, 8, job, named=STRATEGIES)
+    assert not any(by[n].fits for n in NOT_OFFLOAD) and not any(c.fits for c in p.layouts)
+    check_invariants(p, llama70b, 8, 8, 8)
+    p, by = rows(llama70b, 8, job, nodes=8, named=STRATEGIES)
+    check_invariants(p, llama70b, 64, 8, 8)
+    assert not any(by[n].fits for n in NOT_OFFLOAD)
+    fits = [c for c in p.layouts if c.fits]
+    assert fits and all(c.plan.tp == 8 for c in fits)
+    assert p.layout_pick is fits[0] and "fits where no named strategy does" in p.layout_reason
+    tp8 = fits[0].estimate.per_gpu["activations"]
+    assert tp8 < 0.5 * by["zero3"].estimate.per_gpu["activations"]
+
+
+def test_tiny_t5_on_two_gpus_still_takes_a_named_strategy(model_dirs, monkeypatch):
+    from bigfit.config import TrainConfig
+    from bigfit.parallel.plan import plan_for
+    from bigfit.planning import command
+    from bigfit.planning.search import ALL, Job, plan_for_config
+
+    hw = Hardware(gpu_bytes=(80 * GB,) * 2)
+    p = plan_for_config(tiny_config("t5"), hw, Job(batch_size=8, seq_len=64, target_len=16), layouts={})
+    assert p.layouts and p.recommended in ALL and p.layout_pick is None
+    assert "must beat the fastest named one" in p.layout_reason
+    monkeypatch.setattr(command, "_this_machine", lambda world, strategy=None: hw)
+    cfg = TrainConfig(model=str(model_dirs["t5"]), strategy="auto", batch_size=8, max_source_len=32)
+    name, degrees, reason = command.auto_plan(cfg, 2, one_process=False)
+    assert name in ALL and "composed plans:" in reason
+    assert plan_for(name, 2, **degrees).name == name and set(degrees) == {"pp", "dp_replicate", "dp_shard", "tp"}
+
+
+def test_plan_command_restricts_the_search_to_the_degrees_given(model_dirs, capsys):
+    from bigfit.cli import main
+
+    args = ["plan", "--model", str(model_dirs["llama"]), "--gpus", "8x80GB", "--tp", "2"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "composed plans with tp 2" in out
+    table = out.split("composed plans with tp 2", 1)[1].split("degrees in mesh order", 1)[0]
+    names = re.findall(r"^│ (\S[^│]*?)\s*│ (?:yes|no)", table, flags=re.M)
+    assert names and all("tp2" in n for n in names)
+    assert main([*args, "--json"]) == 0
+    p = json.loads(capsys.readouterr().out)
+    assert p["composed"] and all(c["degrees"]["tp"] == 2 for c in p["composed"])
+    assert {"strategy", "degrees", "zero", "pipeline"} <= set(p["composed"][0])
+    assert all("tp2" in r["name"] for r in p["composed_rejected"])
+    assert set(p["strategies"][0]) == {"name", "fits", "per_gpu_bytes", "per_host_bytes", "step_time_s",
+                                       "tokens_per_s", "bottleneck", "why_not", "per_node_nvme_bytes"}
+
+
+@pytest.mark.parametrize("flags, named", [(["--tp", "3"], "--tp 3"), (["--tp", "4"], "--tp 4"),
+                                          (["--pp", "2", "--dp-shard", "8"], "= 16"), (["--pp", "8"], "--pp 8")])
+def test_plan_command_refuses_degrees_that_cannot_be(model_dirs, capsys, flags, named):
+    """Not a divisor of the 8 GPUs; not of the tiny Llama's 2 KV heads; a product over 8; more stages
+    than its 2 blocks: one error line naming the value, status 2."""
+    from bigfit.cli import main
+
+    assert main(["plan", "--model", str(model_dirs["llama"]), "--gpus", "8x80GB", *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and named in err[0]
