@@ -41,10 +41,10 @@ def one(strategy: str, family: str, batch: int, seq: int, size: str, precision: 
     import torch
 
     from bigfit.distributed import init_runtime
-    from bigfit.planning.calibrate import measure
-    from bigfit.strategies import FSDP_STRATEGIES
+    from bigfit.train.calibrate import measure
+    from bigfit.parallel import plan_for
 
-    rt = init_runtime(group_for_one=strategy in FSDP_STRATEGIES)
+    rt = init_runtime(group_for_one=plan_for(strategy, 1).engine == "fsdp")
     gpu = rt.device.type == "cuda"
     if gpu:
         torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")

@@ -2,7 +2,7 @@
 
 The workload is ../shared/bench/peers.py's: a Llama-shaped decoder from config (random init, random
 tokens), bf16, AdamW, micro-batch x sequence tokens per step. Each strategy runs in its own process
-(clean peak-memory counters) through bigfit's own apply_strategy / build_optimizer / train_step.
+(clean peak-memory counters) through bigfit's own parallel.apply / build_optimizer / train_step.
 
   python benchmarks/strategies.py --size 1b --mbs 4 --seq 2048 --out results.jsonl
   python benchmarks/strategies.py one zero3 --size 1b ...        (one strategy, one JSON line)
@@ -37,9 +37,13 @@ def run_one(strategy: str, size: str, mbs: int, seq: int, steps: int, warmup: in
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from bigfit.config import TrainConfig, resolve
+    from bigfit.config import TrainConfig
     from bigfit.distributed import init_runtime
-    from bigfit.strategies import FSDP_STRATEGIES, apply_strategy, build_optimizer
+    from bigfit.parallel import plan_for
+    from bigfit.parallel.apply import apply
+    from bigfit.parallel.mesh import with_mesh
+    from bigfit.resolution import plan_of, resolve
+    from bigfit.strategies import build_optimizer
     from bigfit.train.step import train_step
 
     h, layers, heads, kv, inter, vocab = SIZES[size]
@@ -58,7 +62,7 @@ def run_one(strategy: str, size: str, mbs: int, seq: int, steps: int, warmup: in
     if strategy == "zero2-offload-nvme":
         tier.update(nvme_dir=os.environ.get("BIGFIT_NVME_DIR", "/tmp/bigfit-nvme"),
                     nvme_host_gb=float(os.environ.get("BIGFIT_NVME_HOST_GB", "0")))
-    rt = init_runtime(group_for_one=strategy in FSDP_STRATEGIES)
+    rt = init_runtime(group_for_one=plan_for(strategy, 1).engine == "fsdp")
     pipe = dict(pipeline_schedule=variant, chunks=chunks) if strategy == "pipeline" else {}
     data = 1 if strategy == "pipeline" else rt.world_size  # pipeline stages all read the same batch
     cfg = resolve(TrainConfig(strategy=strategy, precision="bf16", batch_size=mbs * accum * data,
@@ -69,8 +73,11 @@ def run_one(strategy: str, size: str, mbs: int, seq: int, steps: int, warmup: in
         model = LlamaForCausalLM(mc)
     n = sum(p.numel() for p in model.parameters())
     flops_per_token = 6 * (n - vocab * h) + 12 * layers * h * seq
-    applied = apply_strategy(model, cfg, rt)
-    optimizer = build_optimizer(applied, cfg)
+    plan = plan_of(cfg)
+    rt = with_mesh(rt, plan)
+    engine = apply(model, plan, cfg, rt)
+    build_optimizer(engine, cfg)
+    traced = getattr(engine, "engine", None)  # the offload engine's own timeline, where there is one
     g = torch.Generator().manual_seed(0)
     times = []
     gpu = torch.cuda.is_available()
@@ -79,20 +86,19 @@ def run_one(strategy: str, size: str, mbs: int, seq: int, steps: int, warmup: in
         torch.cuda.reset_peak_memory_stats()
     trace_from = None
     for i in range(warmup + steps):
-        if i == warmup + steps - 2 and hasattr(optimizer, "trace"):  # the engine's timeline of the last 2 steps
-            optimizer.trace, trace_from = [], time.perf_counter()
+        if i == warmup + steps - 2 and traced is not None:  # the engine's timeline of the last 2 steps
+            traced.trace, trace_from = [], time.perf_counter()
         micro = []
         for _ in range(accum):
             ids = torch.randint(0, vocab, (mbs, seq), generator=g).tolist()
             micro.append([{"input_ids": x, "labels": x} for x in ids])
         sync()
         t0 = time.perf_counter()
-        out = train_step(applied, optimizer, micro, pad_id=0, seq2seq=False, rt=rt, lr=1e-4, max_grad_norm=clip)
+        out = train_step(engine, micro, pad_id=0, seq2seq=False, rt=rt, lr=1e-4, max_grad_norm=clip)
         sync()
         if i >= warmup:
             times.append(time.perf_counter() - t0)
-    if hasattr(optimizer, "flush"):
-        optimizer.flush()
+    engine.flush()
     step_s = statistics.median(times)
     tok_s = accum * mbs * seq / step_s
     return {"method": f"bigfit {name}", "params_b": round(n / 1e9, 3), "mbs": mbs, "seq": seq, "accum": accum,
@@ -100,8 +106,8 @@ def run_one(strategy: str, size: str, mbs: int, seq: int, steps: int, warmup: in
             "peak_alloc_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if gpu else None,
             "host_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 1),
             "loss": round(out["loss"], 3),
-            "host_adam": ("kernel" if optimizer.kernel else "torch") if hasattr(optimizer, "kernel") else None,
-            "trace": [(w, b, round(t0 - trace_from, 4), round(t1 - trace_from, 4)) for w, b, t0, t1 in optimizer.trace]
+            "host_adam": ("kernel" if traced.kernel else "torch") if traced is not None else None,
+            "trace": [(w, b, round(t0 - trace_from, 4), round(t1 - trace_from, 4)) for w, b, t0, t1 in traced.trace]
             if trace_from else None}
 
 
