@@ -60,7 +60,7 @@ def run(name: str, a, model: Path, data: Path, out: Path) -> dict:
            "--nproc", str(a.gpus), "--precision", a.precision, "--batch-size", str(a.batch),
            "--micro-batch-size", str(a.mbs), "--max-source-len", str(a.seq), "--max-steps", str(a.warmup + a.steps),
            "--eval-every", "0", "--eval-samples", "0", "--save-every", "0", "--no-consolidate", "--lr", "1e-4",
-           "--output-dir", str(out / name)]
+           "--overwrite", "--output-dir", str(out / name)]  # this benchmark's own runs: replaced each time
     t0 = time.perf_counter()
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
