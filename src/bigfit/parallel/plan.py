@@ -88,10 +88,6 @@ class ParallelPlan:
         return self.dp_replicate * self.dp_shard
 
     @property
-    def mesh_shape(self) -> tuple[tuple[str, int], ...]:
-        return tuple((d, getattr(self, d)) for d in DIMS)
-
-    @property
     def engine(self) -> str:
         """Which data-parallel engine runs the update: 'fsdp' (FSDP2), 'ddp' (DDP, optionally with a
         ZeRO-1 optimizer), 'offload' (bigfit's offload engine: zero2 with states in host RAM or
