@@ -18,6 +18,9 @@ import torch
 from ..errors import BigfitError
 from ..hardware import parse_size
 from ..models import block_lists
+from ..planning.estimate import RESERVE
+from ..planning.job import Job
+from ..planning.profile import profile_model
 from ..precision import DTYPES
 from .balance import balance, loads, size
 from .maps import canonical_device, check_device, name_stacks, resolve_map
@@ -56,7 +59,6 @@ def parse_budgets(budgets) -> list[tuple[str, int]]:
 
 
 def default_job(config):
-    from ..planning.search import Job
 
     seq2seq = getattr(config, "is_encoder_decoder", False)
     return Job(batch_size=8, seq_len=512, target_len=128 if seq2seq else 0, precision="fp32")
@@ -78,7 +80,6 @@ def costs(model: torch.nn.Module, found, job) -> Costs:
 
 def profile_for(config, job):
     """The model traced as one process trains it: the whole micro-batch (no data-parallel split)."""
-    from ..planning.profile import profile_model
 
     return profile_model(config, job.micro(1), job.seq_len, job.target_len or job.seq_len, job.precision)
 
@@ -141,7 +142,6 @@ def auto_map(model, found, budgets, job=None, main=None) -> dict:
 def plan_budgets(hw) -> list[tuple[str, int]]:
     """One node of a planned machine as budgets: each GPU less the planner's reserve, then 90% of
     host RAM as the overflow. A GPU no larger than the reserve holds nothing."""
-    from ..planning.estimate import RESERVE
 
     gpus = [(f"cuda:{i}", b - RESERVE) for i, b in enumerate(hw.gpu_bytes) if b > RESERVE]
     return gpus + [("cpu", int(hw.cpu_ram * 0.9))]

@@ -19,9 +19,9 @@ import torch
 
 from ..errors import BigfitError
 from ..models import block_lists
-from . import pipeline
 from .maps import DeviceMap, Stack, canonical_device, name_stacks, real_device, resolve_map
 from .moves import move, move_tree, settle, tag_tree
+from .schedule import reached
 
 ATTR = "_bigfit_layout"
 
@@ -46,7 +46,7 @@ class Layout:
     def enter(self, place: str, tree):
         """Inputs to `place`; in a chunked run, a change of device lets other micro-batches go first."""
         args, kwargs = move_tree(tree, place, self.cpu_default)
-        hidden = pipeline.reached(place, tree, _first(args))
+        hidden = reached(place, tree, _first(args))
         settle()
         return ((hidden, *args[1:]) if hidden is not None else args), kwargs
 
@@ -54,10 +54,10 @@ class Layout:
         """The first output back to the main device (the hidden state every block returns first)."""
         first = _first(output)
         if first is None:
-            pipeline.reached(self.main)
+            reached(self.main)
             settle()
             return output
-        hidden = pipeline.reached(self.main, first, move(first, self.main, self.cpu_default))
+        hidden = reached(self.main, first, move(first, self.main, self.cpu_default))
         settle()
         return hidden if isinstance(output, torch.Tensor) else type(output)([hidden, *output[1:]])
 

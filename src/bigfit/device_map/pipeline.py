@@ -27,6 +27,7 @@ import torch
 
 from ..errors import BigfitError
 from .casts import autocasting, cast_once
+from .hooks import layout_of
 from .schedule import idle, reached, run_chunks
 
 __all__ = ["idle", "reached", "run_chunks", "split_batch", "train_step"]
@@ -67,8 +68,6 @@ def train_step(model: torch.nn.Module, batch: dict, chunks: int = 1) -> torch.Te
     chunk's loss is weighted by its share of the batch's target tokens: loss and gradients are
     those of one unchunked call. Autocast, if on, covers the forward only. Returns the (detached)
     loss; the optimizer step is the caller's."""
-    from .hooks import layout_of
-
     layout = layout_of(model)
     if layout is None:
         raise BigfitError("train_step needs a parallelized model; call parallelize(model, device_map) first")

@@ -76,7 +76,7 @@ def machine_budgets() -> dict[str, int]:
 
 
 def _job(cfg):
-    from ..planning.search import Job
+    from ..planning.job import Job
 
     return Job(batch_size=cfg.batch_size, seq_len=cfg.max_source_len, target_len=cfg.max_target_len,
                micro_batch=cfg.micro_batch_size, precision=cfg.precision or "fp32",

@@ -7,36 +7,18 @@ from dataclasses import dataclass, field
 
 from ..config import PIPELINE_STRATEGIES, SPLIT_STRATEGIES, STRATEGIES
 from ..precision import DTYPES
+from ..device_map.auto import profile_for
 from .estimate import RESERVE, Estimate, combine, memory, nvme_bytes, step_time
+from .job import Job
 from .layouts import LayoutCandidate, Rejected, choose, layout_rows
 from .rows import Candidate, fit_problem as _fit, gb as _gb, host_problem as _host_fit
+from .profile import profile_model
 from .split import device_map_row
 from .stages import pipeline_row
 
 ALL = STRATEGIES + SPLIT_STRATEGIES + PIPELINE_STRATEGIES
 # rows traced at one process's whole micro-batch, each device with its own bytes (not one share per GPU)
 WHOLE = SPLIT_STRATEGIES + PIPELINE_STRATEGIES
-
-
-@dataclass(frozen=True)
-class Job:
-    batch_size: int  # global samples per optimizer step
-    seq_len: int  # tokens per sample (source side for encoder-decoders)
-    target_len: int = 0  # decoder tokens per sample (encoder-decoders)
-    micro_batch: int | None = None  # None: batch_size / world size
-    precision: str = "bf16"
-    checkpointing: bool = False
-    delayed_update: bool = False  # zero2-offload's host step overlaps the next step
-    offload_grads: str = "host"  # zero2-offload: where gradients wait for the host step (host or device)
-    nvme_host_gb: float = 0.0  # zero2-offload-nvme: GB of optimizer states per node kept in host RAM
-    clipping: bool = True  # a global gradient norm is needed before the host step (max_grad_norm > 0)
-    chunks: int | None = None  # GPipe / pipeline micro-batches per micro-batch; None: device_map 1, pipeline one per stage
-    pipeline_schedule: str | None = None  # pipeline: gpipe, 1f1b, interleaved; None: 1f1b (config.pipeline_defaults)
-    stages_per_rank: int | None = None  # pipeline: stages per process; None: 2 if interleaved, else 1
-
-    def micro(self, world: int) -> int:
-        """The micro-batch per process: given, or the whole per-process share (no accumulation)."""
-        return self.micro_batch or max(1, self.batch_size // world)
 
 
 @dataclass
@@ -171,8 +153,6 @@ def _advice(cands: list[Candidate], job: Job, hw) -> str:
 
 
 def plan_for_config(model_config, hw, job: Job, strategies=ALL, layouts: dict | None = None) -> Plan:
-    from ..device_map.auto import profile_for
-    from .profile import profile_model
 
     micro = job.micro(hw.world_size)
     lengths = (model_config, micro, job.seq_len, job.target_len or job.seq_len, job.precision, hw.device)

@@ -1,0 +1,26 @@
+"""The job the planner rates: batch, lengths, precision and the settings that change bytes or time.
+Pure data, below everything that plans (device_map/auto.py, planning/search.py use it)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Job:
+    batch_size: int  # global samples per optimizer step
+    seq_len: int  # tokens per sample (source side for encoder-decoders)
+    target_len: int = 0  # decoder tokens per sample (encoder-decoders)
+    micro_batch: int | None = None  # None: batch_size / world size
+    precision: str = "bf16"
+    checkpointing: bool = False
+    delayed_update: bool = False  # zero2-offload's host step overlaps the next step
+    offload_grads: str = "host"  # zero2-offload: where gradients wait for the host step (host or device)
+    nvme_host_gb: float = 0.0  # zero2-offload-nvme: GB of optimizer states per node kept in host RAM
+    clipping: bool = True  # a global gradient norm is needed before the host step (max_grad_norm > 0)
+    chunks: int | None = None  # GPipe / pipeline micro-batches per micro-batch; None: device_map 1, pipeline one per stage
+    pipeline_schedule: str | None = None  # pipeline: gpipe, 1f1b, interleaved; None: 1f1b (config.pipeline_defaults)
+    stages_per_rank: int | None = None  # pipeline: stages per process; None: 2 if interleaved, else 1
+
+    def micro(self, world: int) -> int:
+        """The micro-batch per process: given, or the whole per-process share (no accumulation)."""
+        return self.micro_batch or max(1, self.batch_size // world)
