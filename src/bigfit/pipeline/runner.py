@@ -28,15 +28,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from ..data.tokenize import IGNORE
 from ..distributed import Runtime
 from ..losses import target_tokens, token_loss
-from ..models import block_lists
-from ..parallel.mesh import fsdp_mesh
 from ..parallel.norms import clip_by, global_norm
 from ..strategies.base import Applied, local
+from ..strategies.sharding import fsdp_options, shard_units
 from .cut import PipelineLayout
 
 PAD_TO = 8  # sequence lengths are padded to a multiple of this: fewer shapes, fewer schedules
@@ -73,14 +71,9 @@ class PipelineApplied(Applied):
             self.replicas = rt.data.group
             return
         self.shapes = rt.data.group
-        kw = dict(mesh=fsdp_mesh(rt, plan), reshard_after_forward=plan.zero == 3,
-                  mp_policy=MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=reduce if compute else None))
-        for _, blocks in block_lists(self.model):
-            for block in blocks:
-                fully_shard(block, **kw)
         # the root unit is the stage, not the model: a stage ends the model's forward early (stage.py),
         # so hooks FSDP2 runs after the model's forward would never run, nor its root's backward
-        fully_shard(self.stage_modules[0], **kw)
+        shard_units(self.model, self.stage_modules[0], fsdp_options(plan, rt, compute, reduce))
         self.notes.append(f"FSDP2 (ZeRO-{plan.zero}) over {plan.dp} data-parallel ranks on each stage")
 
     # -- forward and backward ----------------------------------------------------------------
@@ -93,20 +86,20 @@ class PipelineApplied(Applied):
     def eval_batch(self, batch: dict, seq2seq: bool) -> tuple[float, int]:
         """(summed token loss, target tokens), both counted on the last stage's rank only, so that
         a sum over all ranks gives the batch's figures."""
-        rows = self._common(batch["labels"].shape[0])
+        rows, = self._common(batch["labels"].shape[0])
         batch = _fill_rows(batch, rows - batch["labels"].shape[0] + (-rows % self.layout.chunks))
         loss = self._run(batch, seq2seq, 1.0, train=False)
         return (loss.item(), target_tokens(batch["labels"], seq2seq)) if self._holds_last else (0.0, 0)
 
-    def _common(self, *sizes: int) -> list[int] | int:
+    def _common(self, *sizes: int) -> list[int]:
         """The largest of each size over the data-parallel ranks whose stages FSDP2 shards: they must
         run the same schedules (a new batch shape builds a new one, and its first step runs its stages
         once more), or their FSDP2 collectives would not pair up."""
         if self.shapes is None:
-            return sizes if len(sizes) > 1 else sizes[0]
+            return list(sizes)
         t = torch.tensor(sizes, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.shapes)
-        return t.tolist() if len(sizes) > 1 else int(t[0])
+        return t.tolist()
 
     def _run(self, batch: dict, seq2seq: bool, factor: float, train: bool) -> torch.Tensor:
         inputs = _pad(batch, seq2seq, *self._common(batch["input_ids"].shape[1], batch["labels"].shape[1]))

@@ -61,17 +61,26 @@ def apply_fsdp(model: torch.nn.Module, plan: ParallelPlan, rt: Runtime, compute:
     # T5 blocks return their position bias as a view; it is only ever used out of place, which the
     # T5 parity test checks, so FSDP2's warning about in-place use of views is noise here.
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-    kw = dict(mesh=fsdp_mesh(rt, plan), reshard_after_forward=plan.zero == 3,
-              mp_policy=MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=reduce if compute else None),
-              offload_policy=CPUOffloadPolicy(pin_memory=rt.device.type == "cuda")
-              if plan.offload_params else OffloadPolicy())
-    for _, blocks in block_lists(model):
-        for block in blocks:
-            fully_shard(block, **kw)
-    fully_shard(model, **kw)
+    shard_units(model, model, fsdp_options(plan, rt, compute, reduce))
     assert isinstance(model, FSDPModule)
     return FSDPApplied(model=model, module=model, strategy=plan.name,
                        notes=[f"FSDP2 over {len(list(_units(model)))} units"])
+
+
+def fsdp_options(plan: ParallelPlan, rt: Runtime, compute: torch.dtype | None, reduce: torch.dtype) -> dict:
+    """fully_shard's arguments for the plan: its mesh, ZeRO-2 or 3, mixed precision, host offload."""
+    return dict(mesh=fsdp_mesh(rt, plan), reshard_after_forward=plan.zero == 3,
+                mp_policy=MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=reduce if compute else None),
+                offload_policy=CPUOffloadPolicy(pin_memory=rt.device.type == "cuda")
+                if plan.offload_params else OffloadPolicy())
+
+
+def shard_units(model: torch.nn.Module, root: torch.nn.Module, options: dict) -> None:
+    """One FSDP2 unit per block of `model`, then `root` (the model, or a pipeline stage holding it)."""
+    for _, blocks in block_lists(model):
+        for block in blocks:
+            fully_shard(block, **options)
+    fully_shard(root, **options)
 
 
 def _units(model):
