@@ -16,6 +16,7 @@ cannot run, naming every number. torchtitan's `ParallelDims` is the model. Pure:
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 
 from ..errors import BigfitError
@@ -167,7 +168,7 @@ def plan_for(strategy: str, world: int, *, tp: int | None = None, pp: int | None
             raise BigfitError(f"--{d.replace('_', '-')} must be a positive integer, got {v!r}")
     degrees = {d: v or 1 for d, v in given.items()}
     if given[alias.fills] is None:
-        rest_product = _product(v for d, v in degrees.items() if d != alias.fills)
+        rest_product = math.prod(v for d, v in degrees.items() if d != alias.fills)
         if world % rest_product:
             raise BigfitError(f"{_named({d: v for d, v in degrees.items() if d != alias.fills})} = {rest_product} "
                               f"does not divide the {world} processes; choose degrees whose product divides {world}")
@@ -183,9 +184,3 @@ def _one_rank_fsdp(alias: Alias, degrees: dict) -> bool:
     tensor or pipeline parallelism a one-rank data-parallel dimension has nothing to shard."""
     return (degrees["tp"] == 1 and degrees["pp"] == 1) or alias.offload != "none"
 
-
-def _product(values) -> int:
-    out = 1
-    for v in values:
-        out *= v
-    return out
