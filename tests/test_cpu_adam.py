@@ -43,7 +43,7 @@ def test_kernel_takes_only_what_it_implements():
 
 def _engine(compute, monkeypatch, kernel: bool, grads_on_device=False):
     from bigfit.distributed import Runtime
-    from bigfit.strategies.offload import apply_offload
+    from bigfit.strategies.offloading import apply_offload
 
     if not kernel:
         monkeypatch.setattr(cpu_adam, "supports", lambda inner: False)

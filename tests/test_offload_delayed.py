@@ -12,7 +12,7 @@ def _train_delayed(x: torch.Tensor, grads: str = "host", compute: torch.dtype | 
     import torch.distributed as dist
 
     from bigfit.distributed import Runtime
-    from bigfit.strategies.offload import apply_offload
+    from bigfit.strategies.offloading import apply_offload
 
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     torch.manual_seed(0)

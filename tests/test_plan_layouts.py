@@ -193,3 +193,22 @@ def test_plan_command_refuses_degrees_that_cannot_be(model_dirs, capsys, flags, 
     assert main(["plan", "--model", str(model_dirs["llama"]), "--gpus", "8x80GB", *flags]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and named in err[0]
+
+
+def test_pipeline_with_zero1_or_the_offload_engine_moves_optimizer_states_off_each_stage(llama):
+    """pp2 x dp_shard2 under zero1 holds half of DDP's optimizer states per position; under the offload
+    engine a position keeps bf16 parameters and fp32 accumulators on the GPU and no optimizer states,
+    its fp32 master rows and moments (12 bytes a parameter, over dp_shard 2) in host RAM, and pays
+    the host step and the PCIe copies after the schedule."""
+    from bigfit.planning.search import Job
+
+    _, by = rows(llama, 4, Job(batch_size=8, micro_batch=2, seq_len=64))
+    ddp, zero1 = by["pp2 x dp_replicate2 (ddp)"].estimate, by["pp2 x dp_shard2 (zero1)"].estimate
+    offload = by["pp2 x dp_shard2 (zero2-offload)"].estimate
+    assert zero1.per_gpu["optimizer"] == pytest.approx(ddp.per_gpu["optimizer"] / 2, abs=2)
+    assert offload.per_gpu["optimizer"] == 0 and offload.per_gpu["params"] <= ddp.per_gpu["params"] / 2  # bf16, not fp32
+    assert offload.per_gpu["total"] < zero1.per_gpu["total"] < ddp.per_gpu["total"]
+    n = ddp.per_gpu["params"] / 4  # the fuller position's parameters
+    assert offload.per_host["optimizer"] == pytest.approx(12 * n / 2 * 4, rel=1e-6)  # 4 ranks on the node
+    assert offload.costs["cpu_optimizer"] > 0 and offload.costs["pcie"] > 0
+    assert "pp2 x dp_shard2 (zero2-offload-nvme)" not in by  # its NVMe tier over stages is not rated

@@ -144,7 +144,7 @@ def test_host_optimizer_is_adamw_and_the_delayed_one_lags_exactly_one_step(mode,
     initial ones for t = 1, 2); each gradient is applied to the latest master weights."""
     from bigfit.distributed import Runtime
     from bigfit.strategies import cpu_adam
-    from bigfit.strategies.offload import apply_offload
+    from bigfit.strategies.offloading import apply_offload
 
     if step == "torch":
         monkeypatch.setattr(cpu_adam, "supports", lambda inner: False)
@@ -193,7 +193,7 @@ def test_offload_engine_leaves_frozen_parameters_alone():
     import torch
 
     from bigfit.distributed import Runtime
-    from bigfit.strategies.offload import apply_offload
+    from bigfit.strategies.offloading import apply_offload
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
     model[0].weight.requires_grad_(False)

@@ -31,7 +31,7 @@ from ..strategies.base import Applied
 from ..strategies.checkpointing import apply_activation_checkpointing
 from ..strategies.compiling import apply_compile
 from ..strategies.materialise import materialise_from_rank0, to_device
-from ..strategies.offload import apply_offload
+from ..strategies.offloading import apply_offload
 from ..strategies.sharding import apply_ddp, apply_fsdp
 from ..strategies.streamed import stream_host_steps
 from ..tensor import apply_tensor_parallel
@@ -91,8 +91,8 @@ def apply_sharding(model, split: Applied, plan: ParallelPlan, cfg, rt: Runtime) 
     """The data-parallel engine over the `dp` ranks, or the split's own engine where it has one."""
     compute = compute_dtype(cfg.precision)
     if plan.split or plan.pp > 1:  # a device map (one process) or pipeline stages
-        if plan.dp > 1:
-            split.shard_stages(plan, rt, compute, DTYPES[cfg.reduce_dtype])
+        if plan.dp > 1 and plan.engine != "offload":  # the offload engine shards the stages' rows itself
+            return split.shard_stages(plan, rt, compute, DTYPES[cfg.reduce_dtype])
         return split
     if plan.engine == "fsdp":
         return apply_fsdp(model, plan, rt, compute, DTYPES[cfg.reduce_dtype])
@@ -115,10 +115,12 @@ def apply_materialise(engine: Applied, full: dict, plan: ParallelPlan, rt: Runti
 def apply_offloading(engine: Applied, plan: ParallelPlan, cfg, rt: Runtime) -> Applied:
     eager = cfg.max_grad_norm <= 0 and cfg.precision != "fp16"  # no global norm needed before a host step
     if plan.engine == "offload":
+        stages = engine if plan.pp > 1 else None  # the pipeline runs the batches, the engine the update
         return apply_offload(engine.module, plan.name, rt, compute_dtype(cfg.precision), delayed=cfg.delayed_update,
                              nvme_dir=_nvme_dir(plan, cfg), eager=eager,
                              nvme_host_bytes=cfg.nvme_host_gb * 1e9 / _local_ranks(),
-                             grads_on_device=cfg.offload_grads == "device")
+                             grads_on_device=cfg.offload_grads == "device", stages=stages,
+                             tied=[(p, counted) for p, _, counted in stages.tied_params()] if stages else ())
     if plan.offload_params and eager:
         return stream_host_steps(engine, rt.device)
     return engine

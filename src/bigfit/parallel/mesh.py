@@ -41,10 +41,33 @@ def _data_view(rt: Runtime, plan: ParallelPlan, mesh) -> Runtime | None:
     if plan.dp == plan.world:
         return None  # every rank holds its own data shard: the world is the view
     pp, rep, shard, tp = mesh.get_coordinate()
-    groups = [mesh.mesh[p, :, :, t].flatten().tolist() for p in range(plan.pp) for t in range(plan.tp)]
-    group = dist.new_subgroups_by_enumeration(groups)[0] if plan.dp > 1 else None  # collective: every rank
+    group = dist.new_subgroups_by_enumeration(_data_ranks(mesh))[0] if plan.dp > 1 else None  # collective
     return Runtime(rank=rep * plan.dp_shard + shard, world_size=plan.dp, local_rank=rt.local_rank, device=rt.device,
                    group=group)
+
+
+def _data_ranks(mesh) -> list[list[int]]:
+    """Each (pp, tp) position's data-parallel ranks, in the same order on every rank."""
+    pp, _, _, tp = mesh.mesh.shape
+    return [mesh.mesh[p, :, :, t].flatten().tolist() for p in range(pp) for t in range(tp)]
+
+
+def new_data_group(rt: Runtime):
+    """A process group of its own over this rank's data-parallel ranks (collective: every rank of
+    the job calls it, also those of other pipeline positions): for engines whose collectives must
+    not share a group with others (the offload engine's two streams). None for one data rank."""
+    if rt.data.world_size == 1:
+        return None
+    if rt.data_view is None:
+        return dist.new_group()
+    return dist.new_subgroups_by_enumeration(_data_ranks(rt.mesh))[0]
+
+
+def data_ranks(rt: Runtime) -> list[int]:
+    """The global ranks of this rank's data-parallel group, in data-rank order."""
+    if rt.data_view is None:
+        return list(range(rt.world_size))
+    return dist.get_process_group_ranks(rt.data.group) if rt.data.group is not None else [rt.rank]
 
 
 def fsdp_mesh(rt: Runtime, plan: ParallelPlan):

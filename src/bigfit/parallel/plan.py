@@ -136,13 +136,9 @@ def _unsupported(p: ParallelPlan) -> list[str]:
     if p.offload_params and (p.tp > 1 or p.pp > 1):
         out.append(f"{p.name} (parameters in host RAM) runs over data-parallel ranks only (got tp {p.tp}, pp {p.pp}); "
                    "use zero2-offload with --pp, or zero3 with --tp")
-    if p.engine == "offload" and p.pp > 1:
-        out.append(f"{p.name} over pipeline stages (--pp {p.pp}) is not supported yet; use zero2 or zero3 with --pp")
     if p.pp > 1 and p.engine == "fsdp" and p.stages_per_rank > 1:
         out.append(f"{p.name} over an interleaved pipeline ({p.stages_per_rank} stages per rank) is not supported "
                    "yet: FSDP2 takes one stage per rank as its root; use --pipeline-schedule 1f1b or gpipe, or ddp")
-    if p.pp > 1 and p.zero == 1:
-        out.append("zero1 over pipeline stages is not supported yet; use zero2 (FSDP2 over each stage) or ddp")
     if p.tp > 1 and p.zero == 1:
         out.append(f"zero1 with tensor parallelism: use zero2 or zero3 (FSDP2 over TP, got --tp {p.tp})")
     if p.tp > 1 and p.engine == "ddp" and p.pp == 1:

@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 from collections import OrderedDict
@@ -34,7 +35,7 @@ from ..distributed import Runtime
 from ..losses import target_tokens, token_loss
 from ..parallel.norms import clip_by, global_norm
 from ..strategies.base import Applied, local
-from ..strategies.sharding import fsdp_options, shard_units
+from ..strategies.sharding import ZeroOneStates, fsdp_options, shard_units
 from .cut import PipelineLayout
 
 PAD_TO = 8  # sequence lengths are padded to a multiple of this: fewer shapes, fewer schedules
@@ -64,17 +65,24 @@ class PipelineApplied(Applied):
         parameter."""
         return StateDictOptions(flatten_optimizer_state_dict=True)
 
-    def shard_stages(self, plan, rt: Runtime, compute: torch.dtype | None, reduce: torch.dtype) -> None:
+    def shard_stages(self, plan, rt: Runtime, compute: torch.dtype | None, reduce: torch.dtype) -> "PipelineApplied":
         """Data parallelism over this rank's stages: FSDP2 units over the kept blocks and the root
-        (ZeRO-2/3), or gradients averaged over the replicas after backward (DDP)."""
+        (ZeRO-2/3), or gradients averaged over the replicas after backward (DDP), their optimizer
+        states sharded among them for ZeRO-1. Returns the engine that runs it."""
         if plan.engine != "fsdp":
             self.replicas = rt.data.group
-            return
+            if plan.zero != 1:
+                return self
+            engine = ZeroOneStages(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+            engine.states_group = rt.data.group
+            engine.notes.append(f"ZeRO-1 over {plan.dp} data-parallel ranks on each stage")
+            return engine
         self.shapes = rt.data.group
         # the root unit is the stage, not the model: a stage ends the model's forward early (stage.py),
         # so hooks FSDP2 runs after the model's forward would never run, nor its root's backward
         shard_units(self.model, self.stage_modules[0], fsdp_options(plan, rt, compute, reduce))
         self.notes.append(f"FSDP2 (ZeRO-{plan.zero}) over {plan.dp} data-parallel ranks on each stage")
+        return self
 
     # -- forward and backward ----------------------------------------------------------------
     def run_batch(self, batch: dict, seq2seq: bool, factor: float, sync: bool) -> torch.Tensor:
@@ -175,7 +183,7 @@ class PipelineApplied(Applied):
     def finish_backward(self) -> None:
         """Sum each tied parameter's gradient over the ranks holding a copy of it; average every
         gradient over the data-parallel replicas (the loop's factor counted them: a mean, as DDP's)."""
-        for p, group, _ in self._tied():
+        for p, group, _ in self.tied_params():
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             dist.all_reduce(local(p.grad), group=group)  # the copies are sharded alike (FSDP2 over the stages)
@@ -186,15 +194,20 @@ class PipelineApplied(Applied):
                     dist.all_reduce(local(p.grad), group=self.replicas)  # tensor-parallel pieces: each its own
                     p.grad.div_(n)
 
-    def _tied(self) -> list:
+    def tied_params(self) -> list:
         """(parameter, group, counted) now: sharding replaces the parameter objects, never their names."""
         params = dict(self.model.named_parameters(remove_duplicate=False))
         return [(params[name], group, counted) for name, group, counted in self.tied]
 
     def clip_grad_norm(self, params: list, max_norm: float) -> float:
         """The global gradient norm over all stages (tied copies counted once); clip by it."""
-        copies = {id(p) for p, _, counted in self._tied() if not counted}
+        copies = {id(p) for p, _, counted in self.tied_params() if not counted}
         return clip_by(params, max_norm, global_norm(params, self.ranks_per_position, copies))
+
+
+@dataclass
+class ZeroOneStages(ZeroOneStates, PipelineApplied):
+    """Replicated stages whose optimizer states are sharded over the replicas (DeepSpeed's PP x ZeRO-1)."""
 
 
 def _pad(batch: dict, seq2seq: bool, width: int, target_width: int) -> dict:

@@ -9,10 +9,13 @@ Pure, from the data-parallel ModelProfile (traced at job.micro(world)), scaled t
   engine that runs it over dp_shard (HSDP's replicas each hold what dp_shard alone holds), so a
   composed row with tp 1 counts exactly as the named rows do.
 - With a pipeline each position holds what stages.py counts for its stages (the same cut, the
-  chunks its schedule keeps in flight), of that smaller model, divided over dp_shard by ZeRO stage.
+  chunks its schedule keeps in flight), of that smaller model, divided over dp_shard by ZeRO stage;
+  under the offload engine only compute-dtype parameters and fp32 gradient accumulators stay on the
+  GPU, the rest is host RAM.
 Times: compute per rank (its tokens, its share of the FLOPs) stretched by the bubble, TP's
 all-reduces (blocking, on the node's link), the data-parallel traffic (overlapped with compute),
-the pipeline's sends and the host step of zero3-offload (docs/planning.md, "Composed plans").
+the pipeline's sends and the host steps of zero3-offload and of the offload engine over pipeline
+stages (docs/planning.md, "Composed plans").
 """
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ from dataclasses import dataclass, replace
 
 from ..pipeline.cut import PipelineLayout
 from ..precision import DTYPES
-from .estimate import KEYS, Estimate, _bytes, memory
+from .estimate import HOST_STEP_BYTES, KEYS, Estimate, _bytes, memory
 from .split import stage_seconds
 from .stages import holders, rank_bytes, received
 
@@ -63,7 +66,7 @@ def estimate(name: str, plan, prof, hw, job, micro: int, pipe: Pipe | None = Non
         gpu, host = memory(_row_of(plan), rank, hw, c, job.checkpointing, accum,
                            shards=plan.dp_shard if plan.engine == "fsdp" else plan.dp)
     else:
-        gpu, host = _positions(plan, rank, job, c, pipe), _bytes()
+        gpu, host = _positions(plan, rank, job, c, pipe), _offloaded_host(plan, rank, hw, c, pipe)
     # the host holds rank 0's whole fp32 model while it is spread, as in every multi-process row
     host = _bytes(**{**{k: host[k] for k in KEYS}, "buffers": 4 * prof.params})
     costs, label = _costs(plan, rank, hw, job, c, micro, accum, pipe)
@@ -90,7 +93,9 @@ def _positions(plan, rank, job, c: int, pipe: Pipe) -> dict[str, int]:
     for r, held in enumerate(rank_bytes(rank, job, pipe.layout, pipe.runs)):
         parts = {k: held[k] for k in KEYS}
         n, dps = parts["params"] / 4, plan.dp_shard
-        if plan.zero >= 1:
+        if plan.engine == "offload":  # compute-dtype parameters, fp32 accumulators; the states on the host
+            parts.update(params=c * n, optimizer=0, buffers=parts["buffers"] - (c * n if c < 4 else 0))
+        elif plan.zero >= 1:
             parts["optimizer"] /= dps
         if plan.zero >= 2:
             unit = max(rank.block_params[g] for s in pipe.layout.stages_of(r) for g in range(*pipe.runs[s]))
@@ -99,6 +104,20 @@ def _positions(plan, rank, job, c: int, pipe: Pipe) -> dict[str, int]:
             parts["buffers"] += gathered - (c * n if c < 4 else 0)
         out.append(_bytes(**parts))
     return max(out, key=lambda b: b["total"])
+
+
+def _offloaded_host(plan, rank, hw, c: int, pipe: Pipe) -> dict[str, int]:
+    """The node's host bytes of the offload engine over pipeline stages: each of its ranks' fp32
+    master rows and moments (12 bytes a parameter) and gradient rows, over dp_shard."""
+    if plan.engine != "offload":
+        return _bytes()
+    rows = max(_position_params(rank, pipe)) / plan.dp_shard * hw.gpus_per_node
+    return _bytes(optimizer=12 * rows, grads=_grad_bytes(c) * rows)
+
+
+def _grad_bytes(c: int) -> int:
+    """A gradient value as it goes down to the host step: bf16 with a bf16 compute dtype (cpu_adam.py)."""
+    return 2 if c == 2 else 4
 
 
 def link(hw, inner: int) -> float:
@@ -132,6 +151,10 @@ def _costs(plan, rank, hw, job, c: int, micro: int, accum: int, pipe: Pipe | Non
         n = rank.params / plan.dp_shard
         costs["pcie"] = (accum * 2 * 4 * n + 4 * n) / (hw.pcie_gbps * 1e9)
         costs["cpu_optimizer"] = n * hw.gpus_per_node / hw.cpu_adam_params_per_s
+    if plan.engine == "offload" and pipe:  # after the schedule: gradient rows down, the host step, masters up
+        n, g = max(_position_params(rank, pipe)) / plan.dp_shard, _grad_bytes(c)
+        costs["pcie"] = (g + 4) * n / (hw.pcie_gbps * 1e9)
+        costs["cpu_optimizer"] = n * hw.gpus_per_node / hw.cpu_adam_params_per_s * HOST_STEP_BYTES[g] / HOST_STEP_BYTES[4]
     label = f"compute (pipeline bubble {idle / (m + idle):.0%})" if pipe else "compute"
     return costs, label
 
@@ -164,6 +187,8 @@ def _dp_seconds(plan, rank, hw, c: int, accum: int, pipe: Pipe | None) -> dict[s
         if dpr > 1:
             shard = 4 * n / dps
             out["communication"] += accum * m * 2 * shard * (dpr - 1) / dpr / link(hw, plan.tp * dps * dpr)
+    elif plan.engine == "offload":  # once per step: fp32 gradient rows reduce-scattered, parameters gathered
+        out["gradient reduce-scatter"] = (4 + c) * n * (dps - 1) / dps / link(hw, plan.tp * dps)
     elif plan.dp > 1:
         moved = (2 * 4 * n + (4 * n if plan.zero == 1 else 0)) * (plan.dp - 1) / plan.dp / link(hw, plan.tp * plan.dp)
         out["gradient all-reduce" if pipe else "communication"] = moved

@@ -147,7 +147,8 @@ def _pipe(pp: int, prof, job, micro: int) -> composed.Pipe:
 def _plans(world: int, degrees: dict, pipe) -> tuple[list[tuple[str, ParallelPlan]], dict[str, str]]:
     """(kind, plan) of each data-parallel kind plan_for accepts with these degrees, one per distinct
     plan; and each refusal by kind (every kind refused: bigfit cannot run the degrees). Layouts a named
-    row rates are left out; so is the offload engine, which runs over dp_shard alone (zero2-offload)."""
+    row rates are left out; so is the offload engine without a pipeline (the zero2-offload row rates
+it over dp_shard alone), and its NVMe tier over stages (not rated)."""
     out, seen, refusals = [], set(), {}
     for kind in KINDS:
         try:
@@ -156,7 +157,7 @@ def _plans(world: int, degrees: dict, pipe) -> tuple[list[tuple[str, ParallelPla
             refusals[kind] = str(e)
             continue
         key = (p.zero, p.offload, p.offload_params)
-        if _named(p, world) or p.engine == "offload" or key in seen:
+        if _named(p, world) or (p.engine == "offload" and (p.pp == 1 or p.offload == "nvme")) or key in seen:
             continue
         seen.add(key)
         if pipe:

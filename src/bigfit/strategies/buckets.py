@@ -82,9 +82,14 @@ def make_buckets(groups: list[list[tuple]], world: int) -> list[Bucket]:
 
 def local_view(flat: torch.Tensor, slot: Slot, rank: int) -> torch.Tensor:
     """This rank's rows of the parameter, as a view into the bucket's flat buffer."""
-    n = slot.local_rows(rank)
-    shape = (n, *slot.param.shape[1:]) if slot.param.dim() else ()
-    return flat[slot.offset:slot.offset + n * slot.row_numel].view(shape)
+    start, length = local_span(slot, rank)
+    shape = (slot.local_rows(rank), *slot.param.shape[1:]) if slot.param.dim() else ()
+    return flat[start:start + length].view(shape)
+
+
+def local_span(slot: Slot, rank: int) -> tuple[int, int]:
+    """(start, length) of this rank's rows of the parameter in the bucket's per-rank flat buffer."""
+    return slot.offset, slot.local_rows(rank) * slot.row_numel
 
 
 def _rank_chunks(full2d: torch.Tensor, slot: Slot, world: int):

@@ -12,16 +12,16 @@ from .placement import rows_as_dtensor
 
 
 class EngineStates:
-    """Uses the engine's rt, buckets, masters, inners, flush, _upload and _await."""
+    """Uses the engine's io, buckets, masters, inners, flush, _upload and _await."""
 
     def checkpoint_state(self, module: torch.nn.Module) -> dict:
         """By name: {"model": the fp32 master weights (and buffers), "optim": {"state": moments and
         step}}; each rank's rows as a DTensor when there are several ranks."""
         self.flush()
         mesh = None
-        if self.rt.world_size > 1:
-            mesh = DeviceMesh("cpu", list(range(self.rt.world_size)))  # the host states' own device type
-        rows = functools.partial(rows_as_dtensor, mesh=mesh, rank=self.rt.rank)
+        if self.io.world > 1:  # the host states' own device type; the data-parallel ranks' group
+            mesh = DeviceMesh.from_group(self.io.up_group, "cpu", mesh=self.io.ranks)
+        rows = functools.partial(rows_as_dtensor, mesh=mesh, rank=self.io.rank)
         masters, optim = {}, {}
         for b, master in zip(self.buckets, self.masters):
             st = self.inners[b.index].state[master]

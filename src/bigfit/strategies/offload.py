@@ -41,14 +41,13 @@ import functools
 import math
 import threading
 import weakref
-from dataclasses import dataclass
 
 import torch
 
 from ..models import block_lists
 from . import cpu_adam
-from .base import Applied, syncing
-from .buckets import Bucket, group_parameters, make_buckets, pack
+from .base import syncing
+from .buckets import Bucket, group_parameters, local_span, make_buckets, pack
 from .enginestate import EngineStates
 from .gradslots import GradientSlots
 from .hoststep import HostSteps, join_at_exit
@@ -62,28 +61,34 @@ class OffloadEngine(HostSteps, EngineStates):
 
     def __init__(self, model: torch.nn.Module, rt, compute: torch.dtype | None, *, delayed: bool = False,
                  eager: bool = False, nvme_dir=None, nvme_host_bytes: float = 0, grads_on_device: bool = False,
-                 bucket_numel: int = 32 << 20):
-        self.rt, self.delayed, self.eager = rt, delayed, eager and not delayed
+                 bucket_numel: int = 32 << 20, held: frozenset = frozenset(), uncounted: frozenset = frozenset()):
+        """`held`: ids of parameters whose gradients stay on them until `land` (a pipeline sums tied
+        copies first); `uncounted`: ids of those whose norm another rank counts (the other copies)."""
+        self.rt, self.delayed, self.eager, self.held = rt, delayed, eager and not delayed, held
         self.dtype = compute or torch.float32
-        prefixes = [f"{name}.{i}" for name, blocks in block_lists(model) for i in range(len(blocks))]
-        self.buckets = make_buckets(group_parameters(model, prefixes, bucket_numel), rt.world_size)
+        # a pipeline stage's block lists hold only its blocks, under their own indices
+        prefixes = [f"{name}.{i}" for name, blocks in block_lists(model) for i, _ in blocks.named_children()]
+        self.buckets = make_buckets(group_parameters(model, prefixes, bucket_numel), rt.data.world_size)
         self.io = Transfers(rt)
         sizes = [b.numel for b in self.buckets]
         self.store = NVMeStore(nvme_dir, sizes, nvme_host_bytes) if nvme_dir else None
-        held = owners(model)
-        self.masters = [materialise(b, self._new_master(b), self.io, rt.rank, self.dtype, held) for b in self.buckets]
-        place_frozen(model, self.io, self.dtype, held)
+        holders = owners(model)
+        self.masters = [materialise(b, self._new_master(b), self.io, self.io.rank, self.dtype, holders)
+                        for b in self.buckets]
+        place_frozen(model, self.io, self.dtype, holders)
         self.io.place_buffers(model)
         self.grads_on_device, self.slots, self.grad_buffers = grads_on_device, None, None  # made by `attach`
         self.kernel, self.grad_dtype = False, torch.float32
         for b in self.buckets:
             b.state.update(ready=0, acc=None, sq=None, free=threading.Event(), issued=threading.Event(),
-                           reduced=threading.Event(), stepped=threading.Event(), stale=False)
+                           reduced=threading.Event(), stepped=threading.Event(), stale=False,
+                           hooked=sum(id(s.param) not in self.held for s in b.slots),
+                           uncounted=[local_span(s, self.io.rank) for s in b.slots if id(s.param) in uncounted])
             b.state["free"].set()
             b.state["issued"].set()
         self._of = {id(s.param): b for b in self.buckets for s in b.slots}
         self._hooks = [s.param.register_post_accumulate_grad_hook(self._on_grad)
-                       for b in self.buckets for s in b.slots]
+                       for b in self.buckets for s in b.slots if id(s.param) not in self.held]
         self._hooks += [m.register_forward_pre_hook(functools.partial(self._await_hook, bs))
                         for m, bs in waiting_modules(model, prefixes, self._of)]
         self.sync, self._worker, self._error, self._eager_started = True, None, None, False
@@ -128,19 +133,20 @@ class OffloadEngine(HostSteps, EngineStates):
     def _on_grad(self, p: torch.Tensor) -> None:
         b = self._of[id(p)]
         b.state["ready"] += 1
-        if b.state["ready"] == len(b.slots):
-            self._reduce(b)
+        if b.state["ready"] == b.state["hooked"]:
+            self._reduce(b, final=self.sync)
 
     @torch.no_grad()
-    def _reduce(self, b: Bucket) -> None:
+    def _reduce(self, b: Bucket, final: bool = True) -> None:
+        """The bucket's gradients into its (world, S) buffer; `final`: reduced and sent down."""
         st = b.state
         st["ready"] = 0
-        flat = st["acc"] if st["acc"] is not None else self.io.device_zeros(self.rt.world_size, b.numel)
+        flat = st["acc"] if st["acc"] is not None else self.io.device_zeros(self.io.world, b.numel)
         for s in b.slots:
-            if s.param.grad is not None:
+            if s.param.grad is not None and (final or id(s.param) not in self.held):
                 pack(flat, s, s.param.grad, accumulate=st["acc"] is not None)
                 s.param.grad = None
-        if not self.sync:
+        if not final:
             st["acc"] = flat
             return
         st["acc"] = None
@@ -148,11 +154,18 @@ class OffloadEngine(HostSteps, EngineStates):
         st["free"].clear()
         if st["stale"]:  # delayed: this backward is done with the parameters; the previous update goes up
             self._upload_stale([b])
-        self.io.reduce_to_host(flat, self.grad_buffers[b.index] if self.grad_buffers else None, st, self.grad_dtype)
+        self.io.reduce_to_host(flat, self.grad_buffers[b.index] if self.grad_buffers else None, st, self.grad_dtype,
+                               skip=st["uncounted"])
         st["reduced"].set()
         if self.eager and not self._eager_started:  # no global norm to wait for: step buckets as they land
             self._eager_started = True
             self._start_host_step(1.0, list(reversed(self.buckets)), upload=True)
+
+    def land(self) -> None:
+        """After a micro-batch whose backward passes all accumulated (a pipeline schedule's chunks):
+        every bucket's gradients, the held ones' included, reduced and sent down, last block first."""
+        for b in reversed(self.buckets):
+            self._reduce(b)
 
     def _drain(self) -> None:
         """Buckets with parameters that got no gradient this step: their missing gradients are zeros."""
@@ -215,48 +228,3 @@ class OffloadEngine(HostSteps, EngineStates):
         for h in self._hooks:
             h.remove()
         self._hooks = []
-
-
-@dataclass
-class OffloadApplied(Applied):
-    """zero2-offload(-nvme): the model itself, in the compute dtype, with the engine's hooks. The
-    engine, not a torch optimizer, holds the states and steps them."""
-    engine: OffloadEngine | None = None
-
-    def accumulation_context(self, sync: bool):
-        return self.engine.syncing(sync)
-
-    def attach_optimizer(self, cls, **kw) -> None:
-        self.engine.attach(cls, **kw)
-
-    def set_lr(self, lr: float) -> None:
-        self.engine.param_groups[0]["lr"] = lr  # before backward: the engine may step during it
-
-    def update(self, max_norm: float, loss_scale: float) -> float:
-        return self.engine.clip_and_step(max_norm, loss_scale)  # unscales and clips inside its host step
-
-    def flush(self) -> None:
-        self.engine.flush()
-
-    def checkpoint_state(self, loading: bool = False) -> dict:
-        return self.engine.checkpoint_state(self.module)
-
-    def after_load(self, state: dict) -> None:
-        self.engine.reload_params()  # the host masters were loaded in place; the device copies follow
-
-    def memory_tensors(self) -> dict:
-        """Host master weights count as optimizer state (they exist only for the optimizer)."""
-        params = list(self.model.parameters())
-        states = [v for st in self.engine.state.values() for v in st.values()]
-        return {"params": params, "grads": [p.grad for p in params] + list(self.engine.grad_buffers or ()),
-                "optimizer": states + list(self.engine.masters)}
-
-
-def apply_offload(model: torch.nn.Module, name: str, rt, compute: torch.dtype | None, *, delayed: bool,
-                  nvme_dir, eager: bool = False, nvme_host_bytes: float = 0,
-                  grads_on_device: bool = False) -> OffloadApplied:
-    """`eager`: the job neither clips nor scales its loss (so the engine may step during backward)."""
-    engine = OffloadEngine(model, rt, compute, delayed=delayed, eager=eager, nvme_dir=nvme_dir,
-                           nvme_host_bytes=nvme_host_bytes, grads_on_device=grads_on_device)
-    notes = [f"offload engine: {len(engine.buckets)} buckets" + (", delayed update" if delayed else "")]
-    return OffloadApplied(model=model, module=model, strategy=name, notes=notes, engine=engine)

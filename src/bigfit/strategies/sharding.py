@@ -87,16 +87,18 @@ def _units(model):
     return (m for m in model.modules() if isinstance(m, FSDPModule))
 
 
-@dataclass
-class ZeroOneApplied(Applied):
-    """ZeRO-1: every rank's optimizer states for the parameters it owns; checkpoints by parameter name."""
+class ZeroOneStates:
+    """ZeRO-1, mixed into an engine whose gradients are averaged before the step (DDP, replicated
+    pipeline stages): each rank keeps the optimizer states of the parameters it owns among the ranks
+    of `states_group`; checkpoints hold every parameter's state once, saved by its owner under the
+    parameter's name."""
+    states_group = None  # the data-parallel process group; set on the instance
 
     def attach_optimizer(self, cls, **kw):
         self.optimizer = ShardedStateOptimizer(self.model.parameters(), optimizer_class=cls,
-                                               process_group=self.group, **kw)
+                                               process_group=self.states_group, **kw)
 
     def checkpoint_state(self, loading: bool = False) -> dict:
-        """Every parameter's state saved by its owner alone, under the parameter's name."""
         if loading:
             _init_optimizer_state(self.optimizer)
         names = {id(p): n for n, p in self.module.named_parameters()}
@@ -111,7 +113,10 @@ class ZeroOneApplied(Applied):
         out["optimizer"] = [v for st in self.optimizer.optim.state.values() for v in st.values()]
         return out
 
-    group: object = None  # the data-parallel process group
+
+@dataclass
+class ZeroOneApplied(ZeroOneStates, Applied):
+    """ZeRO-1 over DDP."""
 
 
 @torch.no_grad()
@@ -136,7 +141,9 @@ def apply_ddp(model: torch.nn.Module, plan: ParallelPlan, rt: Runtime, autocast:
     group = rt.data.group
     wrapped = DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=bucket_mb, process_group=group)
     if plan.zero == 1:
-        return ZeroOneApplied(model=wrapped, module=model, strategy=plan.name, autocast=autocast, group=group)
+        engine = ZeroOneApplied(model=wrapped, module=model, strategy=plan.name, autocast=autocast)
+        engine.states_group = group
+        return engine
     return Applied(model=wrapped, module=model, strategy=plan.name, autocast=autocast)
 
 

@@ -3,7 +3,8 @@ scatter, norm, device-to-host copy) and one up (host-to-device copy, cast, all-g
 CUDA events, never with host waits on the training thread. On the CPU (the tests' gloo ranks) the
 same calls run in order on the calling thread. Collectives use two groups of their own: the backward
 hooks use one, the host thread the other, so each group's operations come in the same order on every
-rank whatever the threads' timing."""
+rank whatever the threads' timing. Those are groups of the data-parallel ranks (parallel/mesh.py):
+the whole job, or the ranks of one pipeline position; the gradient norm sums over every rank."""
 from __future__ import annotations
 
 import contextlib
@@ -11,15 +12,16 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from ..parallel.mesh import data_ranks, new_data_group
 from .pinned import host_zeros
 
 
 class Transfers:
     def __init__(self, rt):
-        self.device, self.world = rt.device, rt.world_size
+        self.device, self.world, self.rank = rt.device, rt.data.world_size, rt.data.rank
+        self.ranks = data_ranks(rt)  # global ranks of the data-parallel group
         self.cuda = rt.device.type == "cuda"
-        self.down_group = dist.new_group() if self.world > 1 else None
-        self.up_group = dist.new_group() if self.world > 1 else None
+        self.down_group, self.up_group = new_data_group(rt), new_data_group(rt)
         self.down = torch.cuda.Stream(self.device) if self.cuda else None
         self.up = torch.cuda.Stream(self.device) if self.cuda else None
         self.back = torch.cuda.Stream(self.device) if self.cuda else None  # gradient slots (gradslots.py)
@@ -34,23 +36,24 @@ class Transfers:
 
     @torch.no_grad()
     def from_rank0(self, p: torch.Tensor) -> torch.Tensor:
-        """The whole parameter in fp32 on this rank's device, with rank 0's values."""
+        """The whole parameter in fp32 on this rank's device, with the first data-parallel rank's
+        values: rank 0's, or those its pipeline stage received (pipeline/strategy.py)."""
         full = torch.empty(p.shape, dtype=torch.float32, device=self.device) if p.is_meta else \
             p.detach().to(self.device, torch.float32)
         if self.world > 1:
-            dist.broadcast(full, src=0)
+            dist.broadcast(full, src=self.ranks[0], group=self.down_group)
         return full
 
     @torch.no_grad()
     def place_buffers(self, model: torch.nn.Module) -> None:
-        """Buffers (rotary tables, ...) to the device, rank 0's values on every rank."""
+        """Buffers (rotary tables, ...) to the device, the first data-parallel rank's values on every one."""
         for mod in model.modules():
             for name, buf in list(mod._buffers.items()):
                 if buf is None:
                     continue
                 t = torch.empty_like(buf, device=self.device) if buf.is_meta else buf.to(self.device)
                 if self.world > 1:
-                    dist.broadcast(t, src=0)
+                    dist.broadcast(t, src=self.ranks[0], group=self.down_group)
                 mod._buffers[name] = t
 
     # -- down: backward hooks ---------------------------------------------------------------------
@@ -62,10 +65,11 @@ class Transfers:
 
     @torch.no_grad()
     def reduce_to_host(self, flat: torch.Tensor, host: torch.Tensor | None, state: dict,
-                       dtype: torch.dtype = torch.float32) -> None:
+                       dtype: torch.dtype = torch.float32, skip: list[tuple[int, int]] = ()) -> None:
         """(world, S) fp32 gradients -> this rank's averaged S values, cast to `dtype` on the device,
         in `host`; their squared norm (of the fp32 values) into state["sq"], the copy's completion
-        into state["landed"]. `host` None: the values stay on the device as state["dev_grad"]
+        into state["landed"]; the (start, length) spans in `skip` are left out of the norm (copies
+        counted on another rank). `host` None: the values stay on the device as state["dev_grad"]
         (gradslots.py), "landed" marking their reduction."""
         with self._on(self.down):
             if self.world > 1:
@@ -74,7 +78,7 @@ class Transfers:
                 out.div_(self.world)
             else:
                 out = flat[0]
-            state["sq"] = out.pow(2).sum()
+            state["sq"] = out.pow(2).sum() - sum(out[a:a + n].pow(2).sum() for a, n in skip)
             if self.cuda:  # the step's norm waits for this, not for the copy queued behind it (`total`)
                 self.squared = torch.cuda.Event()
                 self.squared.record(self.down)
@@ -96,7 +100,7 @@ class Transfers:
         if self.cuda and self.squared is not None:
             torch.cuda.current_stream().wait_event(self.squared)
         s = torch.stack(squares).sum()
-        if self.world > 1:
+        if dist.is_initialized() and dist.get_world_size() > 1:  # every stage's (pipelines), not only ours
             dist.all_reduce(s)
         return float(s)
 
