@@ -6,17 +6,19 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import torch
+
 from .config import TrainConfig
 from .distributed import launched_by_torchrun_env
 from .errors import BigfitError
+from .launch import launch_local
+from .planning.command import auto_micro_batch
 
 OOM_EXIT = 3  # a worker's exit status for out-of-memory
 
 
 def exit_status(e: BaseException) -> int:
     """A failed worker's exit status: OOM_EXIT for out-of-memory, 1 otherwise."""
-    import torch
-
     return OOM_EXIT if isinstance(e, torch.OutOfMemoryError) else 1
 
 
@@ -24,9 +26,6 @@ def choose_micro_batch(argv: list[str], cfg: TrainConfig, world: int, speaks: bo
     """Plan the largest micro-batch predicted to fit, then confirm it with a probe job (one step on
     the longest samples) in fresh processes, stepping down after an out-of-memory error: the probe's
     processes and process group are thrown away, so an OOM never leaves this job's broken."""
-    from .launch import launch_local
-    from .planning.command import auto_micro_batch
-
     candidates = auto_micro_batch(cfg, world)
     predicted = candidates[0]
     if launched_by_torchrun_env():  # torchrun owns the processes: no probe, the prediction stands

@@ -8,15 +8,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import inspect
 import os
 import sys
 
 from .checks import validate
 from .config import PIPELINE_SCHEDULES, PIPELINE_STRATEGIES, PRECISIONS, SPLIT_STRATEGIES, STRATEGIES, TrainConfig
+from .deepspeed_config import load_deepspeed_config
 from .settings import HOW, NOUNS, as_type, field_type, load_config_file, normalise, setting_value
 from .errors import BigfitError
 from .launch import launched_settings
-from .train.command import speaks, train_command, world
 
 
 class _Parser(argparse.ArgumentParser):
@@ -56,12 +57,8 @@ def _number(base: type):
 
 def _field_help() -> dict[str, str]:
     """The trailing comment of each field in config.py is its help text."""
-    import inspect
-
-    from . import config
-
     helps = {}
-    for line in inspect.getsource(config.TrainConfig).splitlines():
+    for line in inspect.getsource(TrainConfig).splitlines():
         name, _, rest = line.strip().partition(":")
         if "#" in rest:
             helps[name] = rest.split("#", 1)[1].strip()
@@ -169,7 +166,7 @@ def config_from_args(ns: argparse.Namespace) -> TrainConfig:
 
 
 def _deepspeed(path: str, so_far: dict) -> dict:
-    from .deepspeed_config import load_deepspeed_config
+    from .train.command import speaks, world  # imported here, as in main: world() asks torch for the GPUs
 
     mapping = load_deepspeed_config(path, world(so_far.get("nproc"), TrainConfig()))
     if speaks():
@@ -184,10 +181,15 @@ def _deepspeed(path: str, so_far: dict) -> dict:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ns = parse_args(argv)
+    # each command's module is imported when it runs: `bigfit --help` and a mistyped flag or setting load
+    # no torch, transformers or planner
     try:
         if ns.command == "train":
             decided = launched_settings()  # a worker of bigfit's launcher runs what the launcher decided
-            return train_command(argv, TrainConfig(**decided) if decided else config_from_args(ns))
+            cfg = TrainConfig(**decided) if decided else config_from_args(ns)
+            from .train.command import train_command
+
+            return train_command(argv, cfg)
         if ns.command == "plan":
             from .planning.command import plan_command
 

@@ -19,6 +19,7 @@ import torch
 
 from ..errors import BigfitError
 from ..models import block_lists
+from .auto import auto_map
 from .maps import DeviceMap, Stack, canonical_device, name_stacks, real_device, resolve_map
 from .moves import move, move_tree, settle, tag_tree
 from .schedule import reached
@@ -158,8 +159,6 @@ def parallelize(model: torch.nn.Module, device_map, main_device=None, *, stacks=
     found = find_stacks(model, stacks)
     stack_defs = tuple(s for s, _ in found)
     if isinstance(device_map, str) and device_map == "auto":
-        from .auto import auto_map
-
         device_map = auto_map(model, found, budgets, job, main_device)
     names = {p for p, _ in model.named_modules()}
     dmap = resolve_map(device_map, stack_defs, main_device, names)

@@ -13,9 +13,14 @@ from pathlib import Path
 import torch
 
 from ..errors import BigfitError
+from ..hardware import Hardware, host_ram
+from ..planning.job import Job
+from ..precision import compute_dtype
 from ..strategies.base import Applied
 from ..userfiles import read_text
+from .auto import assign, costs, parse_budgets, plan_budgets
 from .casts import cast_once
+from .hooks import find_stacks, parallelize
 from .maps import canonical_device, resolve_map
 from .pipeline import run_chunks, split_batch
 
@@ -66,9 +71,6 @@ def read_spec(cfg) -> tuple[str, object]:
 
 def machine_budgets() -> dict[str, int]:
     """This machine as budgets, as `bigfit plan` counts one node (auto.plan_budgets)."""
-    from ..hardware import Hardware, host_ram
-    from .auto import plan_budgets
-
     gpus = tuple(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count()))
     if not gpus:
         return {"cpu": int(host_ram() * 0.9)}
@@ -76,8 +78,6 @@ def machine_budgets() -> dict[str, int]:
 
 
 def _job(cfg):
-    from ..planning.job import Job
-
     return Job(batch_size=cfg.batch_size, seq_len=cfg.max_source_len, target_len=cfg.max_target_len,
                micro_batch=cfg.micro_batch_size, precision=cfg.precision or "fp32",
                checkpointing=cfg.activation_checkpointing)
@@ -85,9 +85,6 @@ def _job(cfg):
 
 def _resolve(model, cfg, main) -> object:
     """The checked DeviceMap for `model` (real or meta) under cfg; nothing moves."""
-    from .auto import assign, costs, parse_budgets
-    from .hooks import find_stacks
-
     found = find_stacks(model)
     kind, spec = read_spec(cfg)
     if kind == "auto":
@@ -118,9 +115,6 @@ def _this_device() -> str:
 
 
 def apply_device_map(model: torch.nn.Module, cfg, rt) -> DeviceMapApplied:
-    from ..precision import compute_dtype
-    from .hooks import parallelize
-
     main = canonical_device(rt.device)
     dmap = _resolve(model, cfg, main)
     parallelize(model, dmap.to_json())

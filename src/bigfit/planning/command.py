@@ -3,13 +3,17 @@ from __future__ import annotations
 
 import json
 
-from ..config import PIPELINE_STRATEGIES, SPLIT_STRATEGIES, STRATEGIES
+import torch
+from rich.console import Console
+
+from ..config import PIPELINE_STRATEGIES, SPLIT_STRATEGIES, STRATEGIES, auto_precision
 from ..errors import BigfitError
 from ..hardware import MAX_NODES, Hardware, detect, host_ram, parse_gpus, parse_size
 from ..models import load_config, locate
 from ..parallel.plan import DIMS, plan_for
 from .estimate import RESERVE
 from .layouts import SHOWN, check_degrees, flag
+from .report import device_map_text, layout_table, pipeline_text, plan_table, plot_plan, rejected_text
 from .search import Job, plan_for_config
 from .split import NAME as DEVICE_MAP
 from .tp_trace import split_counts
@@ -52,8 +56,6 @@ def _above_0(ns, name: str):
 
 
 def plan_command(ns) -> int:
-    from rich.console import Console
-
     for name in POSITIVE:
         if getattr(ns, name) is not None:
             _above_0(ns, name)
@@ -77,8 +79,6 @@ def plan_command(ns) -> int:
     else:
         _show(Console(width=150), p, fixed)  # the table is wide; pipes would otherwise cut it at 80 columns
     if ns.plot:
-        from .report import plot_plan
-
         plot_plan(p, min(hw.gpu_bytes), ns.plot)
         if not ns.json:
             print(f"wrote {ns.plot}")
@@ -86,8 +86,6 @@ def plan_command(ns) -> int:
 
 
 def _show(console, p, fixed: dict) -> None:
-    from .report import device_map_text, layout_table, pipeline_text, plan_table, rejected_text
-
     console.print(plan_table(p))
     for c in p.candidates:
         if c.why_not:
@@ -112,15 +110,11 @@ def _show(console, p, fixed: dict) -> None:
 def _this_machine(world: int, strategy: str | None = None) -> Hardware:
     """The GPUs a job of `world` local processes uses, or on a CPU-only machine its RAM split over them;
     device_map's one process drives every GPU."""
-    import torch
-
     hw = detect() if torch.cuda.is_available() else Hardware(gpu_bytes=(host_ram() // world,) * world, device="cpu")
     return hw if strategy == DEVICE_MAP else Hardware(**{**vars(hw), "gpu_bytes": hw.gpu_bytes[:world]})
 
 
 def _job(cfg, config, batch: int, micro: int | None) -> Job:
-    from ..config import auto_precision
-
     return Job(batch_size=batch, seq_len=cfg.max_source_len,
                target_len=cfg.max_target_len if config.is_encoder_decoder else 0, micro_batch=micro,
                precision=cfg.precision or auto_precision(), checkpointing=cfg.activation_checkpointing,

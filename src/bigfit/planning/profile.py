@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from ..errors import BigfitError
 from ..models import block_lists, is_seq2seq
 from ..precision import DTYPES
 from .tp_trace import TensorSplit, split_counts
@@ -233,8 +234,7 @@ def _tp_counts(config, split: TensorSplit) -> dict:
 
 def _outside(model) -> dict:
     """Where a pipeline cut puts the parameters outside the blocks, as pipeline/split.py decides it."""
-    from ..errors import BigfitError
-    from ..pipeline.split import anchors
+    from ..pipeline.split import anchors  # imported here: it loads strategies, data, torch.distributed.tensor
 
     try:
         return {"outside": anchors(model)}

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from rich.table import Table
 
-from .estimate import KEYS
+from .estimate import KEYS, RESERVE
 
 
 def _gb(n: float) -> str:
@@ -117,8 +117,6 @@ def plot_plan(p, gpu_capacity: int, path: str) -> None:
 
 def _own_capacities(p) -> dict[str, tuple[str, int]]:
     """Row -> (device, its memory) of the GPU the device_map and pipeline rows show (when there is a map)."""
-    from .estimate import RESERVE
-
     out = {}
     for name, section in (("device_map", p.device_map), ("pipeline", p.pipeline)):
         if section and section.get("devices") and name in [c.estimate.name for c in p.candidates]:

@@ -75,6 +75,7 @@ class TensorSplit:
 
 def _styles(model: nn.Module) -> dict[str, str]:
     """Module name -> "colwise" / "rowwise", from the plan tensor parallelism applies."""
+    # imported here, as in split_counts: torch.distributed.tensor loads when a plan is made, not with the planner
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     from ..tensor import plans
@@ -100,7 +101,7 @@ def _features(mod: nn.Module) -> tuple[int, int] | None:
 
 def split_counts(config) -> tuple[dict[str, int], str | None]:
     """What a TP degree must divide (heads, KV heads, FFN width), and why the model has no TP at all."""
-    from ..tensor import plans
+    from ..tensor import plans  # imported here: torch.distributed.tensor (and sympy), only when a plan is made
 
     try:
         return plans.split_counts(config), None

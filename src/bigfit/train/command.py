@@ -12,10 +12,17 @@ import json
 import os
 from pathlib import Path
 
+import torch
+
+from .. import autobatch, launch  # modules, not names: tests stub launch.launch_local and planner.auto_plan
 from ..config import SPLIT_STRATEGIES, TrainConfig
 from ..distributed import launched_by_torchrun_env
 from ..errors import BigfitError
 from ..parallel.plan import ALIASES
+from ..planning import command as planner
+from .ckptdir import resolve_resume
+from .job import prepare
+from .ownership import claim
 
 
 def speaks() -> bool:
@@ -31,14 +38,10 @@ def world(nproc: int | None, cfg: TrainConfig) -> int:
 def default_nproc(cfg: TrainConfig) -> int:
     if cfg.strategy in ("single", *SPLIT_STRATEGIES):
         return 1
-    import torch
-
     return torch.cuda.device_count() or 2
 
 
 def check_gpus(nproc: int) -> None:
-    import torch
-
     gpus = torch.cuda.device_count()
     if gpus and nproc > gpus:
         raise BigfitError(f"--nproc {nproc} needs one GPU per process, but {gpus} are visible; use --nproc {gpus} "
@@ -56,49 +59,43 @@ def train_command(argv: list[str], cfg: TrainConfig) -> int:
         return _worker(cfg, argv)
     nproc = cfg.nproc or default_nproc(cfg)
     check_gpus(nproc)
-    from .job import prepare
-    from .ownership import claim
-
     job = prepare(_checkable(cfg, nproc), nproc)  # every check that needs no process, before any process starts
     _check_split(job, nproc)
     with claim(job) as lock:  # the output directory is this run's from here on, or one line says why not
         if "auto" in (cfg.batch_size, cfg.micro_batch_size):
             cfg = _auto_batch(cfg, argv, nproc)  # probe jobs, under this claim
         if nproc == 1:
-            from .loop import train
-
-            train(cfg)
+            _train(cfg)
             return 0
-        from ..launch import launch_local
+        return launch.launch_local(argv, nproc, Path(cfg.output_dir) / "logs", lock_fd=lock.fd if lock else None,
+                                   settings=cfg.to_dict())
 
-        return launch_local(argv, nproc, Path(cfg.output_dir) / "logs", lock_fd=lock.fd if lock else None,
-                            settings=cfg.to_dict())
+
+def _train(cfg: TrainConfig) -> None:
+    """Train in this process, the one of a one-process job or a worker."""
+    from .loop import train  # imported here: a launcher starts its workers without the training stack
+
+    train(cfg)
 
 
 def _worker(cfg: TrainConfig, argv: list[str]) -> int:
-    from ..autobatch import exit_status
-    from ..launch import write_error
-    from .loop import train
-
     if "auto" in (cfg.batch_size, cfg.micro_batch_size):  # under torchrun: the prediction, no probe
         cfg = _auto_batch(cfg, argv, world(cfg.nproc, cfg))
     try:
-        train(cfg)
+        _train(cfg)
     except Exception as e:
         if not os.environ.get("BIGFIT_ERROR_FILE"):
             raise  # under torchrun: its own error handling shows it
-        write_error(e)  # bigfit's launcher shows the first failure, once
-        return exit_status(e)
+        launch.write_error(e)  # bigfit's launcher shows the first failure, once
+        return autobatch.exit_status(e)
     return 0
 
 
 def _auto_strategy(cfg: TrainConfig) -> TrainConfig:
     """`--strategy auto`: the planner's pick over the named strategies and the composed plans."""
-    from ..planning.command import auto_plan
-
     # device_map is one process driving every GPU: a candidate unless --nproc or torchrun fix the processes
     one_process = cfg.nproc is None and not launched_by_torchrun_env()
-    name, degrees, reason = auto_plan(cfg, world(cfg.nproc, cfg), one_process)
+    name, degrees, reason = planner.auto_plan(cfg, world(cfg.nproc, cfg), one_process)
     # the degrees the alias does not fill by itself (plan.py ALIASES), so the workers resolve the same plan
     given = {d: v for d, v in degrees.items() if v > 1 and d != ALIASES[name].fills}
     if speaks():
@@ -110,8 +107,6 @@ def _auto_strategy(cfg: TrainConfig) -> TrainConfig:
 
 def _resumed_batch(cfg: TrainConfig) -> TrainConfig:
     """`--batch-size auto` on resume is the checkpoint's global batch: another would change the math."""
-    from .ckptdir import resolve_resume
-
     try:
         saved = json.loads((resolve_resume(cfg.resume, cfg.output_dir) / "trainer.json").read_text())
         batch = int(saved["config"]["batch_size"])
@@ -134,6 +129,8 @@ def _checkable(cfg: TrainConfig, nproc: int) -> TrainConfig:
 def _check_split(job, nproc: int) -> None:
     """The plan's split against the model's stacks, on the meta device: device_map's map, the pipeline's
     cut, the tensor-parallel degree against the heads."""
+    # imported here: each loads its split's stack (model classes, torch.distributed.tensor / pipelining);
+    # the launcher loads only the one its plan uses
     if job.plan.split == "device_map":
         from ..device_map.strategy import check
 
@@ -149,7 +146,5 @@ def _check_split(job, nproc: int) -> None:
 
 
 def _auto_batch(cfg: TrainConfig, argv: list[str], nproc: int) -> TrainConfig:
-    from ..autobatch import choose_micro_batch
-
-    micro, batch = choose_micro_batch(argv, cfg, nproc, speaks=speaks())
+    micro, batch = autobatch.choose_micro_batch(argv, cfg, nproc, speaks=speaks())
     return dataclasses.replace(cfg, micro_batch_size=micro, batch_size=batch)
