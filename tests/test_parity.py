@@ -47,8 +47,8 @@ def job(model_dir, data, out, strategy: str, precision: str):
                        activation_checkpointing="ac" in flags, max_grad_norm=0.0 if "noclip" in flags else 1.0,
                        compile="compile" in flags, compile_backend="eager" if "compile" in flags else "inductor",
                        precision=precision, max_steps=4, batch_size=8, micro_batch_size=2, warmup_steps=0,
-                       eval_every=0, save_every=0, eval_samples=8 if precision == "fp32" else 0, num_beams=2,
-                       max_new_tokens=8, loss_scale=1024.0 if precision == "fp16" else 0.0)
+                       eval_every=0, eval_on_start=False, save_every=0, eval_samples=8 if precision == "fp32" else 0,
+                       num_beams=2, max_new_tokens=8, loss_scale=1024.0 if precision == "fp16" else 0.0)
 
 
 def run_all(model_dirs, data, root, strategies, precisions, suffix=""):
@@ -125,6 +125,7 @@ def test_matches_single_process(runs, family, strategy, precision):
     if precision == "fp32":  # the evaluation (sharded over ranks) agrees as well
         ref_eval, got_eval = read_jsonl(ref / "eval.jsonl")[-1], read_jsonl(got / "eval.jsonl")[-1]
         assert got_eval["eval_loss"] == pytest.approx(ref_eval["eval_loss"], rel=TOL["fp32"][0])
+        assert [r["step"] for r in read_jsonl(got / "eval.jsonl")] == [4]  # eval_on_start off: at the end only
 
 
 @pytest.mark.parametrize("strategy", ("zero3+ac", "ddp+ac", "zero3+compile"))

@@ -59,7 +59,7 @@ def job(model_dir, data, out, strategy, precision="fp32", **kw):
 
     values = dict(model=str(model_dir), data=str(data), output_dir=str(out), strategy=strategy, precision=precision,
                   max_steps=STEPS, batch_size=8, micro_batch_size=4, warmup_steps=0, eval_every=0, save_every=0,
-                  eval_samples=4, num_beams=2, max_new_tokens=4, lr=3e-3, loss_scale=1024.0 if precision == "fp16" else 0.0)
+                  eval_on_start=False, eval_samples=4, num_beams=2, max_new_tokens=4, lr=3e-3, loss_scale=1024.0 if precision == "fp16" else 0.0)
     return TrainConfig(**{**values, **kw})
 
 

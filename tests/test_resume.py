@@ -9,8 +9,8 @@ import torch
 
 from conftest import bigfit, read_jsonl
 
-ARGS = ["--max-steps", "6", "--save-every", "2", "--eval-every", "0", "--batch-size", "8", "--nproc", "2",
-        "--eval-samples", "8", "--num-beams", "2", "--max-new-tokens", "8", "--lr", "3e-3"]
+ARGS = ["--max-steps", "6", "--save-every", "2", "--eval-every", "0", "--no-eval-on-start", "--batch-size", "8",
+        "--nproc", "2", "--eval-samples", "8", "--num-beams", "2", "--max-new-tokens", "8", "--lr", "3e-3"]
 
 
 @pytest.fixture(scope="module")

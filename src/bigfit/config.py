@@ -87,6 +87,7 @@ class TrainConfig:
     save_every: int = 200  # save a checkpoint every N steps (and always at the end); 0: only at the end
     keep_checkpoints: int = 0  # keep only the newest N complete checkpoints; 0 keeps all
     eval_every: int = 200  # evaluate every N steps (and at step 0 and at the end); 0: only at the end
+    eval_on_start: bool = True  # evaluate before the first step too (the baseline); --no-eval-on-start: not
     eval_samples: int = 64  # held-out samples used for evaluation
     num_beams: int = 4  # beam width for generate() during evaluation
     max_new_tokens: int = 32  # generation length limit during evaluation

@@ -82,7 +82,7 @@ def _train(job: Job, rt: Runtime) -> dict:
         return evaluate(applied, ds.eval, tokenizer=job.tokenizer, pad_id=ds.pad_id, seq2seq=job.seq2seq, rt=rt,
                         batch_size=cfg.micro_batch_size, num_beams=cfg.num_beams, max_new_tokens=cfg.max_new_tokens)
 
-    first_eval = {} if step else run_eval()
+    first_eval = run_eval() if step == 0 and cfg.eval_on_start else {}
     if first_eval and rt.is_main:
         evals.write({"step": 0, **first_eval})
         console.print(f"eval at step 0: {_eval_text(first_eval)}")
