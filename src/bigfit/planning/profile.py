@@ -63,8 +63,24 @@ def _storage_key(t: torch.Tensor):
     return t.untyped_storage()._cdata
 
 
+_traced: dict = {}  # (the config as JSON, the arguments) -> ModelProfile: one trace costs seconds
+_TRACED_KEPT = 32
+
+
 def profile_model(config, micro_batch: int, seq_len: int, target_len: int, precision: str,
                   device: str = "cuda", autocast: bool = False) -> ModelProfile:
+    """The trace of one micro-batch's forward and backward (`_profile`), once per process for each
+    config and shape: the planner, `--strategy auto` and `--batch-size auto` ask for the same ones."""
+    key = (config.to_json_string(), micro_batch, seq_len, target_len, precision, device, autocast)
+    if key not in _traced:
+        if len(_traced) >= _TRACED_KEPT:
+            _traced.clear()
+        _traced[key] = _profile(config, micro_batch, seq_len, target_len, precision, device, autocast)
+    return _traced[key]
+
+
+def _profile(config, micro_batch: int, seq_len: int, target_len: int, precision: str, device: str,
+             autocast: bool) -> ModelProfile:
     """`device`: the device type the job runs on. Its attention saves different tensors: CUDA's fused
     SDPA kernels save their output and log-sum-exp; on the CPU, SDPA takes its math path whenever
     attention dropout is on (GPT-2) and saves every head's probabilities and dropout mask. The trace
