@@ -3,7 +3,9 @@
 - Every pipeline position of one data-parallel replica sees that replica's whole share of the
   batch (the data view of the mesh, parallel/mesh.py), so the loop's global-batch arithmetic stays
   as it is. Over data-parallel replicas, the stages' gradients are averaged each step (DDP's
-  all-reduce, `finish_backward`) or FSDP2 shards each stage's blocks (`shard_stages`).
+  all-reduce, `finish_backward`; with ZeRO-1 each replica then steps the states it owns,
+  `ZeroOneStages`), or FSDP2 shards each stage's blocks (`shard_stages`), or the offload engine
+  takes the update over (strategies/offloading.py: this engine still runs the schedules).
 - Each micro-batch of the loop is one schedule step of `chunks` pipeline micro-batches. The loss
   is the loop's own (train/step.py `token_loss`: summed token cross-entropy from fp32 logits)
   computed on the last stage, times the loop's factor (loss scale / global-batch tokens), so the
