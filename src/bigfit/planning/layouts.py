@@ -148,7 +148,7 @@ def _plans(world: int, degrees: dict, pipe) -> tuple[list[tuple[str, ParallelPla
     """(kind, plan) of each data-parallel kind plan_for accepts with these degrees, one per distinct
     plan; and each refusal by kind (every kind refused: bigfit cannot run the degrees). Layouts a named
     row rates are left out; so is the offload engine without a pipeline (the zero2-offload row rates
-it over dp_shard alone), and its NVMe tier over stages (not rated)."""
+    it over dp_shard alone), and its NVMe tier over stages (not rated)."""
     out, seen, refusals = [], set(), {}
     for kind in KINDS:
         try:
