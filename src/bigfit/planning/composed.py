@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 
 from ..pipeline.cut import PipelineLayout
 from ..precision import DTYPES
-from .estimate import HOST_STEP_BYTES, KEYS, Estimate, _bytes, memory
+from .estimate import HOST_STEP_BYTES, KEYS, Estimate, _bytes, grad_bytes, memory
 from .split import stage_seconds
 from .stages import holders, rank_bytes, received
 
@@ -66,7 +66,7 @@ def estimate(name: str, plan, prof, hw, job, micro: int, pipe: Pipe | None = Non
         gpu, host = memory(_row_of(plan), rank, hw, c, job.checkpointing, accum,
                            shards=plan.dp_shard if plan.engine == "fsdp" else plan.dp)
     else:
-        gpu, host = _positions(plan, rank, job, c, pipe), _offloaded_host(plan, rank, hw, c, pipe)
+        gpu, host = _positions(plan, rank, job, c, pipe), _offloaded_host(plan, rank, hw, job, pipe)
     # the host holds rank 0's whole fp32 model while it is spread, as in every multi-process row
     host = _bytes(**{**{k: host[k] for k in KEYS}, "buffers": 4 * prof.params})
     costs, label = _costs(plan, rank, hw, job, c, micro, accum, pipe)
@@ -106,18 +106,18 @@ def _positions(plan, rank, job, c: int, pipe: Pipe) -> dict[str, int]:
     return max(out, key=lambda b: b["total"])
 
 
-def _offloaded_host(plan, rank, hw, c: int, pipe: Pipe) -> dict[str, int]:
+def _offloaded_host(plan, rank, hw, job, pipe: Pipe) -> dict[str, int]:
     """The node's host bytes of the offload engine over pipeline stages: each of its ranks' fp32
     master rows and moments (12 bytes a parameter) and gradient rows, over dp_shard."""
     if plan.engine != "offload":
         return _bytes()
-    rows = max(_position_params(rank, pipe)) / plan.dp_shard * hw.gpus_per_node
-    return _bytes(optimizer=12 * rows, grads=_grad_bytes(c) * rows)
+    rows = _offloaded_rows(plan, rank, pipe) * hw.gpus_per_node
+    return _bytes(optimizer=12 * rows, grads=grad_bytes(job.precision, hw.cpu_adam_kernel) * rows)
 
 
-def _grad_bytes(c: int) -> int:
-    """A gradient value as it goes down to the host step: bf16 with a bf16 compute dtype (cpu_adam.py)."""
-    return 2 if c == 2 else 4
+def _offloaded_rows(plan, rank, pipe: Pipe) -> float:
+    """The offload engine's parameter rows on one rank: the fullest position's over dp_shard."""
+    return max(_position_params(rank, pipe)) / plan.dp_shard
 
 
 def link(hw, inner: int) -> float:
@@ -152,7 +152,7 @@ def _costs(plan, rank, hw, job, c: int, micro: int, accum: int, pipe: Pipe | Non
         costs["pcie"] = (accum * 2 * 4 * n + 4 * n) / (hw.pcie_gbps * 1e9)
         costs["cpu_optimizer"] = n * hw.gpus_per_node / hw.cpu_adam_params_per_s
     if plan.engine == "offload" and pipe:  # after the schedule: gradient rows down, the host step, masters up
-        n, g = max(_position_params(rank, pipe)) / plan.dp_shard, _grad_bytes(c)
+        n, g = _offloaded_rows(plan, rank, pipe), grad_bytes(job.precision, hw.cpu_adam_kernel)
         costs["pcie"] = (g + 4) * n / (hw.pcie_gbps * 1e9)
         costs["cpu_optimizer"] = n * hw.gpus_per_node / hw.cpu_adam_params_per_s * HOST_STEP_BYTES[g] / HOST_STEP_BYTES[4]
     label = f"compute (pipeline bubble {idle / (m + idle):.0%})" if pipe else "compute"

@@ -34,6 +34,12 @@ class Estimate:
         return self.labels.get(worst, worst)
 
 
+def grad_bytes(precision: str, kernel: bool) -> int:
+    """A gradient value's bytes as it waits for the offload engine's host step: 2 where it travels in
+    bf16 (bf16 compute and bigfit's host Adam kernel, cpu_adam.py), else 4."""
+    return 2 if precision == "bf16" and kernel else 4
+
+
 def _bytes(**kw) -> dict[str, int]:
     out = {k: int(kw.get(k, 0)) for k in KEYS}
     out["total"] = sum(out.values())

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from ..config import PIPELINE_STRATEGIES, SPLIT_STRATEGIES, STRATEGIES
 from ..precision import DTYPES
 from ..device_map.auto import profile_for
-from .estimate import RESERVE, Estimate, combine, memory, nvme_bytes, step_time
+from .estimate import RESERVE, Estimate, combine, grad_bytes, memory, nvme_bytes, step_time
 from .job import Job
 from .layouts import LayoutCandidate, Rejected, choose, layout_rows
 from .rows import Candidate, fit_problem as _fit, gb as _gb, host_problem as _host_fit
@@ -74,7 +74,7 @@ def plan(prof, hw, job: Job, strategies=ALL, autocast_prof=None, split_prof=None
             out.append(Candidate(row.estimate, why is None, why or row.not_candidate, tokens / row.estimate.step_time_s))
             continue
         kept = job.nvme_host_gb * 1e9
-        gb = 2 if job.precision == "bf16" and hw.cpu_adam_kernel and name.startswith("zero2-offload") else 4
+        gb = grad_bytes(job.precision, hw.cpu_adam_kernel) if name.startswith("zero2-offload") else 4
         gpu, host = memory(name, autocast_prof if name in AUTOCAST and autocast_prof else prof, hw, c, job.checkpointing,
                            accum, grads_on_device=job.offload_grads == "device", nvme_host=kept, grad_bytes=gb)
         costs = step_time(name, prof, hw, c, job.checkpointing, tokens, accum, nvme_host=kept, grad_bytes=gb)
