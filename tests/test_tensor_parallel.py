@@ -1,10 +1,12 @@
 """bigfit.tensor on 2 gloo ranks against a single-process reference: T5 (tied embeddings, unequal
 depth, relative attention bias split by heads), GPT-2 (Conv1D, fused c_attn split by heads, tied
-wte/lm_head), a Llama-style model (RoPE, GQA: 4 heads, 2 KV heads, one per rank) and Qwen 3 (its
-transformers plan, with per-head q/k norms replicated and their gradients all-reduced). The same seeded
+wte/lm_head), a Llama-style model (RoPE, GQA: 4 heads, 2 KV heads, one per rank; a padding row) and
+Qwen 3 (its transformers plan, with per-head q/k norms replicated and their gradients all-reduced),
+embeddings and LM head split by vocabulary into the vocabulary-parallel loss; and GPT-2 with a
+vocabulary of 385 rows, which stay replicated. The same seeded
 model on every rank, split over a TP mesh of 2, then 3 AdamW steps with clipping on one fixed batch:
 losses and gradient norms each step, gathered parameters after, in fp32 and in bf16 autocast; the
-full state dict in Hugging Face layout; generate(). FSDP2 over TP and ranks that start on the meta
+full state dict in Hugging Face layout; logits split per rank, whole for generate(). FSDP2 over TP and ranks that start on the meta
 device run through the training loop in tests/test_layouts.py.
 
 The causal batch has 48 tokens, more than GPT-2's 32 input features: the fused c_attn moves its
@@ -40,7 +42,8 @@ STEPS, LR = 3, 1e-2
 TOL = {"fp32": (3e-6, 1e-4, 1e-5, 3e-3), "bf16": (1.5e-2, 0.2, 8e-2, 2 * LR * STEPS)}
 # qwen3: a plan from transformers with per-head q/k norms (replicated, gradients all-reduced)
 # (meta-device ranks, FSDP2 over TP and Llama in bf16 run through the training loop: tests/test_layouts.py)
-CASES = [(f, "fp32") for f in (*FAMILIES, "qwen3")] + [("gpt2", "bf16")]
+# gpt2-385: a vocabulary that 2 does not divide, so embeddings and head stay replicated
+CASES = [(f, "fp32") for f in (*FAMILIES, "qwen3", "gpt2-385")] + [("gpt2", "bf16")]
 
 
 def config(family: str):
@@ -50,6 +53,8 @@ def config(family: str):
         return Qwen3Config(vocab_size=384, hidden_size=32, intermediate_size=64, num_hidden_layers=2, head_dim=8,
                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0,
                            eos_token_id=1, bos_token_id=1)
+    if family == "gpt2-385":
+        return tiny_config("gpt2").__class__(**{**tiny_config("gpt2").to_dict(), "vocab_size": 385})
     return tiny_config(family)
 
 
@@ -57,7 +62,7 @@ def seeded(family: str, device: str = "cpu"):
     """The reference's weights (tests/tiny.py seeds every family alike)."""
     from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
-    if family != "qwen3" and device == "cpu":
+    if family in FAMILIES and device == "cpu":
         return twin_models(family)[0]
     torch.manual_seed(0)
     with torch.device(device):
@@ -75,12 +80,17 @@ def batch(family: str) -> dict:
 
 
 def train(model, family: str, precision: str, clip, groups=list) -> dict:
-    """STEPS steps of fused AdamW (the project's optimizer) with clipping at 1.0 on one batch."""
+    """STEPS steps of fused AdamW (the project's optimizer) with clipping at 1.0 on one batch, on the
+    project's loss (token mean): a split model's logits are split by vocabulary."""
+    from bigfit.losses import target_tokens, token_loss
+
     opt = torch.optim.AdamW(groups(model.parameters()), lr=LR, fused=True)
     losses, norms, data = [], [], batch(family)
+    inputs = {k: v for k, v in data.items() if k != "labels"}
     for step in range(STEPS):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
-            loss = model(**data).loss
+            logits = model(**inputs).logits
+        loss = token_loss(logits, data["labels"], family == "t5") / target_tokens(data["labels"], family == "t5")
         loss.backward()
         if step == 0:  # gathered: full_tensor() is a collective, on every rank
             grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
@@ -149,7 +159,7 @@ def tp_job() -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    from bigfit.tensor import apply_tensor_parallel
+    from bigfit.tensor import apply_tensor_parallel, whole_logits
 
     model = seeded("gpt2")  # a TP mesh of one rank changes nothing
     got = {"tp1": (apply_tensor_parallel(model, init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "tp"))["tp"]),
@@ -159,8 +169,12 @@ def tp_job() -> dict:
         model, _ = split(f)
         got[f"{f}-initial"] = full_state(model)
         got[f"{f}-dtensors"] = sorted(n for n, p in model.named_parameters() if isinstance(p, DTensor))
+        inputs = {k: v for k, v in batch(f).items() if k != "labels"}
         with torch.no_grad():
-            got[f"{f}-generate"] = model.generate(**prompt(f))
+            split_logits = model(**inputs).logits
+            with whole_logits(model):
+                got[f"{f}-logits"] = (tuple(split_logits.to_local().shape), tuple(model(**inputs).logits.shape))
+                got[f"{f}-generate"] = model.generate(**prompt(f))
     return got
 
 
@@ -224,12 +238,14 @@ def test_full_state_dict_is_hugging_face_layout(runs, family):
     ref, mine = refs[f"{family}-initial"], got[f"{family}-initial"]
     assert {k: v.shape for k, v in ref.items()} == {k: v.shape for k, v in mine.items()}
     assert all(torch.equal(ref[k], mine[k]) for k in ref)  # no permutation: the same tensors
-    # the block projections, and nothing else (embeddings, norms, heads stay plain tensors): llama 7 a
-    # block; gpt2 4 Conv1Ds with biases; t5 q, k, v, o, wi, wo (+ q, k, v, o of cross-attention in the
-    # decoder) and the first block's relative bias in each stack
+    # the block projections: llama 7 a block; gpt2 4 Conv1Ds with biases; t5 q, k, v, o, wi, wo (+ q, k,
+    # v, o of cross-attention in the decoder) and the first block's relative bias in each stack; and the
+    # embedding and head, split by vocabulary (one parameter where tied). Norms and GPT-2's positions stay plain.
     dtensors = got[f"{family}-dtensors"]
-    assert len(dtensors) == {"llama": 2 * 7, "gpt2": 2 * 8, "t5": 2 * 6 + 3 * 10 + 2}[family], dtensors
-    assert not any(part in n for n in dtensors for part in ("emb", "wte", "wpe", "shared", "lm_head", "norm", "ln_"))
+    assert len(dtensors) == {"llama": 2 * 7 + 2, "gpt2": 2 * 8 + 1, "t5": 2 * 6 + 3 * 10 + 2 + 1}[family], dtensors
+    assert {"llama": "model.embed_tokens.weight", "gpt2": "transformer.wte.weight", "t5": "shared.weight"}[family] \
+        in dtensors
+    assert not any(part in n for n in dtensors for part in ("wpe", "norm", "ln_"))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -239,6 +255,18 @@ def test_tied_embeddings_stay_one_parameter_and_generate_matches(runs, family):
     assert (got[f"{family}-fp32"]["ties"] != []) == (family != "llama")
     assert torch.equal(got[f"{family}-generate"], refs[f"{family}-generate"])
     assert "tensor parallel 2: " in got[f"{family}-fp32"]["notes"][0]
+    assert got[f"{family}-fp32"]["notes"][0].endswith("embeddings and LM head split by vocabulary")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_rank_holds_half_the_logits_and_generate_sees_them_whole(runs, family):
+    split_shape, whole_shape = runs[0][f"{family}-logits"]
+    assert split_shape == (4, 8 if family == "t5" else 12, 192) and whole_shape == (*split_shape[:2], 384)
+
+
+def test_a_vocabulary_the_degree_does_not_divide_stays_replicated(runs):
+    got, _ = runs
+    assert got["gpt2-385-fp32"]["notes"][0].endswith("embeddings and LM head replicated (385 rows do not split 2 ways)")
 
 
 def test_a_mesh_of_one_rank_changes_nothing(runs):

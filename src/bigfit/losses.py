@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from .data.tokenize import IGNORE
+from .tensor.comms import VocabParallelCrossEntropy
 
 
 def model_logits(model: torch.nn.Module, module: torch.nn.Module, batch: dict, seq2seq: bool) -> torch.Tensor:
@@ -19,10 +21,21 @@ def model_logits(model: torch.nn.Module, module: torch.nn.Module, batch: dict, s
 
 def token_loss(logits: torch.Tensor, labels: torch.Tensor, seq2seq: bool) -> torch.Tensor:
     """Summed token cross-entropy in fp32, from the logits (some models compute their own loss in
-    the low-precision compute dtype). A decoder-only model predicts position t+1 from t."""
+    the low-precision compute dtype). A decoder-only model predicts position t+1 from t. Logits split
+    by vocabulary (a tensor-parallel LM head's DTensor) go to the vocabulary-parallel loss."""
+    if isinstance(logits, DTensor):
+        return _vocab_parallel_loss(logits, labels, seq2seq)
     if not seq2seq:
         logits, labels = logits[:, :-1], labels[:, 1:]
     return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum")
+
+
+def _vocab_parallel_loss(logits: DTensor, labels: torch.Tensor, seq2seq: bool) -> torch.Tensor:
+    local, mesh = logits.to_local(), logits.device_mesh  # (batch, seq, vocab / tp), Shard(-1)
+    if not seq2seq:
+        local, labels = local[:, :-1], labels[:, 1:]
+    start = mesh.get_local_rank() * local.size(-1)
+    return VocabParallelCrossEntropy.apply(local.flatten(0, 1), labels.flatten(), start, mesh.get_group())
 
 
 def target_tokens(labels: torch.Tensor, seq2seq: bool) -> int:

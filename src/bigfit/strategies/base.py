@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from ..losses import model_logits, target_tokens, token_loss
 from ..parallel.norms import clip_by, global_norm
-from ..tensor import param_groups
+from ..tensor import param_groups, whole_logits
 
 
 @contextlib.contextmanager
@@ -133,9 +133,9 @@ class Applied:
         return self.model.no_sync()
 
     def generation_context(self):
-        """generate() calls the encoder and the embeddings directly, not through the root forward, so
-        parameters that FSDP2 keeps in the root group must be gathered for the whole call."""
-        return contextlib.nullcontext()
+        """What generate() needs around it: whole logits from a vocabulary-parallel LM head (it reads
+        rows of them); FSDP2 adds its root group's parameters (sharding.py)."""
+        return whole_logits(self.module)
 
     def reshard(self) -> None:
         """Return parameters to their at-rest layout after forward passes without backward."""

@@ -39,11 +39,14 @@ from .base import Applied
 
 class FSDPApplied(Applied):
     def generation_context(self):
+        """generate() calls the encoder and the embeddings directly, not through the root forward, so
+        parameters that FSDP2 keeps in the root group are gathered for the whole call."""
         @contextlib.contextmanager
         def gathered():
             self.model.unshard()
             try:
-                yield
+                with super(FSDPApplied, self).generation_context():
+                    yield
             finally:
                 self.model.reshard()
 

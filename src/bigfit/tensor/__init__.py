@@ -1,12 +1,14 @@
 """Tensor parallelism for unmodified Hugging Face models, on DTensor: each transformer block's
-attention split by heads and its MLP by FFN width over a 1-D TP mesh; embeddings, norms and LM
-heads replicated (plain tensors, tied weights one parameter).
+attention split by heads and its MLP by FFN width over a 1-D TP mesh; token embeddings and the LM
+head split by vocabulary where the degree divides it (replicated otherwise), norms replicated; tied
+weights stay one parameter.
 
 After apply_tensor_parallel the split parameters are DTensors on the TP mesh holding contiguous
 shards of the Hugging Face tensors, so `full_tensor()`, `get_model_state_dict(full_state_dict=
 True)` and DCP checkpoints are in Hugging Face layout. Every rank of a TP group must run the same
 batch through forward (and generate()) in step: each block communicates inside forward and
-backward. The logits and the loss come out whole and equal on every rank of the group."""
+backward. The loss comes out whole and equal on every rank of the group; the logits come out split
+by vocabulary (a DTensor, which losses.token_loss takes), or whole under `whole_logits`."""
 from __future__ import annotations
 
 from collections import defaultdict
@@ -16,8 +18,9 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 from . import plans
+from .styles import whole_logits
 
-__all__ = ["apply_tensor_parallel", "check_tensor_parallel", "clip_grad_norm", "param_groups"]
+__all__ = ["apply_tensor_parallel", "check_tensor_parallel", "param_groups", "whole_logits"]
 
 
 def check_tensor_parallel(model_config, tp: int) -> None:
@@ -36,12 +39,31 @@ def apply_tensor_parallel(model: torch.nn.Module, tp_mesh) -> list[str]:
     check_tensor_parallel(model.config, tp)
     if tp == 1:
         return []
-    plan = plans.build(model)
-    parallelize_module(model, tp_mesh, plan.styles, src_data_rank=None)
+    plan, vocab = plans.build(model), plans.vocab_styles(model, tp)
+    ties = _ties(model)
+    parallelize_module(model, tp_mesh, {**plan.styles, **vocab}, src_data_rank=None)
+    _retie(ties)
     for module, names in plan.local:  # attention code that reads head counts sees this rank's
         for name in names:
             setattr(module, name, getattr(module, name) // tp)
-    return [f"tensor parallel {tp}: {plan.blocks} (attention heads and FFN split); embeddings and LM head replicated"]
+    split = "split by vocabulary" if vocab else f"replicated ({model.config.vocab_size} rows do not split {tp} ways)"
+    return [f"tensor parallel {tp}: {plan.blocks} (attention heads and FFN split); embeddings and LM head {split}"]
+
+
+def _ties(model: torch.nn.Module) -> list[list[tuple[torch.nn.Module, str]]]:
+    """Each parameter held by several modules (tied embeddings), as its (module, attribute) holders."""
+    holders = defaultdict(list)
+    for mod in model.modules():
+        for name, p in mod.named_parameters(recurse=False):
+            holders[id(p)].append((mod, name))
+    return [h for h in holders.values() if len(h) > 1]
+
+
+def _retie(ties) -> None:
+    """Each style shards its own module's copy of a tied weight: make the first holder's the one."""
+    for (first, name), *rest in ties:
+        for mod, attr in rest:
+            setattr(mod, attr, getattr(first, name))
 
 
 def param_groups(params) -> list[dict]:

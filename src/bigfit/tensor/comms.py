@@ -29,6 +29,22 @@ class ReduceGradient(torch.autograd.Function):
         return grad, None
 
 
+class SumOverGroup(torch.autograd.Function):
+    """Leave a row-split region by hand (a vocabulary-parallel embedding's partial lookups). Forward:
+    the partial outputs are all-reduced over the TP group. Backward: nothing moves (the output was
+    replicated, so every rank already holds its whole gradient)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        x = x.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
 class HeadLayout:
     """Where the columns of a fused projection of `parts` equal parts (q, k, v: 3), each `width`
     wide and split into `tp` head groups, live in each of two layouts:
@@ -85,3 +101,40 @@ class ToHeads(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         return ctx.layout.to_blocks(grad), None
+
+
+class VocabParallelCrossEntropy(torch.autograd.Function):
+    """Summed token cross-entropy from logits split by vocabulary (Megatron's vocab-parallel loss):
+    `local` (tokens, vocab / tp) is this rank's slice, starting at vocabulary row `start`; `labels`
+    (tokens,) are global ids, IGNORE (-100) where no loss. No rank ever holds a whole row of logits.
+    Forward: three all-reduces of one number per token (the row max, the sum of exponentials, the
+    target's logit, which only its owner has). Backward: nothing moves; each rank's slice of the
+    gradient is its softmax slice minus the one-hot target, times the incoming gradient.
+
+    Why not torch's `loss_parallel()`: its backward is only right inside the same context, and torch's
+    pipeline schedules run the backward where no caller can enter it; this one carries what it needs."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, labels: torch.Tensor, start: int, group) -> torch.Tensor:
+        x = local.float()
+        row_max = x.amax(-1)
+        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+        probs = (x - row_max[:, None]).exp_()
+        sums = probs.sum(-1)
+        dist.all_reduce(sums, group=group)
+        valid = labels >= 0  # IGNORE is negative
+        mine = valid & (labels >= start) & (labels < start + local.size(-1))
+        index = torch.where(mine, labels - start, 0)
+        target = torch.where(mine, x.gather(1, index[:, None]).squeeze(1), 0.0)
+        dist.all_reduce(target, group=group)
+        probs.div_(sums[:, None])
+        ctx.save_for_backward(probs, index, mine, valid)
+        ctx.dtype = local.dtype
+        return torch.where(valid, sums.log() + row_max - target, 0.0).sum()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        probs, index, mine, valid = ctx.saved_tensors
+        probs.scatter_add_(1, index[:, None], -mine.to(probs.dtype)[:, None])
+        probs.mul_(valid.to(probs.dtype)[:, None] * grad)
+        return probs.to(ctx.dtype), None, None, None

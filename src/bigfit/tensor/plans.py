@@ -7,7 +7,11 @@ Three sources of plans:
 - GPT-2 (no plan in transformers: Conv1D layers, fused c_attn): styles.py;
 - T5 / mT5 (no plan in transformers): q, k, v and FFN wi column-parallel, o and wo row-parallel,
   the relative attention bias Embedding(buckets, heads) split by heads.
-Embeddings and LM heads stay replicated in all three, so tied weights stay one parameter."""
+In all three, where the TP degree divides the vocabulary, the token embeddings are split by
+vocabulary rows (styles.VocabRowwise: each rank looks up its rows, the partial sums all-reduced)
+and so is the LM head (styles.VocabColwise: logits split by vocabulary into the vocabulary-parallel
+loss), which saves (tp - 1) / tp of the largest activation of a small model, its logits, and of the
+embedding's states. Otherwise both stay replicated."""
 from __future__ import annotations
 
 import math
@@ -19,12 +23,12 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
 from ..errors import BigfitError
-from .styles import Conv1DColwise, Conv1DRowwise, FusedConv1DColwise
+from .styles import Conv1DColwise, Conv1DRowwise, FusedConv1DColwise, VocabColwise, VocabRowwise
 
 T5_TYPES = ("t5", "mt5")
 
-# transformers' style names -> torch's styles. None: the module stays replicated, which is always
-# correct (the plan asked for vocabulary-parallel embeddings: a saving we do not take).
+# transformers' style names -> torch's styles. None: left to `vocab_styles`, which splits the
+# embeddings and LM head of every family alike (and keeps tied ones one parameter).
 HF_STYLES = {
     "colwise": ColwiseParallel,
     "rowwise": RowwiseParallel,
@@ -82,6 +86,40 @@ def build(model: nn.Module) -> Plan:
     if kind in T5_TYPES:
         return _t5(model)
     return _from_config(model)
+
+
+def vocab_rows(model: nn.Module) -> int:
+    """The vocabulary tensor parallelism can split: the config's vocab_size, or 0 where a token
+    embedding of that many rows is not a plain nn.Embedding (Gemma's scaled one: its own forward) or
+    the head is not an nn.Linear. Read off the modules, not the model's accessors: a pipeline stage
+    holds only some of them (the rest are stand-ins), and every stage must decide alike, for tied
+    copies to be summed shard by shard."""
+    rows = model.config.vocab_size
+    embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding) and m.num_embeddings == rows]
+    head = model.get_output_embeddings()
+    held = head is not None and any(True for _ in head.parameters())  # not another stage's stand-in
+    if any(type(m) is not nn.Embedding for m in embeddings) or (held and not isinstance(head, nn.Linear)):
+        return 0
+    return rows
+
+
+def splits_vocab(rows: int, tp: int) -> bool:
+    """Whether embeddings and LM head are split by vocabulary at this degree (`rows`: vocab_rows)."""
+    return tp > 1 and rows > 0 and rows % tp == 0
+
+
+def vocab_styles(model: nn.Module, tp: int) -> dict[str, ParallelStyle]:
+    """Every token embedding (T5's shared one and its encoder's and decoder's, which hold the same
+    weight) VocabRowwise and the LM head VocabColwise; {} when the vocabulary does not split."""
+    rows = vocab_rows(model)
+    if not splits_vocab(rows, tp):
+        return {}
+    styles: dict[str, ParallelStyle] = {name: VocabRowwise() for name, mod in model.named_modules()
+                                        if isinstance(mod, nn.Embedding) and mod.num_embeddings == rows}
+    head = model.get_output_embeddings()
+    if isinstance(head, nn.Linear):
+        styles[_prefix_of(model, head).rstrip(".")] = VocabColwise()
+    return styles
 
 
 def _gpt2(model: nn.Module) -> Plan:

@@ -8,14 +8,16 @@ parallelize_module) None makes each rank cut its shard from its own copy, with n
 a rank whose model is on the meta device gets meta shards, to be filled afterwards."""
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from .comms import HeadLayout, ReduceGradient, ToHeads
+from .comms import HeadLayout, ReduceGradient, SumOverGroup, ToHeads
 
 
 def _shard_params(module: nn.Module, mesh, placements: dict, src_data_rank) -> None:
@@ -98,3 +100,62 @@ def _fused_forward(module: nn.Module, layout: HeadLayout, x: torch.Tensor) -> to
     else:
         out = ToHeads.apply(torch.addmm(bias, rows, weight), layout)
     return out.view(*x.shape[:-1], out.size(-1))
+
+
+class VocabRowwise(ParallelStyle):
+    """A token embedding (nn.Embedding) split by vocabulary rows: weight Shard(0). Forward: each rank
+    looks up the ids that fall in its rows (zeros for the others) and the partial outputs are
+    all-reduced (comms.SumOverGroup). Backward: nothing moves; the weight's gradient is this rank's
+    rows only.
+
+    Why not torch's RowwiseParallel: DTensor has no row-wise rule for the embedding's backward, so
+    it computes the whole (vocab, hidden) gradient, replicated, on every rank: the memory the split
+    should save, and a gradient whose placement differs from its parameter's."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        _shard_params(module, device_mesh, {"weight": Shard(0)}, self.src_data_rank)
+        # an instance attribute shadows Embedding.forward: the module's class, name and state dict stay
+        module.forward = functools.partial(_rows_forward, module, device_mesh)
+        return module
+
+
+def _rows_forward(module: nn.Embedding, mesh, ids: torch.Tensor) -> torch.Tensor:
+    weight = module.weight.to_local()  # read at each call: tying and FSDP2 replace the parameter
+    rows = weight.size(0)
+    start = mesh.get_local_rank() * rows
+    mine = (ids >= start) & (ids < start + rows)
+    pad = module.padding_idx  # a padding row gets no gradient, on the rank that holds it
+    pad = pad - start if pad is not None and 0 <= pad - start < rows else None
+    out = F.embedding(torch.where(mine, ids - start, 0), weight, pad).masked_fill(~mine[..., None], 0)
+    return SumOverGroup.apply(out, mesh.get_group())
+
+
+class VocabColwise(ParallelStyle):
+    """An LM head (nn.Linear, weight (vocab, hidden)) split by vocabulary: weight and bias Shard(0).
+    Forward: nothing moves; the logits come out as a DTensor split on their last dim, which
+    losses.token_loss takes to comms.VocabParallelCrossEntropy, so no rank holds a whole row. Under
+    `whole_logits` (generate(), which reads rows) they are gathered into a plain tensor instead.
+    Backward: the input's gradient is all-reduced over the TP group."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        def partition(name, mod, mesh):
+            _shard_params(mod, mesh, {"weight": Shard(0), "bias": Shard(0)}, self.src_data_rank)
+
+        module.whole_logits = False
+        return distribute_module(module, device_mesh, partition, _replicated_input,
+                                 lambda mod, out, mesh: out.full_tensor() if mod.whole_logits else out)
+
+
+@contextlib.contextmanager
+def whole_logits(model: nn.Module):
+    """Whole logits on every rank from a vocabulary-parallel LM head inside (for generate()); a no-op
+    for a model without one. Reversible: the head splits its logits again after, also after an error."""
+    head = model.get_output_embeddings()
+    if getattr(head, "whole_logits", None) is None:
+        yield
+        return
+    head.whole_logits = True
+    try:
+        yield
+    finally:
+        head.whole_logits = False
