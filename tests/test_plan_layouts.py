@@ -36,10 +36,12 @@ def llama():
     return traced("llama", 4)
 
 
-def test_tp_halves_the_block_states_and_keeps_the_replicated_parts_whole(llama):
+def test_tp_halves_the_block_states_embeddings_head_and_logits_and_keeps_the_norms_whole(llama):
     """tp2 (one rank of two, no data parallelism) against single on one GPU at the same micro-batch:
-    the blocks' split parameters halve, embeddings, head and norms stay whole; so do the activations
-    TP does not divide (the residual stream, norms' inputs)."""
+    the blocks' split parameters halve, and so do the embeddings and head (split by vocabulary);
+    norms stay whole, and so do the activations TP does not divide (the residual stream, norms'
+    inputs). The logits and the loss's fp32 tensors halve."""
+    from bigfit.planning.composed import share
     from bigfit.planning.search import Job
 
     job = Job(batch_size=4, micro_batch=4, seq_len=64)
@@ -48,13 +50,33 @@ def test_tp_halves_the_block_states_and_keeps_the_replicated_parts_whole(llama):
     single, tp2 = one["single"].estimate.per_gpu, two["tp2"].estimate.per_gpu
     blocks, split = sum(llama.block_params), sum(llama.block_tp_params)
     assert split > 0.99 * blocks  # block norms are all the blocks keep whole
-    replicated = 4 * llama.root_params
-    assert tp2["params"] == int(replicated + 4 * (blocks - split / 2))
+    vocab = llama.vocab_params
+    assert vocab == llama.embedding_params + llama.head_params  # untied: both split
+    replicated = 4 * (llama.root_params - vocab)  # the final norm
+    assert tp2["params"] == int(replicated + 4 * (vocab / 2 + blocks - split / 2))
     assert tp2["params"] == pytest.approx((single["params"] - replicated) / 2 + replicated, rel=0.01)
     assert tp2["optimizer"] == pytest.approx(2 * tp2["params"], abs=2)
     kept = sum(llama.block_saved) - sum(llama.block_tp_saved)
     assert 0 < kept < sum(llama.block_saved)
-    assert single["activations"] - tp2["activations"] == pytest.approx(sum(llama.block_tp_saved) / 2, abs=2)
+    rank = share(llama, 2, 1.0)
+    assert (rank.logits_bytes, rank.loss_saved) == (llama.logits_bytes / 2, llama.loss_saved / 2)
+    assert single["activations"] - tp2["activations"] == pytest.approx(
+        sum(llama.block_tp_saved) / 2 + llama.loss_saved / 2, abs=2)
+
+
+def test_a_vocabulary_the_degree_does_not_divide_stays_whole():
+    """T5 with 386 rows at tp 4: embeddings, head and logits whole on every rank; at tp 2 halved."""
+    from bigfit.planning.composed import share
+    from bigfit.planning.profile import profile_model
+
+    cfg = tiny_config("t5")
+    cfg.vocab_size = 386
+    t5 = profile_model(cfg, 4, 64, 16, "bf16", "cuda")
+    assert t5.vocab_rows == 386 and t5.vocab_params == t5.embedding_params  # tied: one tensor
+    four, two = share(t5, 4, 1.0), share(t5, 2, 1.0)
+    assert (four.logits_bytes, four.embedding_params, four.root_params) == \
+        (t5.logits_bytes, t5.embedding_params, t5.root_params)
+    assert (two.logits_bytes, two.embedding_params) == (t5.logits_bytes / 2, t5.embedding_params / 2)
 
 
 def test_fsdp_over_tp_shards_by_both_and_pipeline_over_dp_too(llama):
@@ -64,7 +86,7 @@ def test_fsdp_over_tp_shards_by_both_and_pipeline_over_dp_too(llama):
     from bigfit.planning.search import Job
 
     _, by = rows(llama, 8, Job(batch_size=16, micro_batch=2, seq_len=64))
-    share = llama.params - sum(llama.block_tp_params) / 2  # one TP rank's parameters
+    share = llama.params - (sum(llama.block_tp_params) + llama.vocab_params) / 2  # one TP rank's parameters
     assert by["dp_shard4 x tp2 (zero3)"].estimate.per_gpu["params"] == int(4 * share / 4)
     _, by = rows(llama, 4, Job(batch_size=8, micro_batch=2, seq_len=64))
     ddp, zero3 = by["pp2 x dp_replicate2 (ddp)"].estimate.per_gpu, by["pp2 x dp_shard2 (zero3)"].estimate.per_gpu

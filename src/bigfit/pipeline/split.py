@@ -139,9 +139,9 @@ def tied_groups(model: nn.Module, split: Split) -> list[tuple[list[str], list[in
     return sorted(groups, key=lambda g: order[g[0][0]])
 
 
-def anchors(model: nn.Module) -> list[tuple[int, tuple[int, ...]]]:
+def anchors(model: nn.Module) -> list[tuple[int, tuple[int, ...], int]]:
     """Each parameter outside the blocks as (its elements, the global indices of the blocks it goes
-    with), whatever the cut: a cut puts it on the stages holding those blocks, a copy on each rank
+    with, its rows: what tensor parallelism's vocabulary split divides), whatever the cut: a cut puts it on the stages holding those blocks, a copy on each rank
     (tied). Read off `module_stages` over a cut of one block per stage, so the planner places them as
     training does. Raises BigfitError for a model the pipeline cannot cut."""
     n = sum(len(b) for _, b in block_lists(model))
@@ -152,7 +152,8 @@ def anchors(model: nn.Module) -> list[tuple[int, tuple[int, ...]]]:
         blocks = set().union(*(stages.get(id(mod), set()) for mod, _ in held))
         if blocks:
             mod, name = held[0]
-            out.append((mod._parameters[name].numel(), tuple(sorted(blocks))))
+            p = mod._parameters[name]
+            out.append((p.numel(), tuple(sorted(blocks)), p.shape[0] if p.dim() else 1))
     return out
 
 

@@ -3,7 +3,8 @@
 Pure, from the data-parallel ModelProfile (traced at job.micro(world)), scaled to one rank's part.
 
 - `share`: one TP rank's view of the model: the blocks' split parameters and divided activations
-  over tp (tp_trace.py), the replicated parts (embeddings, norms, head, the residual stream) whole,
+  over tp (tp_trace.py), embeddings, head, logits and loss over tp where the vocabulary splits,
+  the replicated parts (norms, the residual stream; embeddings and head where it does not) whole,
   activations scaled to the layout's micro-batch (saved tensors grow with its samples).
 - Without a pipeline a rank is a data-parallel rank of that smaller model: estimate.memory of the
   engine that runs it over dp_shard (HSDP's replicas each hold what dp_shard alone holds), so a
@@ -41,20 +42,34 @@ class Pipe:
 
 
 def share(prof, tp: int, scale: float):
-    """One TP rank's part of the model, at `scale` times the traced micro-batch."""
+    """One TP rank's part of the model, at `scale` times the traced micro-batch: the blocks' split
+    parameters and saved tensors over tp, and where the degree divides the vocabulary (as
+    tensor.plans.splits_vocab) the embeddings, head, logits and loss too, with the embedding's
+    forward all-reduce and the head's input-gradient all-reduce added to the first and last blocks'."""
     cut = 1 - 1 / tp
+    vcut = cut if prof.vocab_rows and prof.vocab_rows % tp == 0 else 0.0
     split = prof.block_tp_params or [0] * prof.n_blocks
     divided = prof.block_tp_saved or [0] * prof.n_blocks
     blocks = [n - s * cut for n, s in zip(prof.block_params, split)]
-    params = prof.params - sum(split) * cut
+    params = prof.params - sum(split) * cut - prof.vocab_params * vcut
+    embedding = prof.embedding_params * (1 - vcut)
     attention = prof.flops_per_token - 6 * (prof.params - prof.embedding_params)  # split by heads too
-    return replace(prof, params=params, largest_unit_params=max(blocks, default=0), block_params=blocks,
-                   matmul_params=max(0, prof.matmul_params - sum(split) * cut),
-                   flops_per_token=6 * (params - prof.embedding_params) + attention / tp,
+    reduce = [list(r) for r in prof.tp_reduce]
+    if vcut and reduce:
+        reduce[0][0] += prof.hidden
+        reduce[-1][1] += prof.hidden
+    logits = (1 - vcut) * scale
+    return replace(prof, params=params, embedding_params=embedding, largest_unit_params=max(blocks, default=0),
+                   root_params=prof.root_params - prof.vocab_params * vcut, block_params=blocks,
+                   head_params=prof.head_params * (1 - vcut),
+                   matmul_params=max(0, prof.matmul_params - sum(split) * cut - prof.head_params * vcut),
+                   flops_per_token=6 * (params - embedding) + attention / tp,
                    block_saved=[(a - d * cut) * scale for a, d in zip(prof.block_saved, divided)],
-                   block_inputs=[x * scale for x in prof.block_inputs], other_saved=prof.other_saved * scale,
-                   loss_saved=prof.loss_saved * scale, logits_bytes=prof.logits_bytes * scale,
-                   logits_numel=prof.logits_numel * scale, tokens=prof.tokens * scale)
+                   block_inputs=[x * scale for x in prof.block_inputs],
+                   other_saved=(prof.other_saved - prof.loss_saved * vcut) * scale, loss_saved=prof.loss_saved * logits,
+                   logits_bytes=prof.logits_bytes * logits, logits_numel=prof.logits_numel * logits,
+                   tokens=prof.tokens * scale, tp_reduce=[tuple(r) for r in reduce],
+                   outside=[(n * (1 - vcut) if rows == prof.vocab_rows else n, at, rows) for n, at, rows in prof.outside])
 
 
 def estimate(name: str, plan, prof, hw, job, micro: int, pipe: Pipe | None = None) -> Estimate:

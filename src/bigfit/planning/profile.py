@@ -39,8 +39,8 @@ class ModelProfile:
     matmul_params: int = 0  # parameters of linear layers: what autocast copies to the compute dtype
     block_params: list[int] = field(default_factory=list)  # each block's parameters, in execution order
     stacks: list[tuple[str, int]] = field(default_factory=list)  # (path, blocks) of each stack (models.block_lists)
-    # parameters outside the blocks as (elements, the blocks a pipeline cut puts them with: pipeline.split.anchors)
-    outside: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)
+    # parameters outside the blocks as (elements, the blocks a pipeline cut puts them with, rows): pipeline.split.anchors
+    outside: list[tuple[int, tuple[int, ...], int]] = field(default_factory=list)
     pipeline_error: str | None = None  # why --strategy pipeline cannot cut this model
     notes: list[str] = field(default_factory=list)
     # tensor parallelism (tp_trace.py): each block's parameters it splits, the part of each block's saved
@@ -51,6 +51,8 @@ class ModelProfile:
     hidden: int = 0
     tp_counts: dict[str, int] = field(default_factory=dict)
     tp_error: str | None = None  # why this model has no tensor-parallel plan
+    vocab_rows: int = 0  # the vocabulary tensor parallelism splits embeddings and head by (0: never)
+    vocab_params: int = 0  # the parameters that split divides: token embeddings and head, tied ones once
 
     def activations(self, checkpointing: bool) -> int:
         if not checkpointing:
@@ -236,7 +238,8 @@ def _trace(model, seq2seq: bool, b: int, t: int, tt: int, skip=None) -> ModelPro
                         head_params=model.get_output_embeddings().weight.numel(), matmul_params=_matmul_params(model),
                         block_params=block_params, stacks=[(p, len(s)) for p, s in stacks], **_outside(model),
                         block_tp_params=split.params, block_tp_saved=divided,
-                        tp_reduce=[tuple(r) for r in split.reduce], hidden=hidden, **_tp_counts(model.config, split))
+                        tp_reduce=[tuple(r) for r in split.reduce], hidden=hidden, vocab_rows=split.vocab_rows,
+                        vocab_params=split.vocab_params, **_tp_counts(model.config, split))
 
 
 def _hidden(cfg) -> int:

@@ -145,9 +145,9 @@ def holders(prof, layout, runs) -> list[tuple[int, set[int]]]:
     """(elements, the ranks holding it) of each parameter outside the blocks, where the cut puts it
     (profile.outside, from pipeline.split.anchors). No placement (a model the pipeline cannot cut,
     shown as one stage): the one stage holds them."""
-    where = prof.outside or [(prof.root_params, (0,))]
+    where = prof.outside or [(prof.root_params, (0,), 0)]
     stage_of = {g: s for s, (a, b) in enumerate(runs) for g in range(a, b)}
-    return [(n, {layout.rank_of(stage_of[g]) for g in blocks}) for n, blocks in where]
+    return [(n, {layout.rank_of(stage_of[g]) for g in blocks}) for n, blocks, _ in where]
 
 
 def _costs(prof, hw, job, layout, runs, ranks) -> tuple[dict[str, float], float]:

@@ -1,6 +1,7 @@
 """What tensor parallelism divides of each block, read off the model during the planning trace
 (profile.py), from the plan `--tp` applies (tensor/plans.py: q/k/v and FFN-in column-parallel, the
-attention output and FFN-out row-parallel; embeddings, norms and heads replicated).
+attention output and FFN-out row-parallel; norms replicated; token embeddings and head split by
+vocabulary where the degree divides it, counted here as `vocab_rows` and `vocab_params`).
 
 - Parameters: those of the modules the plan splits. Block norms stay whole on every rank.
 - Saved activations: a column-parallel layer saves its input, which every TP rank holds whole (there
@@ -37,6 +38,7 @@ class TensorSplit:
             styles = _styles(model)
         except BigfitError as e:  # no TP plan for this family: nothing is split (tp 1 only)
             self.error, styles = str(e), {}
+        self.vocab_rows, self.vocab_params = _vocab(model)
         names = {id(m): n for n, m in model.named_modules()}
         for i, block in enumerate(blocks):
             for mod in block.modules():
@@ -88,6 +90,16 @@ def _styles(model: nn.Module) -> dict[str, str]:
         elif isinstance(style, (RowwiseParallel, Conv1DRowwise)):
             out[name] = "rowwise"
     return out
+
+
+def _vocab(model: nn.Module) -> tuple[int, int]:
+    """(the rows tensor parallelism splits embeddings and head by, or 0; the parameters it divides)."""
+    from ..tensor import plans  # imported here, as in split_counts
+
+    rows, head = plans.vocab_rows(model), model.get_output_embeddings()
+    split = {id(p): p.numel() for m in model.modules() if m is head or (isinstance(m, nn.Embedding) and m.num_embeddings == rows)
+             for p in m.parameters(recurse=False)}
+    return rows, sum(split.values()) if rows else 0
 
 
 def _features(mod: nn.Module) -> tuple[int, int] | None:
