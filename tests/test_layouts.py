@@ -33,6 +33,8 @@ LAYOUTS = {
     "pp-zero1": ("zero1", dict(pp=2), "gpipe", 4),
     "pp-offload": ("zero2-offload", dict(pp=2), "1f1b", 4),  # each stage's optimizer in host RAM, rows over dp 2
     "pp-offload-eager": ("zero2-offload+noclip", dict(pp=2), "gpipe", 2),  # host steps under backward
+    "fsdp-tp-offload": ("zero3-offload", dict(tp=2), None, 4),  # FSDP2's CPUOffloadPolicy on the 2-D mesh
+    "pp-zero3-offload": ("zero3-offload", dict(pp=2), "gpipe", 4),  # ... on each stage's units
 }
 # Every layout on the family it could break most (T5: tied embeddings across pipeline stages,
 # unequal depth, 4 heads for TP 4), every family under TP, FSDP2 and a pipeline: the suite's budget
@@ -41,7 +43,7 @@ CASES = [(f, "tp2", "fp32") for f in FAMILIES] + [("llama", "tp2", "bf16")] + [
     ("t5", "tp4", "fp32"), ("llama", "fsdp-tp", "fp32"), ("t5", "fsdp-tp", "bf16"), ("t5", "hsdp", "fp32"),
     ("gpt2", "pp-ddp-gpipe", "fp32"), ("t5", "pp-ddp-1f1b", "fp32"), ("t5", "pp-zero3", "fp32"),
     ("t5", "pp-tp", "fp32"), ("llama", "pp-zero1", "fp32"), ("t5", "pp-offload", "fp32"),
-    ("gpt2", "pp-offload-eager", "fp32")]
+    ("gpt2", "pp-offload-eager", "fp32"), ("gpt2", "fsdp-tp-offload", "fp32"), ("llama", "pp-zero3-offload", "fp32")]
 # (loss relative, parameter absolute), about 10x the worst seen on torch 2.13, CPU (printed with -s).
 # fp32: 6.2e-8 / 3.7e-5 (t5, pp x tp). bf16: tensor parallelism rounds its row-parallel partial sums to
 # bf16 before their all-reduce (worst 2.7e-4 / 3.7e-3); an element whose gradient is near zero can flip

@@ -31,6 +31,8 @@ RESOLVED = [
     ("zero1", 4, dict(pp=2), (2, 1, 2, 1, 1, "ddp")),  # DeepSpeed's PP x ZeRO-1
     ("zero2-offload", 4, dict(pp=2), (2, 1, 2, 1, 2, "offload")),  # each stage's optimizer in host RAM
     ("zero2-offload", 2, dict(pp=2), (2, 1, 1, 1, 2, "offload")),
+    ("zero3-offload", 4, dict(tp=2), (1, 1, 2, 2, 3, "fsdp")),  # FSDP2's CPUOffloadPolicy on the 2-D mesh
+    ("zero3-offload", 4, dict(pp=2), (2, 1, 2, 1, 3, "fsdp")),  # ... on each stage's units
     ("pipeline", 8, dict(tp=2, dp_replicate=2), (2, 2, 1, 2, 0, "ddp")),  # 3D
     ("zero3", 8, dict(pp=2, tp=2), (2, 1, 2, 2, 3, "fsdp")),  # 3D with FSDP2
 ]
@@ -50,8 +52,9 @@ BAD = [
     ("ddp", 4, dict(dp_shard=2), "--dp-shard 2 shards model states, which needs ZeRO stage 1-3"),
     ("zero1", 4, dict(dp_replicate=2), "zero1 shards optimizer states over every data-parallel rank"),
     ("zero2-offload", 4, dict(tp=2), "offload engine shards over data-parallel ranks only"),
-    ("zero3-offload", 4, dict(tp=2), "(parameters in host RAM) runs over data-parallel ranks only"),
     ("ddp", 4, dict(tp=2), "DDP does not take tensor-parallel (DTensor) parameters"),
+    ("zero3-offload", 2, dict(pp=2), "zero3-offload over pipeline stages needs 2 or more data-parallel ranks per "
+                                     "stage (got pp 2 of 2 processes); use --nproc 4, or zero2-offload --pp 2"),
     ("device_map", 2, {}, "splits the model over the devices of one process, but the plan has 2"),
     ("zero3", 4, dict(tp=0), "--tp must be a positive integer, got 0"),
     ("zero9", 4, {}, "--strategy 'zero9' is not valid; choose one of: single, ddp"),

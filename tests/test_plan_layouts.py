@@ -234,3 +234,10 @@ def test_pipeline_with_zero1_or_the_offload_engine_moves_optimizer_states_off_ea
     assert offload.per_host["optimizer"] == pytest.approx(12 * n / 2 * 4, rel=1e-6)  # 4 ranks on the node
     assert offload.costs["cpu_optimizer"] > 0 and offload.costs["pcie"] > 0
     assert "pp2 x dp_shard2 (zero2-offload-nvme)" not in by  # its NVMe tier over stages is not rated
+    # zero3-offload over stages: nothing of the states on the GPU; fp32 shards, gradients and moments
+    # (16 bytes a parameter) of the fuller position over dp_shard 2 in host RAM; shards up for each chunk
+    z3o = by["pp2 x dp_shard2 (zero3-offload)"].estimate
+    assert (z3o.per_gpu["params"], z3o.per_gpu["grads"], z3o.per_gpu["optimizer"]) == (0, 0, 0)
+    assert z3o.per_host["params"] + z3o.per_host["grads"] + z3o.per_host["optimizer"] == \
+        pytest.approx(16 * n / 2 * 4, rel=1e-6)
+    assert z3o.costs["pcie"] > 0 and z3o.costs["cpu_optimizer"] > 0

@@ -91,7 +91,8 @@ def apply_sharding(model, split: Applied, plan: ParallelPlan, cfg, rt: Runtime) 
     """The data-parallel engine over the `dp` ranks, or the split's own engine where it has one."""
     compute = compute_dtype(cfg.precision)
     if plan.split or plan.pp > 1:  # a device map (one process) or pipeline stages
-        if plan.dp > 1 and plan.engine != "offload":  # the offload engine shards the stages' rows itself
+        # the offload engine shards the stages' rows itself; zero3-offload needs FSDP2 even on one rank
+        if (plan.dp > 1 or plan.offload_params) and plan.engine != "offload":
             return split.shard_stages(plan, rt, compute, DTYPES[cfg.reduce_dtype])
         return split
     if plan.engine == "fsdp":
@@ -121,7 +122,7 @@ def apply_offloading(engine: Applied, plan: ParallelPlan, cfg, rt: Runtime) -> A
                              nvme_host_bytes=cfg.nvme_host_gb * 1e9 / _local_ranks(),
                              grads_on_device=cfg.offload_grads == "device", stages=stages,
                              tied=[(p, counted) for p, _, counted in stages.tied_params()] if stages else ())
-    if plan.offload_params and eager:
+    if plan.offload_params and eager and plan.pp == 1:  # stages: the step follows the schedule
         return stream_host_steps(engine, rt.device)
     return engine
 

@@ -133,9 +133,11 @@ def _unsupported(p: ParallelPlan) -> list[str]:
     if p.engine == "offload" and (p.tp > 1 or p.dp_replicate > 1):
         out.append(f"{p.name}'s offload engine shards over data-parallel ranks only (got tp {p.tp}, dp_replicate "
                    f"{p.dp_replicate}); use zero3-offload for tensor parallel or replicated layouts, or --tp 1")
-    if p.offload_params and (p.tp > 1 or p.pp > 1):
-        out.append(f"{p.name} (parameters in host RAM) runs over data-parallel ranks only (got tp {p.tp}, pp {p.pp}); "
-                   "use zero2-offload with --pp, or zero3 with --tp")
+    if p.offload_params and p.pp > 1 and p.dp == 1:
+        # seen on torch 2.13: FSDP2 on a one-rank mesh over stages keeps only the last micro-batch's gradients
+        out.append(f"{p.name} over pipeline stages needs 2 or more data-parallel ranks per stage (got pp {p.pp} of "
+                   f"{p.world} processes); use --nproc {2 * p.world}, or zero2-offload --pp {p.pp} (each stage's "
+                   "optimizer in host RAM)")
     if p.pp > 1 and p.engine == "fsdp" and p.stages_per_rank > 1:
         out.append(f"{p.name} over an interleaved pipeline ({p.stages_per_rank} stages per rank) is not supported "
                    "yet: FSDP2 takes one stage per rank as its root; use --pipeline-schedule 1f1b or gpipe, or ddp")

@@ -83,7 +83,8 @@ class PipelineApplied(Applied):
         # the root unit is the stage, not the model: a stage ends the model's forward early (stage.py),
         # so hooks FSDP2 runs after the model's forward would never run, nor its root's backward
         shard_units(self.model, self.stage_modules[0], fsdp_options(plan, rt, compute, reduce))
-        self.notes.append(f"FSDP2 (ZeRO-{plan.zero}) over {plan.dp} data-parallel ranks on each stage")
+        self.notes.append(f"FSDP2 (ZeRO-{plan.zero}) over {plan.dp} data-parallel rank(s) on each stage"
+                          + ("; parameters, gradients and optimizer states in host RAM" if plan.offload_params else ""))
         return self
 
     # -- forward and backward ----------------------------------------------------------------

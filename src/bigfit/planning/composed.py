@@ -110,6 +110,8 @@ def _positions(plan, rank, job, c: int, pipe: Pipe) -> dict[str, int]:
         n, dps = parts["params"] / 4, plan.dp_shard
         if plan.engine == "offload":  # compute-dtype parameters, fp32 accumulators; the states on the host
             parts.update(params=c * n, optimizer=0, buffers=parts["buffers"] - (c * n if c < 4 else 0))
+        elif plan.offload_params:  # zero3-offload: shards, gradients and states on the host
+            parts.update(params=0, grads=0, optimizer=0)
         elif plan.zero >= 1:
             parts["optimizer"] /= dps
         if plan.zero >= 2:
@@ -122,16 +124,19 @@ def _positions(plan, rank, job, c: int, pipe: Pipe) -> dict[str, int]:
 
 
 def _offloaded_host(plan, rank, hw, job, pipe: Pipe) -> dict[str, int]:
-    """The node's host bytes of the offload engine over pipeline stages: each of its ranks' fp32
-    master rows and moments (12 bytes a parameter) and gradient rows, over dp_shard."""
+    """The node's host bytes over pipeline stages, for each of its ranks' share of the fullest position
+    over dp_shard: the offload engine's fp32 master rows and moments (12 bytes a parameter) and
+    gradient rows; zero3-offload's fp32 shards, gradients and moments (16 bytes a parameter)."""
+    rows = _offloaded_rows(plan, rank, pipe) * hw.gpus_per_node
+    if plan.offload_params:
+        return _bytes(params=4 * rows, grads=4 * rows, optimizer=8 * rows)
     if plan.engine != "offload":
         return _bytes()
-    rows = _offloaded_rows(plan, rank, pipe) * hw.gpus_per_node
     return _bytes(optimizer=12 * rows, grads=grad_bytes(job.precision, hw.cpu_adam_kernel) * rows)
 
 
 def _offloaded_rows(plan, rank, pipe: Pipe) -> float:
-    """The offload engine's parameter rows on one rank: the fullest position's over dp_shard."""
+    """The parameters whose states one rank keeps on the host: the fullest position's over dp_shard."""
     return max(_position_params(rank, pipe)) / plan.dp_shard
 
 
@@ -162,9 +167,9 @@ def _costs(plan, rank, hw, job, c: int, micro: int, accum: int, pipe: Pipe | Non
         tied = [(n, len(ranks)) for n, ranks in holders(rank, layout, runs) if len(ranks) > 1]
         costs["point-to-point"] = max(received(rank, layout, runs)) * accum / p2p
         costs["tied all-reduce"] = sum(2 * 4 * n * (k - 1) / k for n, k in tied) / p2p  # fp32 gradients
-    if plan.offload_params:  # zero3-offload: shards up for forward and backward, gradients down; the host step
-        n = rank.params / plan.dp_shard
-        costs["pcie"] = (accum * 2 * 4 * n + 4 * n) / (hw.pcie_gbps * 1e9)
+    if plan.offload_params:  # zero3-offload: shards up for forward and backward (each chunk), gradients down; the host step
+        n = _offloaded_rows(plan, rank, pipe) if pipe else rank.params / plan.dp_shard
+        costs["pcie"] = (accum * m * 2 * 4 * n + 4 * n) / (hw.pcie_gbps * 1e9)
         costs["cpu_optimizer"] = n * hw.gpus_per_node / hw.cpu_adam_params_per_s
     if plan.engine == "offload" and pipe:  # after the schedule: gradient rows down, the host step, masters up
         n, g = _offloaded_rows(plan, rank, pipe), grad_bytes(job.precision, hw.cpu_adam_kernel)
