@@ -42,8 +42,10 @@ STEPS, LR = 3, 1e-2
 TOL = {"fp32": (3e-6, 1e-4, 1e-5, 3e-3), "bf16": (1.5e-2, 0.2, 8e-2, 2 * LR * STEPS)}
 # qwen3: a plan from transformers with per-head q/k norms (replicated, gradients all-reduced)
 # (meta-device ranks, FSDP2 over TP and Llama in bf16 run through the training loop: tests/test_layouts.py)
-# gpt2-385: a vocabulary that 2 does not divide, so embeddings and head stay replicated
-CASES = [(f, "fp32") for f in (*FAMILIES, "qwen3", "gpt2-385")] + [("gpt2", "bf16")]
+# gpt2-385: a vocabulary that 2 does not divide, so embeddings and head stay replicated; +sp: sequence
+# parallelism (the families with transformers' plan), llama-385+sp both
+CASES = [(f, "fp32") for f in (*FAMILIES, "qwen3", "gpt2-385", "llama+sp", "qwen3+sp", "llama-385+sp")] + \
+    [("gpt2", "bf16"), ("llama+sp", "bf16")]
 
 
 def config(family: str):
@@ -53,8 +55,9 @@ def config(family: str):
         return Qwen3Config(vocab_size=384, hidden_size=32, intermediate_size=64, num_hidden_layers=2, head_dim=8,
                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0,
                            eos_token_id=1, bos_token_id=1)
-    if family == "gpt2-385":
-        return tiny_config("gpt2").__class__(**{**tiny_config("gpt2").to_dict(), "vocab_size": 385})
+    if family.endswith("-385"):
+        base = tiny_config(family[:-4])
+        return base.__class__(**{**base.to_dict(), "vocab_size": 385})
     return tiny_config(family)
 
 
@@ -129,15 +132,15 @@ def ties(model) -> list[list[str]]:
 
 
 def split(family: str):
-    """The seeded model split over a TP mesh of 2."""
+    """The seeded model split over a TP mesh of 2 (`family` ending in +sp: with sequence parallelism)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from bigfit.tensor import apply_tensor_parallel
 
-    model = seeded(family)
+    model = seeded(family.removesuffix("+sp"))
     tied = ties(model)
     mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
-    notes = apply_tensor_parallel(model, mesh["tp"])
+    notes = apply_tensor_parallel(model, mesh["tp"], sequence=family.endswith("+sp"))
     assert ties(model) == tied
     return model, notes
 
@@ -150,7 +153,7 @@ def run_split(family: str, precision: str) -> dict:
 
     model, notes = split(family)
     clip = lambda ps, n: clip_by(ps, n, global_norm(ps, dist.get_world_size()))  # noqa: E731  as the loop's engines
-    out = train(model, family, precision, clip, param_groups)
+    out = train(model, family.removesuffix("+sp"), precision, clip, param_groups)
     return dict(out, notes=notes, ties=ties(model))
 
 
@@ -175,6 +178,9 @@ def tp_job() -> dict:
             with whole_logits(model):
                 got[f"{f}-logits"] = (tuple(split_logits.to_local().shape), tuple(model(**inputs).logits.shape))
                 got[f"{f}-generate"] = model.generate(**prompt(f))
+    model, _ = split("llama+sp")  # after the prompt, a sequence of one token a step, on two ranks
+    with torch.no_grad(), whole_logits(model):
+        got["llama+sp-generate"] = model.generate(**prompt("llama"))
     return got
 
 
@@ -182,9 +188,13 @@ def reference_job() -> dict:
     got = {}
     with torch_threads(threads_per_rank(2)):  # compute as each rank does
         for family, precision in CASES:
-            ref = seeded(family)
+            base = family.removesuffix("+sp")
+            if f"{base}-{precision}" in got:  # sequence parallelism has the same reference
+                got[f"{family}-{precision}"] = got[f"{base}-{precision}"]
+                continue
+            ref = seeded(base)
             clip = lambda ps, n: torch.nn.utils.clip_grad_norm_(ps, n)  # noqa: E731
-            got[f"{family}-{precision}"] = dict(train(ref, family, precision, clip), ties=ties(ref))
+            got[f"{family}-{precision}"] = dict(train(ref, base, precision, clip), ties=ties(ref))
         for family in FAMILIES:
             ref = seeded(family)
             got[f"{family}-initial"] = full_state(ref)
@@ -262,6 +272,20 @@ def test_tied_embeddings_stay_one_parameter_and_generate_matches(runs, family):
 def test_each_rank_holds_half_the_logits_and_generate_sees_them_whole(runs, family):
     split_shape, whole_shape = runs[0][f"{family}-logits"]
     assert split_shape == (4, 8 if family == "t5" else 12, 192) and whole_shape == (*split_shape[:2], 384)
+
+
+def test_sequence_parallel_generates_as_the_single_process_model(runs):
+    got, refs = runs
+    assert torch.equal(got["llama+sp-generate"], refs["llama-generate"])
+    assert got["llama+sp-fp32"]["notes"][0].endswith("; residual stream and norms split by sequence")
+    assert "385 rows do not split 2 ways" in got["llama-385+sp-fp32"]["notes"][0]
+
+
+@pytest.mark.parametrize("family", ["gpt2", "t5"])
+def test_sequence_parallel_names_the_models_it_supports(family):
+    with pytest.raises(BigfitError, match=f"--sequence-parallel does not support model type '{family}' "
+                                          r"\(it has no transformers tensor-parallel plan\); it supports"):
+        check_tensor_parallel(config(family), 2, sequence=True)
 
 
 def test_a_vocabulary_the_degree_does_not_divide_stays_replicated(runs):

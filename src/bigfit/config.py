@@ -55,6 +55,9 @@ class TrainConfig:
     tp: int | None = None  # tensor parallel: each block's matrices split over this many processes
     dp_shard: int | None = None  # data-parallel processes that shard model states (zero1/2/3, FSDP2)
     dp_replicate: int | None = None  # data-parallel replicas (ddp; HSDP with --dp-shard)
+    # with --tp: the residual stream, its norms and dropout split by sequence over the TP ranks
+    # (Megatron's sequence parallelism: block inputs all-gathered, outputs reduce-scattered)
+    sequence_parallel: bool = False
     precision: str | None = "fp32"  # fp32, bf16 or fp16 (fp32 master weights either way); auto: bf16 where supported
     reduce_dtype: str = "fp32"  # dtype gradients are reduced in under bf16/fp16
     loss_scale: float = 0.0  # fp16: a static loss scale; 0 for dynamic scaling

@@ -44,7 +44,8 @@ def resolve(cfg: TrainConfig, world_size: int) -> TrainConfig:
     plan = plan_for(cfg.strategy, world_size, tp=cfg.tp, pp=cfg.pp, dp_shard=cfg.dp_shard,
                     dp_replicate=cfg.dp_replicate, chunks=out.chunks,
                     schedule=out.pipeline_schedule if degrees.pp > 1 else None,
-                    stages_per_rank=out.stages_per_rank or 1, checkpointing=cfg.activation_checkpointing,
+                    stages_per_rank=out.stages_per_rank or 1, sequence_parallel=cfg.sequence_parallel,
+                    checkpointing=cfg.activation_checkpointing,
                     compile=cfg.compile)
     out.extra.update(world_size=world_size, per_rank_batch=per_rank, grad_accum=per_rank // micro,
                      data_parallel=data_ranks, plan=plan.to_dict())

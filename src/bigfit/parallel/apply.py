@@ -74,7 +74,7 @@ def apply_split(model, plan: ParallelPlan, cfg, rt: Runtime) -> Applied:
 def apply_tp(model, plan: ParallelPlan, rt: Runtime) -> list[str]:
     if plan.tp == 1:
         return []
-    return apply_tensor_parallel(model, rt.mesh["tp"])
+    return apply_tensor_parallel(model, rt.mesh["tp"], plan.sequence_parallel)
 
 
 def apply_per_block(model, plan: ParallelPlan, cfg) -> list[str]:

@@ -30,6 +30,7 @@ def pieces(p: torch.Tensor) -> int:
 def global_norm(params: list, ranks_per_position: int, skip: set[int] = frozenset()) -> torch.Tensor:
     """sqrt(sum of every gradient element squared, counted once): `ranks_per_position` ranks hold
     each pipeline position (world / pp); parameters whose id is in `skip` are copies counted elsewhere."""
+    settle(params)
     device = next((p.grad.device for p in params if p.grad is not None), torch.device("cpu"))
     total = torch.zeros((), dtype=torch.float64, device=device)
     for p in params:
@@ -41,6 +42,17 @@ def global_norm(params: list, ranks_per_position: int, skip: set[int] = frozense
     if dist.is_initialized():
         dist.all_reduce(total)
     return total.sqrt().float()
+
+
+def settle(params: list) -> None:
+    """Reduce, in place, gradients still Partial over a mesh: weights replicated over tensor-parallel
+    ranks that saw different tokens or heads (sequence-parallel norms, per-head q/k norms) get each
+    rank's share of their gradient, which DTensor sums only when asked. Their local pieces would
+    otherwise enter the norm unsummed."""
+    for p in params:
+        g = p.grad
+        if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
+            p.grad = g.redistribute(placements=p.placements)
 
 
 def clip_by(params: list, max_norm: float, total: torch.Tensor) -> float:

@@ -62,6 +62,7 @@ class ParallelPlan:
     chunks: int = 1  # pipeline micro-batches per micro-batch (pipeline stages, device_map GPipe)
     schedule: str | None = None  # pipeline schedule (gpipe, 1f1b, interleaved) when pp > 1
     stages_per_rank: int = 1  # pipeline stages per position (interleaved: 2 or more)
+    sequence_parallel: bool = False  # tp's residual stream, norms and dropout split by sequence (tp > 1)
     checkpointing: bool = False  # activation checkpointing of every block
     compile: bool = False  # torch.compile of every block
     name: str = "zero3"  # the alias it was resolved from, for messages and the start-of-run table
@@ -108,6 +109,7 @@ class ParallelPlan:
         extras += ["parameters in host RAM"] if self.offload_params else []
         extras += [f"device map, {self.chunks} chunks"] if self.split else []
         extras += [f"pipeline {self.schedule}, {self.chunks} chunks"] if self.pp > 1 else []
+        extras += ["sequence parallel"] if self.sequence_parallel else []
         return f"{self.name}: {' x '.join(on)}; {what}" + "".join(f"; {e}" for e in extras)
 
     def to_dict(self) -> dict:
@@ -146,6 +148,11 @@ def _unsupported(p: ParallelPlan) -> list[str]:
     if p.tp > 1 and p.engine == "ddp" and p.pp == 1:
         out.append(f"--tp {p.tp} with --dp-replicate {p.dp_replicate} under {p.name}: DDP does not take tensor-parallel "
                    "(DTensor) parameters; use --strategy zero2 or zero3 (FSDP2 over TP, HSDP with --dp-replicate)")
+    if p.sequence_parallel and p.tp == 1:
+        out.append("--sequence-parallel splits the sequence over tensor-parallel ranks: add --tp 2 or more")
+    if p.sequence_parallel and p.pp > 1:
+        out.append(f"--sequence-parallel with --pp {p.pp} is not supported yet (stages exchange whole hidden states); "
+                   "use --tp alone or with --dp-shard, or drop --sequence-parallel")
     if p.pp == 1 and (p.schedule is not None or p.stages_per_rank != 1):
         out.append("--pipeline-schedule / --stages-per-rank belong to a pipeline (--pp 2 or more, or --strategy pipeline)")
     if p.chunks > 1 and p.pp == 1 and not p.split:

@@ -23,31 +23,34 @@ from .styles import whole_logits
 __all__ = ["apply_tensor_parallel", "check_tensor_parallel", "param_groups", "whole_logits"]
 
 
-def check_tensor_parallel(model_config, tp: int) -> None:
+def check_tensor_parallel(model_config, tp: int, sequence: bool = False) -> None:
     """Raise BigfitError (one line: the bad degree, what it fails to divide, the valid degrees) when
-    `tp` cannot split this model, or when its model type has no plan. Reads the config only."""
-    plans.check(model_config, tp)
+    `tp` cannot split this model, or when its model type has no plan (or, with `sequence`, none that
+    sequence parallelism supports). Reads the config only."""
+    plans.check(model_config, tp, sequence)
 
 
-def apply_tensor_parallel(model: torch.nn.Module, tp_mesh) -> list[str]:
+def apply_tensor_parallel(model: torch.nn.Module, tp_mesh, sequence: bool = False) -> list[str]:
     """Split every block's attention and MLP over the 1-D DeviceMesh `tp_mesh`, in place; returns
     notes for the start-of-run table. No communication: each rank cuts its shards from its own
     copy (src_data_rank None), so ranks whose model is on the meta device get meta shards, to be
     filled afterwards (set_model_state_dict(..., full_state_dict=True, broadcast_from_rank0=True)).
-    A mesh of one rank changes nothing."""
+    A mesh of one rank changes nothing. `sequence`: Megatron's sequence parallelism (plans.py)."""
     tp = tp_mesh.size()
-    check_tensor_parallel(model.config, tp)
+    check_tensor_parallel(model.config, tp, sequence)
     if tp == 1:
         return []
-    plan, vocab = plans.build(model), plans.vocab_styles(model, tp)
+    plan, vocab = plans.build(model, sequence), plans.vocab_styles(model, tp, sequence)
     ties = _ties(model)
     parallelize_module(model, tp_mesh, {**plan.styles, **vocab}, src_data_rank=None)
     _retie(ties)
     for module, names in plan.local:  # attention code that reads head counts sees this rank's
         for name in names:
             setattr(module, name, getattr(module, name) // tp)
-    split = "split by vocabulary" if vocab else f"replicated ({model.config.vocab_size} rows do not split {tp} ways)"
-    return [f"tensor parallel {tp}: {plan.blocks} (attention heads and FFN split); embeddings and LM head {split}"]
+    split = "split by vocabulary" if plans.splits_vocab(plans.vocab_rows(model), tp) else \
+        f"replicated ({model.config.vocab_size} rows do not split {tp} ways)"
+    seq = "; residual stream and norms split by sequence" if sequence else ""
+    return [f"tensor parallel {tp}: {plan.blocks} (attention heads and FFN split); embeddings and LM head {split}{seq}"]
 
 
 def _ties(model: torch.nn.Module) -> list[list[tuple[torch.nn.Module, str]]]:

@@ -19,11 +19,12 @@ import re
 from dataclasses import dataclass, field
 
 from torch import nn
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
 from ..errors import BigfitError
-from .styles import Conv1DColwise, Conv1DRowwise, FusedConv1DColwise, VocabColwise, VocabRowwise
+from .styles import (Conv1DColwise, Conv1DRowwise, FusedConv1DColwise, GatherSequence, SplitSequence, VocabColwise,
+                     VocabRowwise)
 
 T5_TYPES = ("t5", "mt5")
 
@@ -66,9 +67,15 @@ def split_counts(config) -> dict[str, int]:
     return {"attention heads": heads, "KV heads": kv, "FFN width": config.intermediate_size}
 
 
-def check(config, tp) -> None:
+# the styles of a transformers plan that sequence parallelism knows how to enter and leave around
+SEQUENCE_STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce", "embedding_rowwise", "embedding_colwise")
+
+
+def check(config, tp, sequence: bool = False) -> None:
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
         raise BigfitError(f"tensor parallel degree {tp!r} is not valid; it must be a whole number of at least 1")
+    if sequence:
+        _check_sequence(config)
     if tp == 1:  # nothing is split: any model will do
         return
     counts = split_counts(config)
@@ -79,13 +86,44 @@ def check(config, tp) -> None:
                               f"{config.model_type} model; valid degrees: {valid}")
 
 
-def build(model: nn.Module) -> Plan:
+def _check_sequence(config) -> None:
+    """Sequence parallelism is built for the families with transformers' own plan, whose blocks are
+    norm -> attention -> residual add, norm -> MLP -> residual add (Llama, Mistral, Qwen, ...)."""
+    kind = config.model_type
+    plan = {} if kind == "gpt2" or kind in T5_TYPES else (getattr(config, "base_model_tp_plan", None) or {})
+    other = sorted({s for s in plan.values() if s not in SEQUENCE_STYLES})
+    if not plan or other:
+        why = f"its plan uses {other[0]!r}" if other else "it has no transformers tensor-parallel plan"
+        raise BigfitError(f"--sequence-parallel does not support model type {kind!r} ({why}); it supports models "
+                          "whose transformers plan uses only colwise/rowwise styles (llama, mistral, qwen2, qwen3, "
+                          "...); drop --sequence-parallel")
+
+
+def build(model: nn.Module, sequence: bool = False) -> Plan:
     kind = model.config.model_type
     if kind == "gpt2":
         return _gpt2(model)
     if kind in T5_TYPES:
         return _t5(model)
-    return _from_config(model)
+    plan = _from_config(model)
+    if sequence:
+        _check_sequence(model.config)
+        _split_sequence(model, plan)
+    return plan
+
+
+def _split_sequence(model: nn.Module, plan: Plan) -> None:
+    """Megatron's sequence parallelism on a transformers plan: the residual stream a DTensor split by
+    sequence (Shard(1)) between the blocks' parts; every norm on it runs on this rank's tokens
+    (torch's SequenceParallel: weights replicated, their gradients all-reduced); each module holding
+    row-parallel layers (attention, MLP) all-gathers its input (GatherSequence), and those layers
+    reduce-scatter their output by sequence instead of all-reducing it."""
+    for name in [n for n, s in plan.styles.items() if isinstance(s, RowwiseParallel)]:
+        plan.styles[name] = RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
+        plan.styles[name.rpartition(".")[0]] = GatherSequence()
+    for name, mod in model.named_modules():
+        if "norm" in type(mod).__name__.lower() and name not in plan.styles:
+            plan.styles[name] = SequenceParallel(use_local_output=False)
 
 
 def vocab_rows(model: nn.Module) -> int:
@@ -108,17 +146,22 @@ def splits_vocab(rows: int, tp: int) -> bool:
     return tp > 1 and rows > 0 and rows % tp == 0
 
 
-def vocab_styles(model: nn.Module, tp: int) -> dict[str, ParallelStyle]:
+def vocab_styles(model: nn.Module, tp: int, sequence: bool = False) -> dict[str, ParallelStyle]:
     """Every token embedding (T5's shared one and its encoder's and decoder's, which hold the same
-    weight) VocabRowwise and the LM head VocabColwise; {} when the vocabulary does not split."""
+    weight) VocabRowwise and the LM head VocabColwise; where the vocabulary does not split, none, or
+    under sequence parallelism the replicated embeddings' outputs split by sequence and the head's
+    input gathered."""
     rows = vocab_rows(model)
-    if not splits_vocab(rows, tp):
+    split = splits_vocab(rows, tp)
+    if not split and not sequence:
         return {}
-    styles: dict[str, ParallelStyle] = {name: VocabRowwise() for name, mod in model.named_modules()
-                                        if isinstance(mod, nn.Embedding) and mod.num_embeddings == rows}
     head = model.get_output_embeddings()
+    embedding = VocabRowwise if split else SplitSequence
+    styles: dict[str, ParallelStyle] = {
+        name: embedding(sequence) if split else embedding() for name, mod in model.named_modules()
+        if isinstance(mod, nn.Embedding) and mod.num_embeddings == model.config.vocab_size}
     if isinstance(head, nn.Linear):
-        styles[_prefix_of(model, head).rstrip(".")] = VocabColwise()
+        styles[_prefix_of(model, head).rstrip(".")] = VocabColwise() if split else GatherSequence(local=True)
     return styles
 
 

@@ -14,7 +14,7 @@ import functools
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from .comms import HeadLayout, ReduceGradient, SumOverGroup, ToHeads
@@ -28,11 +28,13 @@ def _shard_params(module: nn.Module, mesh, placements: dict, src_data_rank) -> N
 
 
 def _replicated_input(module, inputs, mesh):
-    """Forward: nothing moves. Backward: DTensor all-reduces the input's gradient (each rank's
-    columns contribute part of it)."""
+    """Forward: nothing moves (a sequence-parallel input is all-gathered). Backward: DTensor
+    all-reduces the input's gradient (each rank's columns contribute part of it), or reduce-scatters
+    it by sequence."""
     x = inputs[0]
-    return (x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, [Replicate()], run_check=False),
-            *inputs[1:])
+    x = x.redistribute(placements=[Replicate()]) if isinstance(x, DTensor) else \
+        DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+    return (x, *inputs[1:])
 
 
 def _sharded_input(module, inputs, mesh):
@@ -105,21 +107,26 @@ def _fused_forward(module: nn.Module, layout: HeadLayout, x: torch.Tensor) -> to
 class VocabRowwise(ParallelStyle):
     """A token embedding (nn.Embedding) split by vocabulary rows: weight Shard(0). Forward: each rank
     looks up the ids that fall in its rows (zeros for the others) and the partial outputs are
-    all-reduced (comms.SumOverGroup). Backward: nothing moves; the weight's gradient is this rank's
-    rows only.
+    all-reduced (comms.SumOverGroup), or under sequence parallelism reduce-scattered by sequence
+    (a DTensor Shard(1)). Backward: nothing moves (all-gathered by sequence under sequence
+    parallelism); the weight's gradient is this rank's rows only.
 
     Why not torch's RowwiseParallel: DTensor has no row-wise rule for the embedding's backward, so
     it computes the whole (vocab, hidden) gradient, replicated, on every rank: the memory the split
     should save, and a gradient whose placement differs from its parameter's."""
 
+    def __init__(self, sequence: bool = False):
+        super().__init__()
+        self.sequence = sequence
+
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         _shard_params(module, device_mesh, {"weight": Shard(0)}, self.src_data_rank)
         # an instance attribute shadows Embedding.forward: the module's class, name and state dict stay
-        module.forward = functools.partial(_rows_forward, module, device_mesh)
+        module.forward = functools.partial(_rows_forward, module, device_mesh, self.sequence)
         return module
 
 
-def _rows_forward(module: nn.Embedding, mesh, ids: torch.Tensor) -> torch.Tensor:
+def _rows_forward(module: nn.Embedding, mesh, sequence: bool, ids: torch.Tensor) -> torch.Tensor:
     weight = module.weight.to_local()  # read at each call: tying and FSDP2 replace the parameter
     rows = weight.size(0)
     start = mesh.get_local_rank() * rows
@@ -127,6 +134,8 @@ def _rows_forward(module: nn.Embedding, mesh, ids: torch.Tensor) -> torch.Tensor
     pad = module.padding_idx  # a padding row gets no gradient, on the rank that holds it
     pad = pad - start if pad is not None and 0 <= pad - start < rows else None
     out = F.embedding(torch.where(mine, ids - start, 0), weight, pad).masked_fill(~mine[..., None], 0)
+    if sequence:
+        return DTensor.from_local(out, mesh, [Partial()], run_check=False).redistribute(placements=[Shard(1)])
     return SumOverGroup.apply(out, mesh.get_group())
 
 
@@ -159,3 +168,41 @@ def whole_logits(model: nn.Module):
         yield
     finally:
         head.whole_logits = False
+
+
+class SplitSequence(ParallelStyle):
+    """Enter sequence parallelism after a replicated module (an embedding the vocabulary does not
+    split, GPT-2's position embedding): its whole output becomes a DTensor Shard(1), each rank keeping
+    its slice of the sequence. Forward: nothing moves. Backward: the slices' gradients are all-gathered."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        # a plain hook: distribute_module would make the parameters replicated DTensors
+        module.register_forward_hook(lambda mod, args, out: DTensor.from_local(
+            out, device_mesh, [Replicate()], run_check=False).redistribute(placements=[Shard(1)]))
+        return module
+
+
+class GatherSequence(ParallelStyle):
+    """Leave sequence parallelism before a module that needs whole sequences (attention, an MLP whose
+    inputs enter column-parallel layers, a replicated LM head): every DTensor argument split by
+    sequence, positional or keyword, is all-gathered. It stays a DTensor (`local` False), so that the
+    column-parallel layers' partial input gradients are reduce-scattered in backward in one step; or
+    becomes a plain tensor (`local`: a replicated module, whose input gradient is whole on every rank
+    and is sliced)."""
+
+    def __init__(self, local: bool = False):
+        super().__init__()
+        self.local = local
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        def gather(x):
+            if not isinstance(x, DTensor) or x.placements != (Shard(1),):
+                return x
+            x = x.redistribute(placements=[Replicate()])
+            return x.to_local() if self.local else x
+
+        def hook(mod, args, kwargs):
+            return tuple(gather(a) for a in args), {k: gather(v) for k, v in kwargs.items()}
+
+        module.register_forward_pre_hook(hook, with_kwargs=True)
+        return module

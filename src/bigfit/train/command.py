@@ -142,7 +142,7 @@ def _check_split(job, nproc: int) -> None:
     if job.plan.tp > 1:
         from ..tensor import check_tensor_parallel
 
-        check_tensor_parallel(job.model_config, job.plan.tp)
+        check_tensor_parallel(job.model_config, job.plan.tp, job.plan.sequence_parallel)
 
 
 def _auto_batch(cfg: TrainConfig, argv: list[str], nproc: int) -> TrainConfig:
