@@ -53,6 +53,9 @@ BAD = [
     ("zero1", 4, dict(dp_replicate=2), "zero1 shards optimizer states over every data-parallel rank"),
     ("zero2-offload", 4, dict(tp=2), "offload engine shards over data-parallel ranks only"),
     ("ddp", 4, dict(tp=2), "DDP does not take tensor-parallel (DTensor) parameters"),
+    ("zero3", 2, dict(sequence_parallel=True), "--sequence-parallel splits the sequence over tensor-parallel "
+                                               "ranks: add --tp 2 or more"),
+    ("pipeline", 4, dict(tp=2, sequence_parallel=True), "--sequence-parallel with --pp 2 is not supported yet"),
     ("zero3-offload", 2, dict(pp=2), "zero3-offload over pipeline stages needs 2 or more data-parallel ranks per "
                                      "stage (got pp 2 of 2 processes); use --nproc 4, or zero2-offload --pp 2"),
     ("device_map", 2, {}, "splits the model over the devices of one process, but the plan has 2"),
@@ -84,6 +87,8 @@ def test_every_alias_is_a_strategy_the_settings_accept():
     (["--nproc", "4", "--tp", "3"], "tp 3 x pp 1 x dp_replicate 1 = 3 does not divide the 4 processes"),
     (["--nproc", "2", "--tp", "2", "--strategy", "zero2-offload"], "offload engine shards over data-parallel"),
     (["--nproc", "2", "--tp", "2", "--strategy", "ddp"], "tensor parallel degree 2 does not divide the 3 "),
+    (["--nproc", "2", "--tp", "2", "--sequence-parallel"], "--sequence-parallel does not support model type 't5'"),
+    (["--nproc", "2", "--sequence-parallel"], "--sequence-parallel splits the sequence over tensor-parallel ranks"),
 ])
 def test_train_refuses_bad_degrees_before_any_work(tmp_path, capsys, model_dirs, argv, needle):
     from bigfit.cli import main

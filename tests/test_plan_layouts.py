@@ -64,6 +64,26 @@ def test_tp_halves_the_block_states_embeddings_head_and_logits_and_keeps_the_nor
         sum(llama.block_tp_saved) / 2 + llama.loss_saved / 2, abs=2)
 
 
+def test_sequence_parallelism_divides_the_norms_and_residual_stream_too(llama):
+    """Under --sequence-parallel a tp-2 rank keeps half of what TP alone keeps whole in each block (norm
+    inputs, the residual stream), but not the column-parallel layers' gathered inputs; the composed
+    rows carry it (`tp2 (sp)`) for models with transformers' plan, and GPT-2 and T5 rows never do."""
+    from bigfit.planning.composed import share
+    from bigfit.planning.search import Job
+
+    sp, tp = share(llama, 2, 1.0, sequence=True), share(llama, 2, 1.0)
+    for a, b, s in zip(sp.block_saved, tp.block_saved, llama.block_sp_saved):
+        assert a == pytest.approx(b - s / 2) and s > 0
+    whole = [a - d - s for a, d, s in zip(llama.block_saved, llama.block_tp_saved, llama.block_sp_saved)]
+    assert all(w > 0 for w in whole)  # q/k/v's and gate/up's gathered inputs
+    job = Job(batch_size=4, micro_batch=4, seq_len=64, sequence_parallel=True)
+    _, by = rows(llama, 2, job)
+    assert by["tp2 (sp)"].estimate.per_gpu["activations"] < rows(llama, 2, Job(batch_size=4, micro_batch=4, seq_len=64))[1][
+        "tp2"].estimate.per_gpu["activations"]
+    gpt2 = traced("gpt2", 4)
+    assert gpt2.sp_error and "tp2" in rows(gpt2, 2, job)[1]
+
+
 def test_a_vocabulary_the_degree_does_not_divide_stays_whole():
     """T5 with 386 rows at tp 4: embeddings, head and logits whole on every rank; at tp 2 halved."""
     from bigfit.planning.composed import share

@@ -69,7 +69,8 @@ def plan_command(ns) -> int:
     job = Job(batch_size=ns.batch_size, seq_len=ns.seq_len, target_len=ns.target_len if config.is_encoder_decoder
               else 0, micro_batch=ns.micro_batch_size, precision=ns.precision, checkpointing=ns.activation_checkpointing,
               chunks=ns.chunks, pipeline_schedule=ns.pipeline_schedule, stages_per_rank=ns.stages_per_rank,
-              delayed_update=ns.delayed_update, offload_grads=ns.offload_grads, nvme_host_gb=ns.nvme_host_gb)
+              delayed_update=ns.delayed_update, offload_grads=ns.offload_grads, nvme_host_gb=ns.nvme_host_gb,
+              sequence_parallel=ns.sequence_parallel)
     p = plan_for_config(config, hw, job, layouts=fixed)
     if fixed and not p.layouts and p.layout_rejected:  # the degrees asked for rule out every composed plan
         r = p.layout_rejected[0]
@@ -120,7 +121,8 @@ def _job(cfg, config, batch: int, micro: int | None) -> Job:
                precision=cfg.precision or auto_precision(), checkpointing=cfg.activation_checkpointing,
                delayed_update=cfg.delayed_update, offload_grads=cfg.offload_grads, nvme_host_gb=cfg.nvme_host_gb,
                clipping=cfg.max_grad_norm > 0, chunks=cfg.chunks,
-               pipeline_schedule=cfg.pipeline_schedule, stages_per_rank=cfg.stages_per_rank)
+               pipeline_schedule=cfg.pipeline_schedule, stages_per_rank=cfg.stages_per_rank,
+               sequence_parallel=cfg.sequence_parallel)
 
 
 def auto_strategy(cfg, world: int, one_process: bool = True) -> tuple[str, str]:

@@ -41,15 +41,18 @@ class Pipe:
     runs: list[tuple[int, int]]  # each stage's blocks [start, stop): pipeline/cut.py's balance
 
 
-def share(prof, tp: int, scale: float):
+def share(prof, tp: int, scale: float, sequence: bool = False):
     """One TP rank's part of the model, at `scale` times the traced micro-batch: the blocks' split
     parameters and saved tensors over tp, and where the degree divides the vocabulary (as
     tensor.plans.splits_vocab) the embeddings, head, logits and loss too, with the embedding's
-    forward all-reduce and the head's input-gradient all-reduce added to the first and last blocks'."""
+    forward all-reduce and the head's input-gradient all-reduce added to the first and last blocks'.
+    `sequence`: sequence parallelism divides the blocks' norms' and residual stream's tensors too."""
     cut = 1 - 1 / tp
     vcut = cut if prof.vocab_rows and prof.vocab_rows % tp == 0 else 0.0
     split = prof.block_tp_params or [0] * prof.n_blocks
     divided = prof.block_tp_saved or [0] * prof.n_blocks
+    if sequence:
+        divided = [d + s for d, s in zip(divided, prof.block_sp_saved or [0] * prof.n_blocks)]
     blocks = [n - s * cut for n, s in zip(prof.block_params, split)]
     params = prof.params - sum(split) * cut - prof.vocab_params * vcut
     embedding = prof.embedding_params * (1 - vcut)
@@ -76,7 +79,7 @@ def estimate(name: str, plan, prof, hw, job, micro: int, pipe: Pipe | None = Non
     """The row of `plan`: `micro` samples per micro-batch on each data-parallel rank."""
     c = DTYPES[job.precision].itemsize
     accum = job.batch_size // (micro * plan.dp)
-    rank = share(prof, plan.tp, micro / job.micro(hw.world_size))
+    rank = share(prof, plan.tp, micro / job.micro(hw.world_size), plan.sequence_parallel)
     if pipe is None:
         gpu, host = memory(_row_of(plan), rank, hw, c, job.checkpointing, accum,
                            shards=plan.dp_shard if plan.engine == "fsdp" else plan.dp)

@@ -60,9 +60,12 @@ def dims_name(degrees: dict[str, int]) -> str:
 
 
 def layout_name(p: ParallelPlan, kind: str) -> str:
-    """`pp2 x dp_shard2 x tp2 (zero3)`; no kind where nothing is data-parallel (`pp2 x tp4`)."""
+    """`pp2 x dp_shard2 x tp2 (zero3)`; no kind where nothing is data-parallel (`pp2 x tp4`); `sp`
+    with sequence parallelism (`dp_shard2 x tp2 (zero3, sp)`, `tp4 (sp)`)."""
     dims = dims_name({d: getattr(p, d) for d in DIMS})
-    return dims if p.dp == 1 and p.zero == 0 and not p.offload_params else f"{dims} ({kind})"
+    what = [] if p.dp == 1 and p.zero == 0 and not p.offload_params else [kind]
+    what += ["sp"] if p.sequence_parallel else []
+    return f"{dims} ({', '.join(what)})" if what else dims
 
 
 def layout_rows(prof, hw, job, fixed: dict[str, int]) -> tuple[list[LayoutCandidate], list[Rejected]]:
@@ -83,7 +86,7 @@ def layout_rows(prof, hw, job, fixed: dict[str, int]) -> tuple[list[LayoutCandid
         except _Reject as e:
             rejected.append(Rejected(dims_name(degrees), e.group, e.detail))
             continue
-        plans, refusals = _plans(world, degrees, pipe)
+        plans, refusals = _plans(world, degrees, pipe, job.sequence_parallel and not prof.sp_error)
         if len(refusals) == len(KINDS):
             rejected.append(Rejected(dims_name(degrees), "bigfit cannot run these degrees with any data-parallel kind",
                                      refusals.get("zero3") or next(iter(refusals.values()))))
@@ -144,11 +147,12 @@ def _pipe(pp: int, prof, job, micro: int) -> composed.Pipe:
     return composed.Pipe(layout, balance(prof.block_params, layout.stages))
 
 
-def _plans(world: int, degrees: dict, pipe) -> tuple[list[tuple[str, ParallelPlan]], dict[str, str]]:
+def _plans(world: int, degrees: dict, pipe, sequence: bool = False) -> tuple[list[tuple[str, ParallelPlan]], dict[str, str]]:
     """(kind, plan) of each data-parallel kind plan_for accepts with these degrees, one per distinct
     plan; and each refusal by kind (every kind refused: bigfit cannot run the degrees). Layouts a named
     row rates are left out; so is the offload engine without a pipeline (the zero2-offload row rates
-    it over dp_shard alone), and its NVMe tier over stages (not rated)."""
+    it over dp_shard alone), and its NVMe tier over stages (not rated). `sequence`: plans with tp and
+    no pipeline split the sequence."""
     out, seen, refusals = [], set(), {}
     for kind in KINDS:
         try:
@@ -163,6 +167,8 @@ def _plans(world: int, degrees: dict, pipe) -> tuple[list[tuple[str, ParallelPla
         if pipe:
             p = replace(p, schedule=pipe.layout.schedule, stages_per_rank=pipe.layout.stages_per_rank,
                         chunks=pipe.layout.chunks)
+        elif sequence and p.tp > 1:
+            p = replace(p, sequence_parallel=True)
         out.append((kind, p))
     return out, refusals
 

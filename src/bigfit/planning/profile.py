@@ -17,7 +17,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from ..errors import BigfitError
 from ..models import block_lists, is_seq2seq
 from ..precision import DTYPES
-from .tp_trace import TensorSplit, split_counts
+from .tp_trace import TensorSplit, sequence_error, split_counts
 
 
 @dataclass
@@ -47,6 +47,8 @@ class ModelProfile:
     # bytes it divides, the elements per token it all-reduces (forward, backward); what a degree must divide
     block_tp_params: list[int] = field(default_factory=list)
     block_tp_saved: list[int] = field(default_factory=list)
+    block_sp_saved: list[int] = field(default_factory=list)  # what sequence parallelism divides besides
+    sp_error: str | None = None  # why this model has no sequence parallelism
     tp_reduce: list[tuple[int, int]] = field(default_factory=list)
     hidden: int = 0
     tp_counts: dict[str, int] = field(default_factory=dict)
@@ -178,7 +180,7 @@ def _trace(model, seq2seq: bool, b: int, t: int, tt: int, skip=None) -> ModelPro
     stacks = block_lists(model)
     blocks = [blk for _, s in stacks for blk in s]
     block_params = [sum(p.numel() for p in blk.parameters()) for blk in blocks]
-    saved: dict = {}  # storage -> (bytes, block index or -1, whether tensor parallelism divides it)
+    saved: dict = {}  # storage -> (bytes, block index or -1, what divides it: "tp", "sp" or "")
     inputs = [0] * len(blocks)
     current = [-1]
     split = TensorSplit(model, blocks, _hidden(model.config))
@@ -186,7 +188,7 @@ def _trace(model, seq2seq: bool, b: int, t: int, tt: int, skip=None) -> ModelPro
     def pack(x):  # current[0]: the block running, -1 outside blocks, -2 the loss
         key = _storage_key(x)
         if key not in params and key not in saved and key not in skip:
-            saved[key] = (x.untyped_storage().nbytes(), current[0], current[0] >= 0 and split.divides(x))
+            saved[key] = (x.untyped_storage().nbytes(), current[0], split.divides(x) if current[0] >= 0 else "")
         return x
 
     def pre(i):
@@ -215,12 +217,13 @@ def _trace(model, seq2seq: bool, b: int, t: int, tt: int, skip=None) -> ModelPro
         for h in handles:
             h.remove()
         split.remove()
-    per_block, divided = [0] * len(blocks), [0] * len(blocks)
+    per_block, divided, sequence = [0] * len(blocks), [0] * len(blocks), [0] * len(blocks)
     other = loss = 0
     for nbytes, i, divides in saved.values():
         if i >= 0:
             per_block[i] += nbytes
-            divided[i] += nbytes if divides else 0
+            divided[i] += nbytes if divides == "tp" else 0
+            sequence[i] += nbytes if divides == "sp" else 0
         else:
             other += nbytes
             loss += nbytes if i == -2 else 0
@@ -237,7 +240,7 @@ def _trace(model, seq2seq: bool, b: int, t: int, tt: int, skip=None) -> ModelPro
                         loss_saved=loss, logits_numel=logits.numel(),
                         head_params=model.get_output_embeddings().weight.numel(), matmul_params=_matmul_params(model),
                         block_params=block_params, stacks=[(p, len(s)) for p, s in stacks], **_outside(model),
-                        block_tp_params=split.params, block_tp_saved=divided,
+                        block_tp_params=split.params, block_tp_saved=divided, block_sp_saved=sequence,
                         tp_reduce=[tuple(r) for r in split.reduce], hidden=hidden, vocab_rows=split.vocab_rows,
                         vocab_params=split.vocab_params, **_tp_counts(model.config, split))
 
@@ -248,7 +251,7 @@ def _hidden(cfg) -> int:
 
 def _tp_counts(config, split: TensorSplit) -> dict:
     counts, error = split_counts(config)
-    return {"tp_counts": counts, "tp_error": error or split.error}
+    return {"tp_counts": counts, "tp_error": error or split.error, "sp_error": sequence_error(config)}
 
 
 def _outside(model) -> dict:

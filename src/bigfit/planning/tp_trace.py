@@ -4,11 +4,12 @@ attention output and FFN-out row-parallel; norms replicated; token embeddings an
 vocabulary where the degree divides it, counted here as `vocab_rows` and `vocab_params`).
 
 - Parameters: those of the modules the plan splits. Block norms stay whole on every rank.
-- Saved activations: a column-parallel layer saves its input, which every TP rank holds whole (there
-  is no sequence parallelism); a row-parallel one saves its input split. Norms save whole tensors.
-  Elsewhere in a block (attention core, activation function, rotary embedding) a tensor whose last
-  dim is the hidden size is whole on every rank (residual stream, dropout masks after the output
-  projections), any other is a per-head or per-FFN-column piece, split by tp.
+- Saved activations: a column-parallel layer saves its input, which every TP rank holds whole (under
+  sequence parallelism too: the gathered input); a row-parallel one saves its input split. Norms
+  save whole tensors. Elsewhere in a block (attention core, activation function, rotary embedding) a
+  tensor whose last dim is the hidden size is whole on every rank (residual stream, dropout masks
+  after the output projections), any other is a per-head or per-FFN-column piece, split by tp.
+  Sequence parallelism splits the norms' and the hidden-sized ones too (`kind` "sp").
 - Communication: each row-parallel output is all-reduced in forward; in backward, DTensor
   all-reduces each column-parallel layer's input gradient separately (torch's ColwiseParallel:
   `from_local`'s backward turns the Partial gradient into a Replicate one), so Llama's separate
@@ -62,13 +63,16 @@ class TensorSplit:
         if features:  # an Embedding split by heads (T5's relative bias) sends nothing
             self.reduce[i][0 if kind == "rowwise" else 1] += features[1 if kind == "rowwise" else 0]
 
-    def divides(self, x: torch.Tensor) -> bool:
-        """Whether TP splits this tensor saved for backward (inside a block)."""
-        if self.kind in ("colwise", "norm"):
-            return False
+    def divides(self, x: torch.Tensor) -> str:
+        """What splits this tensor saved for backward (inside a block): "tp" (tensor parallelism),
+        "sp" (only sequence parallelism: norms, the residual stream) or "" (nothing)."""
+        if self.kind == "colwise":
+            return ""
+        if self.kind == "norm":
+            return "sp"
         if self.kind == "rowwise":
-            return True
-        return x.dim() > 0 and x.shape[-1] != self.hidden
+            return "tp"
+        return "tp" if x.dim() > 0 and x.shape[-1] != self.hidden else "sp"
 
     def remove(self) -> None:
         for h in self.handles:
@@ -119,6 +123,17 @@ def split_counts(config) -> tuple[dict[str, int], str | None]:
         return plans.split_counts(config), None
     except BigfitError as e:
         return {}, str(e)
+
+
+def sequence_error(config) -> str | None:
+    """Why sequence parallelism cannot run on this model (tensor/plans.py's check), or None."""
+    from ..tensor import plans  # imported here, as in split_counts
+
+    try:
+        plans.check(config, 1, sequence=True)
+    except BigfitError as e:
+        return str(e)
+    return None
 
 
 def valid_tp(counts: dict[str, int]) -> list[int]:
