@@ -34,10 +34,12 @@ class Batcher:
         return [mine[i:i + micro] for i in range(0, per_rank, micro)]
 
 
-def collate(samples: list[dict], pad_id: int, device=None) -> dict[str, torch.Tensor]:
-    """Right-pad `input_ids` (with pad_id) and `labels` (with -100) to the longest sample."""
-    width = max(len(s["input_ids"]) for s in samples)
-    lab_width = max(len(s["labels"]) for s in samples)
+def collate(samples: list[dict], pad_id: int, device=None, multiple: int = 1) -> dict[str, torch.Tensor]:
+    """Right-pad `input_ids` (with pad_id) and `labels` (with -100) to the longest sample, rounded up
+    to a `multiple` (sequence parallelism splits the sequence evenly: padded positions are masked and
+    carry no label, so the loss is unchanged)."""
+    width = -(-max(len(s["input_ids"]) for s in samples) // multiple) * multiple
+    lab_width = -(-max(len(s["labels"]) for s in samples) // multiple) * multiple
     ids = torch.full((len(samples), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(samples), width), dtype=torch.long)
     labels = torch.full((len(samples), lab_width), IGNORE, dtype=torch.long)

@@ -49,6 +49,8 @@ def apply(model: torch.nn.Module, plan: ParallelPlan, cfg, rt: Runtime) -> Appli
     engine = apply_materialise(engine, full, plan, rt)
     engine = apply_offloading(engine, plan, cfg, rt)
     engine.notes[:0] = notes
+    if plan.sequence_parallel:  # torch 2.11 gathers uneven sequence splits into views its backward cannot use
+        engine.sequence_multiple = plan.tp
     if plan.tp > 1:
         engine.counts = rt.mesh.get_local_rank("tp") == 0  # tensor-parallel peers repeat its losses and texts
         engine.norm_ranks = engine.norm_ranks or rt.world_size  # pipelines set their own

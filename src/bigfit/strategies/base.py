@@ -47,6 +47,7 @@ class Engine(Protocol):
     notes: list[str]  # what was applied, for the start-of-run table
     generates: bool  # evaluation may call generate()
     counts: bool  # this rank's losses and texts are counted: False on tensor-parallel peers, which repeat them
+    sequence_multiple: int  # batches are padded to a multiple of this length (sequence parallelism: tp)
 
     def attach_optimizer(self, cls: type, **kw) -> None:
         """Build the optimizer over the parameters, where the strategy keeps its states."""
@@ -93,6 +94,7 @@ class Applied:
     notes: list[str] = field(default_factory=list)
     generates: bool = True
     counts: bool = True
+    sequence_multiple: int = 1
     norm_ranks: int = 0  # > 0: ranks whose gradients mix DTensors and plain tensors (tensor parallel)
     optimizer: torch.optim.Optimizer | None = None
 

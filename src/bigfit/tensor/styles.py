@@ -32,9 +32,15 @@ def _replicated_input(module, inputs, mesh):
     all-reduces the input's gradient (each rank's columns contribute part of it), or reduce-scatters
     it by sequence."""
     x = inputs[0]
-    x = x.redistribute(placements=[Replicate()]) if isinstance(x, DTensor) else \
-        DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+    x = gathered(x) if isinstance(x, DTensor) else DTensor.from_local(x, mesh, [Replicate()], run_check=False)
     return (x, *inputs[1:])
+
+
+def gathered(x: DTensor) -> DTensor:
+    """`x` replicated, its local tensor contiguous: torch 2.11 all-gathers a sequence split (Shard(1))
+    into a strided view, which its DTensor linear then fails to view as a matrix."""
+    x = x.redistribute(placements=[Replicate()])
+    return x if x.to_local().is_contiguous() else x.clone(memory_format=torch.contiguous_format)
 
 
 def _sharded_input(module, inputs, mesh):
@@ -198,7 +204,7 @@ class GatherSequence(ParallelStyle):
         def gather(x):
             if not isinstance(x, DTensor) or x.placements != (Shard(1),):
                 return x
-            x = x.redistribute(placements=[Replicate()])
+            x = gathered(x)
             return x.to_local() if self.local else x
 
         def hook(mod, args, kwargs):

@@ -41,7 +41,7 @@ def evaluate(applied: Engine, samples: list[dict], *, tokenizer, pad_id: int, se
     generate = seq2seq and applied.generates
     try:
         for items, n_real in shard_batches(samples, rt.data, batch_size):
-            batch = collate(items, pad_id, rt.device)
+            batch = collate(items, pad_id, rt.device, multiple=applied.sequence_multiple)
             l, n = applied.eval_batch(batch, seq2seq)
             if n_real and applied.counts:
                 loss, tokens = loss + l, tokens + n

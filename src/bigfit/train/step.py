@@ -43,7 +43,7 @@ def train_step(engine: Engine, micro_batches: list[list[dict]], *, pad_id: int, 
                lr: float, max_grad_norm: float, scaler: LossScaler | None = None) -> dict:
     """Forward/backward every micro-batch, unscale, clip, step (or skip an fp16 overflow).
     Returns the global-batch loss and what happened."""
-    host = [collate(mb, pad_id) for mb in micro_batches]
+    host = [collate(mb, pad_id, multiple=engine.sequence_multiple) for mb in micro_batches]
     local_tokens = sum(target_tokens(b["labels"], seq2seq) for b in host)  # counted on the host: no device sync
     batches = [{k: v.to(rt.device) for k, v in b.items()} for b in host]
     data = rt.data  # the ranks the global batch is divided over
