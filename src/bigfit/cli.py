@@ -117,7 +117,7 @@ def _plan_parser(sub) -> argparse.ArgumentParser:
                    help="pipeline: stages per process (interleaved: default 2)")
     p.add_argument("--delayed-update", action="store_true", help="zero2-offload: the host step overlaps the next step")
     p.add_argument("--sequence-parallel", action="store_true",
-                   help="composed plans with --tp: the residual stream split by sequence (llama-style models)")
+                   help="composed plans with --tp: the residual stream split by sequence")
     p.add_argument("--offload-grads", default="host", choices=("host", "device"),
                    help="zero2-offload: gradients wait for the host step in RAM (host) or on the GPU (device)")
     p.add_argument("--nvme-host-gb", type=_number(float), default=0.0,

@@ -56,7 +56,7 @@ class TrainConfig:
     dp_shard: int | None = None  # data-parallel processes that shard model states (zero1/2/3, FSDP2)
     dp_replicate: int | None = None  # data-parallel replicas (ddp; HSDP with --dp-shard)
     # with --tp: the residual stream, its norms and dropout split by sequence over the TP ranks
-    # (Megatron's sequence parallelism: block inputs all-gathered, outputs reduce-scattered)
+    # (Megatron's sequence parallelism: attention and MLP inputs all-gathered, outputs reduce-scattered)
     sequence_parallel: bool = False
     precision: str | None = "fp32"  # fp32, bf16 or fp16 (fp32 master weights either way); auto: bf16 where supported
     reduce_dtype: str = "fp32"  # dtype gradients are reduced in under bf16/fp16

@@ -1,7 +1,8 @@
 """Tensor parallelism for unmodified Hugging Face models, on DTensor: each transformer block's
 attention split by heads and its MLP by FFN width over a 1-D TP mesh; token embeddings and the LM
 head split by vocabulary where the degree divides it (replicated otherwise), norms replicated; tied
-weights stay one parameter.
+weights stay one parameter. With `sequence` (Megatron's sequence parallelism) the residual stream
+between attention and MLP is a DTensor split by sequence, and the norms run on each rank's tokens.
 
 After apply_tensor_parallel the split parameters are DTensors on the TP mesh holding contiguous
 shards of the Hugging Face tensors, so `full_tensor()`, `get_model_state_dict(full_state_dict=

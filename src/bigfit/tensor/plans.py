@@ -11,7 +11,8 @@ In all three, where the TP degree divides the vocabulary, the token embeddings a
 vocabulary rows (styles.VocabRowwise: each rank looks up its rows, the partial sums all-reduced)
 and so is the LM head (styles.VocabColwise: logits split by vocabulary into the vocabulary-parallel
 loss), which saves (tp - 1) / tp of the largest activation of a small model, its logits, and of the
-embedding's states. Otherwise both stay replicated."""
+embedding's states. Otherwise both stay replicated. Sequence parallelism (`_split_sequence`) is the
+same plan with the residual stream split by sequence between the parallel regions."""
 from __future__ import annotations
 
 import math
@@ -87,25 +88,24 @@ def check(config, tp, sequence: bool = False) -> None:
 
 
 def _check_sequence(config) -> None:
-    """Sequence parallelism is built for the families with transformers' own plan, whose blocks are
-    norm -> attention -> residual add, norm -> MLP -> residual add (Llama, Mistral, Qwen, ...)."""
+    """Sequence parallelism needs blocks of norm -> attention or MLP -> residual add, whose row-parallel
+    layers it can make reduce-scatter: GPT-2, T5 and the transformers plans of colwise / rowwise styles
+    (Llama, Mistral, Qwen, ...)."""
     kind = config.model_type
-    plan = {} if kind == "gpt2" or kind in T5_TYPES else (getattr(config, "base_model_tp_plan", None) or {})
+    if kind == "gpt2" or kind in T5_TYPES:
+        return
+    plan = getattr(config, "base_model_tp_plan", None) or {}
     other = sorted({s for s in plan.values() if s not in SEQUENCE_STYLES})
     if not plan or other:
         why = f"its plan uses {other[0]!r}" if other else "it has no transformers tensor-parallel plan"
-        raise BigfitError(f"--sequence-parallel does not support model type {kind!r} ({why}); it supports models "
-                          "whose transformers plan uses only colwise/rowwise styles (llama, mistral, qwen2, qwen3, "
-                          "...); drop --sequence-parallel")
+        raise BigfitError(f"--sequence-parallel does not support model type {kind!r} ({why}); it supports gpt2, t5 "
+                          "and models whose transformers plan uses only colwise/rowwise styles (llama, mistral, "
+                          "qwen2, qwen3, ...); drop --sequence-parallel")
 
 
 def build(model: nn.Module, sequence: bool = False) -> Plan:
     kind = model.config.model_type
-    if kind == "gpt2":
-        return _gpt2(model)
-    if kind in T5_TYPES:
-        return _t5(model)
-    plan = _from_config(model)
+    plan = _gpt2(model) if kind == "gpt2" else _t5(model) if kind in T5_TYPES else _from_config(model)
     if sequence:
         _check_sequence(model.config)
         _split_sequence(model, plan)
@@ -113,17 +113,28 @@ def build(model: nn.Module, sequence: bool = False) -> Plan:
 
 
 def _split_sequence(model: nn.Module, plan: Plan) -> None:
-    """Megatron's sequence parallelism on a transformers plan: the residual stream a DTensor split by
-    sequence (Shard(1)) between the blocks' parts; every norm on it runs on this rank's tokens
-    (torch's SequenceParallel: weights replicated, their gradients all-reduced); each module holding
-    row-parallel layers (attention, MLP) all-gathers its input (GatherSequence), and those layers
-    reduce-scatter their output by sequence instead of all-reducing it."""
-    for name in [n for n, s in plan.styles.items() if isinstance(s, RowwiseParallel)]:
-        plan.styles[name] = RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
-        plan.styles[name.rpartition(".")[0]] = GatherSequence()
+    """Megatron's sequence parallelism on a plan: the residual stream a DTensor split by sequence
+    (Shard(1)) between the blocks' parts; every norm on it runs on this rank's tokens (torch's
+    SequenceParallel: weights replicated, their gradients all-reduced); each module holding
+    row-parallel layers (attention, MLP, T5's cross-attention with its encoder states) all-gathers its
+    inputs (GatherSequence; as plain tensors for GPT-2's fused c_attn, which reduces its own input
+    gradient), and those layers reduce-scatter their output by sequence instead of all-reducing it.
+    Embeddings that no other style splits (GPT-2's positions) enter the split (SplitSequence)."""
+    rowwise = [n for n, s in plan.styles.items() if isinstance(s, (RowwiseParallel, Conv1DRowwise))]
+    fused = {n.rpartition(".")[0] for n, s in plan.styles.items() if isinstance(s, FusedConv1DColwise)}
+    for name in rowwise:
+        plan.styles[name] = Conv1DRowwise(sequence=True) if isinstance(plan.styles[name], Conv1DRowwise) else \
+            RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
+        parent = name.rpartition(".")[0]
+        plan.styles[parent] = GatherSequence(local=parent in fused)
+    rows = model.config.vocab_size
     for name, mod in model.named_modules():
-        if "norm" in type(mod).__name__.lower() and name not in plan.styles:
+        if name in plan.styles:
+            continue
+        if "norm" in type(mod).__name__.lower():
             plan.styles[name] = SequenceParallel(use_local_output=False)
+        elif isinstance(mod, nn.Embedding) and mod.num_embeddings != rows:
+            plan.styles[name] = SplitSequence()
 
 
 def vocab_rows(model: nn.Module) -> int:

@@ -66,14 +66,24 @@ class Conv1DColwise(ParallelStyle):
 class Conv1DRowwise(ParallelStyle):
     """Conv1D split by input features: weight (in, out) Shard(0), bias replicated. Its input is a
     column-parallel layer's local output. Forward: the partial outputs are all-reduced (the bias
-    added once). Backward: nothing moves; each rank keeps its slice of the input's gradient."""
+    added once), or under sequence parallelism reduce-scattered by sequence (a DTensor Shard(1)).
+    Backward: nothing moves (all-gathered by sequence); each rank keeps its slice of the input's
+    gradient."""
+
+    def __init__(self, sequence: bool = False):
+        super().__init__()
+        self.sequence = sequence
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         def partition(name, mod, mesh):
             _shard_params(mod, mesh, {"weight": Shard(0), "bias": Replicate()}, self.src_data_rank)
 
-        return distribute_module(module, device_mesh, partition, _sharded_input,
-                                 lambda mod, out, mesh: out.redistribute(placements=[Replicate()]).to_local())
+        def output(mod, out, mesh):
+            if self.sequence:
+                return out.redistribute(placements=[Shard(1)])
+            return out.redistribute(placements=[Replicate()]).to_local()
+
+        return distribute_module(module, device_mesh, partition, _sharded_input, output)
 
 
 class FusedConv1DColwise(ParallelStyle):
@@ -191,7 +201,7 @@ class SplitSequence(ParallelStyle):
 class GatherSequence(ParallelStyle):
     """Leave sequence parallelism before a module that needs whole sequences (attention, an MLP whose
     inputs enter column-parallel layers, a replicated LM head): every DTensor argument split by
-    sequence, positional or keyword, is all-gathered. It stays a DTensor (`local` False), so that the
+    sequence, positional or keyword, is all-gathered (one already whole is left so). It stays a DTensor (`local` False), so that the
     column-parallel layers' partial input gradients are reduce-scattered in backward in one step; or
     becomes a plain tensor (`local`: a replicated module, whose input gradient is whole on every rank
     and is sliced)."""
@@ -201,8 +211,8 @@ class GatherSequence(ParallelStyle):
         self.local = local
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        def gather(x):
-            if not isinstance(x, DTensor) or x.placements != (Shard(1),):
+        def gather(x):  # a DTensor argument is the residual stream (split, or already whole)
+            if not isinstance(x, DTensor):
                 return x
             x = gathered(x)
             return x.to_local() if self.local else x
