@@ -87,7 +87,7 @@ def test_every_alias_is_a_strategy_the_settings_accept():
     (["--nproc", "4", "--tp", "3"], "tp 3 x pp 1 x dp_replicate 1 = 3 does not divide the 4 processes"),
     (["--nproc", "2", "--tp", "2", "--strategy", "zero2-offload"], "offload engine shards over data-parallel"),
     (["--nproc", "2", "--tp", "2", "--strategy", "ddp"], "tensor parallel degree 2 does not divide the 3 "),
-    (["--nproc", "2", "--tp", "2", "--sequence-parallel"], "--sequence-parallel does not support model type 't5'"),
+    (["--nproc", "2", "--tp", "2", "--sequence-parallel"], "--sequence-parallel does not support model type 'phi3'"),
     (["--nproc", "2", "--sequence-parallel"], "--sequence-parallel splits the sequence over tensor-parallel ranks"),
 ])
 def test_train_refuses_bad_degrees_before_any_work(tmp_path, capsys, model_dirs, argv, needle):
@@ -103,6 +103,12 @@ def test_train_refuses_bad_degrees_before_any_work(tmp_path, capsys, model_dirs,
         cfg.hidden_size = 48
         cfg.save_pretrained(tmp_path / "three-heads")
         model = tmp_path / "three-heads"
+    if "--sequence-parallel" in argv and "--tp" in argv:  # a plan whose fused qkv gathers its output
+        from transformers import Phi3Config
+
+        Phi3Config(vocab_size=384, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=4, pad_token_id=0).save_pretrained(tmp_path / "phi3")
+        model = tmp_path / "phi3"
     assert main(["train", "--model", str(model), *argv, "--output-dir", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and needle in err[0], err
