@@ -72,7 +72,8 @@ def share(prof, tp: int, scale: float, sequence: bool = False):
                    other_saved=(prof.other_saved - prof.loss_saved * vcut) * scale, loss_saved=prof.loss_saved * logits,
                    logits_bytes=prof.logits_bytes * logits, logits_numel=prof.logits_numel * logits,
                    tokens=prof.tokens * scale, tp_reduce=[tuple(r) for r in reduce],
-                   outside=[(n * (1 - vcut) if rows == prof.vocab_rows else n, at, rows) for n, at, rows in prof.outside])
+                   outside=[(n * (1 - vcut) if rows == prof.vocab_rows else n, at, rows)
+                            for n, at, rows in prof.outside])
 
 
 def estimate(name: str, plan, prof, hw, job, micro: int, pipe: Pipe | None = None) -> Estimate:
@@ -170,7 +171,7 @@ def _costs(plan, rank, hw, job, c: int, micro: int, accum: int, pipe: Pipe | Non
         tied = [(n, len(ranks)) for n, ranks in holders(rank, layout, runs) if len(ranks) > 1]
         costs["point-to-point"] = max(received(rank, layout, runs)) * accum / p2p
         costs["tied all-reduce"] = sum(2 * 4 * n * (k - 1) / k for n, k in tied) / p2p  # fp32 gradients
-    if plan.offload_params:  # zero3-offload: shards up for forward and backward (each chunk), gradients down; the host step
+    if plan.offload_params:  # zero3-offload: shards up for each chunk's forward and backward, gradients down, host step
         n = _offloaded_rows(plan, rank, pipe) if pipe else rank.params / plan.dp_shard
         costs["pcie"] = (accum * m * 2 * 4 * n + 4 * n) / (hw.pcie_gbps * 1e9)
         costs["cpu_optimizer"] = n * hw.gpus_per_node / hw.cpu_adam_params_per_s

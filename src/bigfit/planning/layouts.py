@@ -147,7 +147,8 @@ def _pipe(pp: int, prof, job, micro: int) -> composed.Pipe:
     return composed.Pipe(layout, balance(prof.block_params, layout.stages))
 
 
-def _plans(world: int, degrees: dict, pipe, sequence: bool = False) -> tuple[list[tuple[str, ParallelPlan]], dict[str, str]]:
+def _plans(world: int, degrees: dict, pipe,
+           sequence: bool = False) -> tuple[list[tuple[str, ParallelPlan]], dict[str, str]]:
     """(kind, plan) of each data-parallel kind plan_for accepts with these degrees, one per distinct
     plan; and each refusal by kind (every kind refused: bigfit cannot run the degrees). Layouts a named
     row rates are left out; so is the offload engine without a pipeline (the zero2-offload row rates

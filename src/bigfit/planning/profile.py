@@ -39,7 +39,7 @@ class ModelProfile:
     matmul_params: int = 0  # parameters of linear layers: what autocast copies to the compute dtype
     block_params: list[int] = field(default_factory=list)  # each block's parameters, in execution order
     stacks: list[tuple[str, int]] = field(default_factory=list)  # (path, blocks) of each stack (models.block_lists)
-    # parameters outside the blocks as (elements, the blocks a pipeline cut puts them with, rows): pipeline.split.anchors
+    # parameters outside the blocks as (elements, the blocks a pipeline cut puts them with, rows): split.anchors
     outside: list[tuple[int, tuple[int, ...], int]] = field(default_factory=list)
     pipeline_error: str | None = None  # why --strategy pipeline cannot cut this model
     notes: list[str] = field(default_factory=list)

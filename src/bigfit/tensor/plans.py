@@ -167,9 +167,8 @@ def vocab_styles(model: nn.Module, tp: int, sequence: bool = False) -> dict[str,
     if not split and not sequence:
         return {}
     head = model.get_output_embeddings()
-    embedding = VocabRowwise if split else SplitSequence
     styles: dict[str, ParallelStyle] = {
-        name: embedding(sequence) if split else embedding() for name, mod in model.named_modules()
+        name: VocabRowwise(sequence) if split else SplitSequence() for name, mod in model.named_modules()
         if isinstance(mod, nn.Embedding) and mod.num_embeddings == model.config.vocab_size}
     if isinstance(head, nn.Linear):
         styles[_prefix_of(model, head).rstrip(".")] = VocabColwise() if split else GatherSequence(local=True)

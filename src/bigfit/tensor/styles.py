@@ -201,10 +201,11 @@ class SplitSequence(ParallelStyle):
 class GatherSequence(ParallelStyle):
     """Leave sequence parallelism before a module that needs whole sequences (attention, an MLP whose
     inputs enter column-parallel layers, a replicated LM head): every DTensor argument split by
-    sequence, positional or keyword, is all-gathered (one already whole is left so). It stays a DTensor (`local` False), so that the
-    column-parallel layers' partial input gradients are reduce-scattered in backward in one step; or
-    becomes a plain tensor (`local`: a replicated module, whose input gradient is whole on every rank
-    and is sliced)."""
+    sequence, positional or keyword, is all-gathered (one already whole is left so). It stays a
+    DTensor (`local` False), so that the column-parallel layers' partial input gradients are
+    reduce-scattered in backward in one step; or becomes a plain tensor (`local`: a module whose
+    input gradient arrives whole on every rank, a replicated head or GPT-2's attention, whose fused
+    c_attn all-reduces its own; it is then sliced)."""
 
     def __init__(self, local: bool = False):
         super().__init__()

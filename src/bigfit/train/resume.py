@@ -16,8 +16,8 @@ MATH = ("model", "data", "data_encoding", "batch_size", "seed", "max_source_len"
         "warmup_steps", "warmup_type", "warmup_min_lr", "min_lr", "max_grad_norm", "precision", "reduce_dtype",
         "loss_scale", "loss_scale_window", "hysteresis", "min_loss_scale", "delayed_update")
 LAYOUT = ("nproc", "micro_batch_size", "strategy", "device_map", "chunks", "pipeline_schedule", "stages_per_rank",
-          "pp", "tp", "dp_shard", "dp_replicate", "sequence_parallel", "activation_checkpointing", "compile", "compile_backend", "offload_grads",
-          "nvme_host_gb", "nvme_dir", "ddp_bucket_mb")
+          "pp", "tp", "dp_shard", "dp_replicate", "sequence_parallel", "activation_checkpointing", "compile",
+          "compile_backend", "offload_grads", "nvme_host_gb", "nvme_dir", "ddp_bucket_mb")
 # initial_scale_power: the loss scaler's state is restored from the checkpoint, so it no longer matters
 FREE = ("output_dir", "overwrite", "resume", "allow_changed", "save_every", "keep_checkpoints", "eval_every",
         "eval_on_start", "num_beams", "max_new_tokens", "timeout_s", "consolidate", "probe_only",
