@@ -143,7 +143,8 @@ def anchors(model: nn.Module) -> list[tuple[int, tuple[int, ...], int]]:
     """Each parameter outside the blocks as (its elements, the global indices of the blocks it goes
     with, its rows: what tensor parallelism's vocabulary split divides), whatever the cut: a cut
     puts it on the stages holding those blocks, a copy on each rank (tied). Read off `module_stages`
-    over a cut of one block per stage, so the planner places them as training does. Raises BigfitError for a model the pipeline cannot cut."""
+    over a cut of one block per stage, so the planner places them as training does. Raises
+    BigfitError for a model the pipeline cannot cut."""
     n = sum(len(b) for _, b in block_lists(model))
     split = plan_split(model, PipelineLayout(world=max(n, 1), stages_per_rank=1, schedule="gpipe", chunks=1))
     stages = module_stages(model, split)
