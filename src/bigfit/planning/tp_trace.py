@@ -101,8 +101,7 @@ def _vocab(model: nn.Module) -> tuple[int, int]:
     from ..tensor import plans  # imported here, as in split_counts
 
     rows, head = plans.vocab_rows(model), model.get_output_embeddings()
-    split = {id(p): p.numel() for m in model.modules()
-             if m is head or (isinstance(m, nn.Embedding) and m.num_embeddings == rows)
+    split = {id(p): p.numel() for m in [head, *(m for _, m in plans.token_embeddings(model))]
              for p in m.parameters(recurse=False)}
     return rows, sum(split.values()) if rows else 0
 

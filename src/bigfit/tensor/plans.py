@@ -127,13 +127,13 @@ def _split_sequence(model: nn.Module, plan: Plan) -> None:
             RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
         parent = name.rpartition(".")[0]
         plan.styles[parent] = GatherSequence(local=parent in fused)
-    rows = model.config.vocab_size
+    tokens = {name for name, _ in token_embeddings(model)}  # vocab_styles' to split
     for name, mod in model.named_modules():
-        if name in plan.styles:
+        if name in plan.styles or name in tokens:
             continue
         if "norm" in type(mod).__name__.lower():
             plan.styles[name] = SequenceParallel(use_local_output=False)
-        elif isinstance(mod, nn.Embedding) and mod.num_embeddings != rows:
+        elif isinstance(mod, nn.Embedding):
             plan.styles[name] = SplitSequence()
 
 
@@ -143,13 +143,19 @@ def vocab_rows(model: nn.Module) -> int:
     the head is not an nn.Linear. Read off the modules, not the model's accessors: a pipeline stage
     holds only some of them (the rest are stand-ins), and every stage must decide alike, for tied
     copies to be summed shard by shard."""
-    rows = model.config.vocab_size
-    embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding) and m.num_embeddings == rows]
     head = model.get_output_embeddings()
     held = head is not None and any(True for _ in head.parameters())  # not another stage's stand-in
-    if any(type(m) is not nn.Embedding for m in embeddings) or (held and not isinstance(head, nn.Linear)):
+    plain = all(type(m) is nn.Embedding for _, m in token_embeddings(model))
+    if not plain or (held and not isinstance(head, nn.Linear)):
         return 0
-    return rows
+    return model.config.vocab_size
+
+
+def token_embeddings(model: nn.Module) -> list[tuple[str, nn.Embedding]]:
+    """(name, module) of every embedding with a row per token of the vocabulary (T5: shared, encoder
+    and decoder), which the vocabulary split divides and sequence parallelism leaves to it."""
+    rows = model.config.vocab_size
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Embedding) and m.num_embeddings == rows]
 
 
 def splits_vocab(rows: int, tp: int) -> bool:
@@ -167,9 +173,8 @@ def vocab_styles(model: nn.Module, tp: int, sequence: bool = False) -> dict[str,
     if not split and not sequence:
         return {}
     head = model.get_output_embeddings()
-    styles: dict[str, ParallelStyle] = {
-        name: VocabRowwise(sequence) if split else SplitSequence() for name, mod in model.named_modules()
-        if isinstance(mod, nn.Embedding) and mod.num_embeddings == model.config.vocab_size}
+    styles: dict[str, ParallelStyle] = {name: VocabRowwise(sequence) if split else SplitSequence()
+                                        for name, _ in token_embeddings(model)}
     if isinstance(head, nn.Linear):
         styles[_prefix_of(model, head).rstrip(".")] = VocabColwise() if split else GatherSequence(local=True)
     return styles
