@@ -104,12 +104,18 @@ def _plan_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--nvme-gbps", type=_number(float), help="NVMe bandwidth of one node, GB/s")
     p.add_argument("--cpu-tflops", type=_number(float),
                    help="model TFLOP/s the host reaches on blocks a device map puts there")
+    p.add_argument("--host-op-us", type=_number(float),
+                   help="host microseconds to issue one forward operator and its backward in eager mode; "
+                        "default: this machine's from --calibrate, else the H200 machine's 25")
+    p.add_argument("--calibrate", action="store_true",
+                   help="measure this machine's --host-op-us on its GPU (or CPU), keep it in the cache, then plan")
     p.add_argument("--batch-size", type=_number(int), default=32, help="global batch")
     p.add_argument("--micro-batch-size", type=_number(int), help="default: batch / GPUs")
     p.add_argument("--seq-len", type=_number(int), default=512, help="tokens per sample (source side)")
     p.add_argument("--target-len", type=_number(int), default=0, help="decoder tokens per sample (encoder-decoders)")
     p.add_argument("--precision", default="bf16", choices=PRECISIONS)
     p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--compile", action="store_true", help="blocks compiled (bigfit train --compile): fewer kernels to issue")
     p.add_argument("--chunks", type=_number(int), help="device_map: GPipe micro-batches per forward (default 1); "
                    "pipeline: micro-batches per micro-batch (default: the fewest that give every stage one)")
     p.add_argument("--pipeline-schedule", choices=PIPELINE_SCHEDULES, help="pipeline: default 1f1b")

@@ -3,9 +3,11 @@
 function that looks at the machine."""
 from __future__ import annotations
 
+import json
 import os
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from .errors import BigfitError
 
@@ -15,8 +17,11 @@ UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
 # pinned PCIe ~55 GB/s each way, bf16 dense matmul ~760 TFLOP/s, fused CPU AdamW ~4 G params/s on 16 cores,
 # ~1 TFLOP/s of training (forward + backward, bf16 autocast) on those cores: T5-large's decoder mapped to
 # the host took ~1.1 s a step for ~1.2 TFLOP of model FLOPs (benchmarks/RESULTS.md, device maps).
+# host_op_us: the host's microseconds per forward operator of an eager training step, its backward
+# included (planning/hostcost.py): T5-large's ~12,000 traced forward operators (bf16 autocast) took the
+# H200 machine's host about 0.3 s per micro-batch; `bigfit plan --calibrate` measures this machine's.
 DEFAULTS = dict(gpu_tflops=760.0, pcie_gbps=55.0, intra_gbps=300.0, inter_gbps=25.0, cpu_adam_params_per_s=4e9,
-                nvme_gbps=3.0, cpu_tflops=1.0)  # nvme: a typical PCIe 4 drive, not measured here
+                nvme_gbps=3.0, cpu_tflops=1.0, host_op_us=25.0)  # nvme: a typical PCIe 4 drive, not measured here
 # Beyond these a description is a typo, far past any real machine (and a list of 10**11 GPU sizes would
 # not fit in RAM: parse_gpus builds one per node).
 MAX_GPUS_PER_NODE = 1024
@@ -62,6 +67,7 @@ class Hardware:
     nvme_gbps: float = DEFAULTS["nvme_gbps"]  # NVMe read or write bandwidth of one node
     cpu_adam_params_per_s: float = DEFAULTS["cpu_adam_params_per_s"]  # host optimizer speed, one node
     cpu_tflops: float = DEFAULTS["cpu_tflops"]  # model FLOP/s the host reaches training blocks mapped to it, in T
+    host_op_us: float = DEFAULTS["host_op_us"]  # host microseconds to issue a forward operator (and its backward)
     device: str = "cuda"  # what the "GPUs" are: "cpu" when a CPU-only machine plans for itself
     cpu_adam_kernel: bool = True  # bigfit's host Adam kernel builds (a C compiler): offload gradients travel in bf16
     notes: tuple[str, ...] = field(default_factory=tuple)
@@ -87,6 +93,22 @@ class Hardware:
                 + (f", NVMe {self.nvme / 1e12:.1f} TB" if self.nvme else ""))
 
 
+def calibration_path() -> Path:
+    """Where `bigfit plan --calibrate` keeps this machine's measured host figures."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "bigfit" / "host.json"
+
+
+def calibrated_host_op_us(device: str) -> float | None:
+    """This machine's measured host_op_us for jobs on `device` ("cuda" or "cpu"), if calibrated; a
+    calibration file that cannot be read is ignored (the defaults stand), never an error."""
+    try:
+        record = json.loads(calibration_path().read_text())[device]
+        value = float(record["host_op_us"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return value if value > 0 else None
+
+
 def host_ram() -> int:
     with open("/proc/meminfo") as f:
         for line in f:
@@ -106,5 +128,9 @@ def detect() -> Hardware:
     gpus = tuple(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count()))
     if not gpus:
         raise BigfitError("no GPU found on this machine; describe the target with --gpus (e.g. --gpus 8x16GB)")
+    op_us = calibrated_host_op_us("cuda")
     return Hardware(gpu_bytes=gpus, cpu_ram=host_ram(), cpu_adam_kernel=cpu_adam.kernel() is not None,
-                    notes=(f"detected {os.cpu_count()} CPU cores",))
+                    host_op_us=op_us or DEFAULTS["host_op_us"],
+                    notes=(f"detected {os.cpu_count()} CPU cores",
+                           f"host {op_us or DEFAULTS['host_op_us']:.1f} us per operator issued"
+                           + (" (calibrated)" if op_us else " (the H200 machine's; bigfit plan --calibrate measures this one's)")))

@@ -8,19 +8,22 @@ from rich.console import Console
 
 from ..config import PIPELINE_STRATEGIES, SPLIT_STRATEGIES, STRATEGIES, auto_precision
 from ..errors import BigfitError
-from ..hardware import MAX_NODES, Hardware, detect, host_ram, parse_gpus, parse_size
+from ..calibration import calibrate
+from ..hardware import (DEFAULTS, MAX_NODES, Hardware, calibrated_host_op_us, calibration_path, detect, host_ram,
+                        parse_gpus, parse_size)
 from ..models import load_config, locate
 from ..parallel.plan import DIMS, plan_for
 from .estimate import RESERVE
 from .layouts import SHOWN, check_degrees, flag
 from .report import device_map_text, layout_table, pipeline_text, plan_table, plot_plan, rejected_text
 from .search import Job, plan_for_config
+from .sizes import MAX_MICRO, Prediction, divisors, largest_true
 from .split import NAME as DEVICE_MAP
 from .tp_trace import split_counts
 
 # `bigfit plan` flags that must be more than 0 (None: the default), the hardware's rates among them...
 POSITIVE = ("batch_size", "seq_len", "chunks", "stages_per_rank", "micro_batch_size", *DIMS)
-RATES = ("pcie_gbps", "intra_gbps", "inter_gbps", "nvme_gbps", "cpu_tflops")
+RATES = ("pcie_gbps", "intra_gbps", "inter_gbps", "nvme_gbps", "cpu_tflops", "host_op_us")
 # ...and those that may be 0 too
 AT_LEAST_0 = ("target_len", "nvme_host_gb")
 
@@ -30,8 +33,9 @@ def hardware_from_args(ns) -> Hardware:
     range-checked, since a 0 GB GPU or a 0 GB/s link would plan nonsense rather than fail."""
     if not 1 <= ns.nodes <= MAX_NODES:
         raise BigfitError(f"--nodes must be from 1 to {MAX_NODES}, got {ns.nodes}")
-    if ns.gpus:
-        base = Hardware(gpu_bytes=tuple(parse_gpus(ns.gpus)), cpu_ram=host_ram())
+    if ns.gpus:  # GPUs described: this host's issuing cost still applies where it was measured
+        base = Hardware(gpu_bytes=tuple(parse_gpus(ns.gpus)), cpu_ram=host_ram(),
+                        host_op_us=calibrated_host_op_us("cuda") or DEFAULTS["host_op_us"])
     else:
         base = detect()
     if min(base.gpu_bytes) <= RESERVE:  # else every capacity in the plan would be negative
@@ -62,15 +66,19 @@ def plan_command(ns) -> int:
     for name in AT_LEAST_0:
         if getattr(ns, name) < 0:
             raise BigfitError(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(ns, name)}")
+    config = load_config(locate(ns.model))  # a bad --model is reported before any measuring
+    if ns.calibrate:
+        r = calibrate()
+        print(f"calibrated: the host issues a forward operator with its backward in {r['host_op_us']:.1f} us "
+              f"on {r['device']} ({r['operators']} operators in {r['step_s'] * 1e3:.1f} ms); kept in {calibration_path()}")
     hw = hardware_from_args(ns)
-    config = load_config(locate(ns.model))
     fixed = {d: getattr(ns, d) for d in DIMS if getattr(ns, d) is not None}  # the composed plans' degrees
     check_degrees(fixed, hw, *split_counts(config))
     job = Job(batch_size=ns.batch_size, seq_len=ns.seq_len, target_len=ns.target_len if config.is_encoder_decoder
               else 0, micro_batch=ns.micro_batch_size, precision=ns.precision, checkpointing=ns.activation_checkpointing,
               chunks=ns.chunks, pipeline_schedule=ns.pipeline_schedule, stages_per_rank=ns.stages_per_rank,
               delayed_update=ns.delayed_update, offload_grads=ns.offload_grads, nvme_host_gb=ns.nvme_host_gb,
-              sequence_parallel=ns.sequence_parallel)
+              sequence_parallel=ns.sequence_parallel, compile=ns.compile)
     p = plan_for_config(config, hw, job, layouts=fixed)
     if fixed and not p.layouts and p.layout_rejected:  # the degrees asked for rule out every composed plan
         r = p.layout_rejected[0]
@@ -111,7 +119,11 @@ def _show(console, p, fixed: dict) -> None:
 def _this_machine(world: int, strategy: str | None = None) -> Hardware:
     """The GPUs a job of `world` local processes uses, or on a CPU-only machine its RAM split over them;
     device_map's one process drives every GPU."""
-    hw = detect() if torch.cuda.is_available() else Hardware(gpu_bytes=(host_ram() // world,) * world, device="cpu")
+    if torch.cuda.is_available():
+        hw = detect()
+    else:
+        hw = Hardware(gpu_bytes=(host_ram() // world,) * world, device="cpu",
+                      host_op_us=calibrated_host_op_us("cpu") or DEFAULTS["host_op_us"])
     return hw if strategy == DEVICE_MAP else Hardware(**{**vars(hw), "gpu_bytes": hw.gpu_bytes[:world]})
 
 
@@ -122,7 +134,7 @@ def _job(cfg, config, batch: int, micro: int | None) -> Job:
                delayed_update=cfg.delayed_update, offload_grads=cfg.offload_grads, nvme_host_gb=cfg.nvme_host_gb,
                clipping=cfg.max_grad_norm > 0, chunks=cfg.chunks,
                pipeline_schedule=cfg.pipeline_schedule, stages_per_rank=cfg.stages_per_rank,
-               sequence_parallel=cfg.sequence_parallel)
+               sequence_parallel=cfg.sequence_parallel, compile=cfg.compile)
 
 
 def auto_strategy(cfg, world: int, one_process: bool = True) -> tuple[str, str]:
@@ -178,23 +190,27 @@ def _degrees(strategy: str, world: int) -> dict[str, int]:
     return {d: getattr(p, d) for d in DIMS}
 
 
-def auto_micro_batch(cfg, world: int) -> list[tuple[int, int, int]]:
-    """Candidates for `--micro-batch-size auto` (and `--batch-size auto`), largest first, as
-    (micro-batch, global batch, predicted per-GPU bytes), starting at the largest predicted to fit for
-    cfg.strategy: the probe walks down this list until one runs."""
+def auto_micro_batch(cfg, world: int) -> Prediction:
+    """`--micro-batch-size auto` (and `--batch-size auto`): the largest micro-batch predicted to fit
+    for cfg.strategy, among any size up to MAX_MICRO for --batch-size auto (no accumulation: the
+    global batch is micro x processes) or the divisors of each process's share of a fixed batch
+    (accumulation steps are whole), at least --chunks. The planner's bytes grow with the micro-batch,
+    so sizes.largest_true plans about 2 log2(answer) of them, not every one."""
     config = load_config(locate(cfg.model))
     hw = _this_machine(world, cfg.strategy)
-    if cfg.batch_size == "auto":  # no accumulation: powers of two per process
-        sizes = [(m, m * world) for m in (2 ** k for k in range(10, -1, -1))]
-    else:
-        per_rank = cfg.batch_size // world
-        sizes = [(m, cfg.batch_size) for m in range(per_rank, 0, -1) if per_rank % m == 0]
-    out = []
-    for m, batch in sizes:
-        c = plan_for_config(config, hw, _job(cfg, config, batch, m), strategies=(cfg.strategy,)).candidates[0]
-        if c.fits or out:
-            out.append((m, batch, c.estimate.per_gpu["total"]))
-    if not out:
-        raise BigfitError(f"--micro-batch-size auto: not even micro-batch 1 is predicted to fit with {cfg.strategy}; "
-                          "see `bigfit plan` for what would")
-    return out
+    auto = cfg.batch_size == "auto"
+    low = cfg.chunks or 1  # a device_map's GPipe chunks split each micro-batch
+    sizes = list(range(low, MAX_MICRO + 1)) if auto else divisors(cfg.batch_size // world, low)
+    rows = {}
+
+    def row(m: int):
+        if m not in rows:
+            job = _job(cfg, config, m * world if auto else cfg.batch_size, m)
+            rows[m] = plan_for_config(config, hw, job, strategies=(cfg.strategy,)).candidates[0]
+        return rows[m]
+
+    best = largest_true(lambda m: row(m).fits, sizes)
+    if best is None:
+        raise BigfitError(f"--micro-batch-size auto: not even micro-batch {sizes[0] if sizes else low} is predicted "
+                          f"to fit with {cfg.strategy}; see `bigfit plan` for what would")
+    return Prediction(best, row(best).estimate.per_gpu["total"], min(hw.gpu_bytes) - RESERVE, sizes)

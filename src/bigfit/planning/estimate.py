@@ -125,8 +125,9 @@ def _peak(common: dict, **moments: dict) -> dict[str, int]:
 
 
 def step_time(strategy: str, prof, hw, c: int, checkpointing: bool, tokens_per_step: int, accum: int,
-              nvme_host: float = 0.0, grad_bytes: int = 4) -> dict:
-    """Seconds per optimizer step of each cost; the step is their overlapped combination."""
+              nvme_host: float = 0.0, grad_bytes: int = 4, issue: float = 0.0) -> dict:
+    """Seconds per optimizer step of each cost; the step is their overlapped combination. `issue`: the
+    host's seconds to issue the step's kernels (hostcost.py), a floor under the GPU's compute."""
     n, w = prof.params, hw.world_size
     flops = prof.flops_per_token * tokens_per_step * (4 / 3 if checkpointing else 1)
     compute = flops / (w * hw.gpu_tflops * 1e12 * MFU)
@@ -152,7 +153,8 @@ def step_time(strategy: str, prof, hw, c: int, checkpointing: bool, tokens_per_s
             cpu *= HOST_STEP_BYTES[grad_bytes] / HOST_STEP_BYTES[4]
     if strategy.endswith("nvme"):  # read and write back 12 bytes per parameter, the node's ranks together
         disk = 2 * nvme_bytes(n, hw, nvme_host) / (hw.nvme_gbps * 1e9)
-    return {"compute": compute, "communication": comm, "pcie": pcie, "cpu_optimizer": cpu, "nvme": disk}
+    return {"compute": compute, "host issue": issue, "communication": comm, "pcie": pcie, "cpu_optimizer": cpu,
+            "nvme": disk}
 
 
 def nvme_bytes(n: int, hw, nvme_host: float = 0.0) -> float:
@@ -162,7 +164,8 @@ def nvme_bytes(n: int, hw, nvme_host: float = 0.0) -> float:
 
 
 def combine(costs: dict, engine: str | None = None, accum: int = 1) -> float:
-    """One step from its costs. GPU work overlaps communication (FSDP2 prefetches, DDP buckets). The
+    """One step from its costs. The GPU computes no faster than the host issues its kernels, and its
+    work overlaps communication (FSDP2 prefetches, DDP buckets). The
     NVMe reads of the next bucket overlap the host step of the current one, and the host-device
     copies overlap the host step and backward. zero3-offload's host step (FSDP2's) follows the GPU
     work. The offload engine's (`engine`, strategies/offload.py) overlaps some GPU work:
@@ -170,11 +173,12 @@ def combine(costs: dict, engine: str | None = None, accum: int = 1) -> float:
     - "eager": it runs under the last backward (b, two thirds of a micro-batch), but the first block
       it needs for the next forward is the last it updates;
     - "delayed": the whole next step runs beside it."""
-    gpu = max(costs["compute"], costs["communication"])
+    work = max(costs["compute"], costs.get("host issue", 0.0))
+    gpu = max(work, costs["communication"])
     host = max(costs["cpu_optimizer"], costs["nvme"], costs["pcie"])
     if engine is None:
         return gpu + costs["pcie"] + max(costs["cpu_optimizer"], costs["nvme"])
-    f = costs["compute"] / accum / 3
+    f = work / accum / 3
     if engine == "delayed":
         return max(gpu, host)
     if engine == "eager":

@@ -21,6 +21,7 @@ class Job:
     pipeline_schedule: str | None = None  # pipeline: gpipe, 1f1b, interleaved; None: 1f1b (config.pipeline_defaults)
     stages_per_rank: int | None = None  # pipeline: stages per process; None: 2 if interleaved, else 1
     sequence_parallel: bool = False  # composed plans with tp > 1 and no pipeline split the sequence
+    compile: bool = False  # blocks compiled (torch.compile): the host issues far fewer kernels (hostcost.py)
 
     def micro(self, world: int) -> int:
         """The micro-batch per process: given, or the whole per-process share (no accumulation)."""

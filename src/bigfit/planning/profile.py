@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import re
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import BigfitError
 from ..models import block_lists, is_seq2seq
@@ -55,6 +57,10 @@ class ModelProfile:
     tp_error: str | None = None  # why this model has no tensor-parallel plan
     vocab_rows: int = 0  # the vocabulary tensor parallelism splits embeddings and head by (0: never)
     vocab_params: int = 0  # the parameters that split divides: token embeddings and head, tied ones once
+    # operators each block's forward dispatches (views aside), and those outside the blocks (embeddings,
+    # head, loss): what the host issues per micro-batch whatever its size (hostcost.py)
+    block_ops: list[int] = field(default_factory=list)
+    other_ops: int = 0
 
     def activations(self, checkpointing: bool) -> int:
         if not checkpointing:
@@ -204,8 +210,9 @@ def _trace(model, seq2seq: bool, b: int, t: int, tt: int, skip=None) -> ModelPro
     handles = [blk.register_forward_pre_hook(pre(i), with_kwargs=True) for i, blk in enumerate(blocks)]
     handles += [blk.register_forward_hook(post, with_kwargs=True) for blk in blocks]
     ids = torch.zeros(b, t, dtype=torch.long)
+    ops = _OpCounter(current, len(blocks))
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x), ops:
             if seq2seq:
                 labels = torch.zeros(b, tt, dtype=torch.long)
                 logits = model(input_ids=ids, decoder_input_ids=labels, use_cache=False).logits
@@ -242,7 +249,29 @@ def _trace(model, seq2seq: bool, b: int, t: int, tt: int, skip=None) -> ModelPro
                         block_params=block_params, stacks=[(p, len(s)) for p, s in stacks], **_outside(model),
                         block_tp_params=split.params, block_tp_saved=divided, block_sp_saved=sequence,
                         tp_reduce=[tuple(r) for r in split.reduce], hidden=hidden, vocab_rows=split.vocab_rows,
-                        vocab_params=split.vocab_params, **_tp_counts(model.config, split))
+                        vocab_params=split.vocab_params, block_ops=ops.blocks, other_ops=ops.other,
+                        **_tp_counts(model.config, split))
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts the operators the forward dispatches, per block (`current[0]`, as the trace's hooks set it)
+    and outside: a view or a shape query launches nothing, every other operator is a kernel (or an
+    allocation) the host must issue in eager mode."""
+
+    def __init__(self, current: list[int], n_blocks: int):
+        super().__init__()
+        self.current, self.blocks, self.other = current, [0] * n_blocks, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not (func.is_view or _METADATA.search(func.__name__)):
+            if self.current[0] >= 0:
+                self.blocks[self.current[0]] += 1
+            else:
+                self.other += 1
+        return func(*args, **(kwargs or {}))
+
+
+_METADATA = re.compile(r"^(sym_|size|stride|dim|numel|is_|_local_scalar_dense|detach|lift_fresh)")
 
 
 def _hidden(cfg) -> int:

@@ -9,6 +9,7 @@ from ..config import PIPELINE_STRATEGIES, SPLIT_STRATEGIES, STRATEGIES
 from ..precision import DTYPES
 from ..device_map.auto import profile_for
 from .estimate import RESERVE, Estimate, combine, grad_bytes, memory, nvme_bytes, step_time
+from .hostcost import step_seconds as issue_seconds
 from .job import Job
 from .layouts import LayoutCandidate, Rejected, choose, layout_rows
 from .rows import Candidate, fit_problem as _fit, gb as _gb, host_problem as _host_fit
@@ -75,9 +76,11 @@ def plan(prof, hw, job: Job, strategies=ALL, autocast_prof=None, split_prof=None
             continue
         kept = job.nvme_host_gb * 1e9
         gb = grad_bytes(job.precision, hw.cpu_adam_kernel) if name.startswith("zero2-offload") else 4
-        gpu, host = memory(name, autocast_prof if name in AUTOCAST and autocast_prof else prof, hw, c, job.checkpointing,
-                           accum, grads_on_device=job.offload_grads == "device", nvme_host=kept, grad_bytes=gb)
-        costs = step_time(name, prof, hw, c, job.checkpointing, tokens, accum, nvme_host=kept, grad_bytes=gb)
+        traced = autocast_prof if name in AUTOCAST and autocast_prof else prof
+        gpu, host = memory(name, traced, hw, c, job.checkpointing, accum, grads_on_device=job.offload_grads == "device",
+                           nvme_host=kept, grad_bytes=gb)
+        costs = step_time(name, prof, hw, c, job.checkpointing, tokens, accum, nvme_host=kept, grad_bytes=gb,
+                          issue=issue_seconds(traced, hw, job, accum))
         step_s = combine(costs, engine=_engine_mode(job) if name.startswith("zero2-offload") else None, accum=accum)
         e = Estimate(name, gpu, host, step_s, costs, nvme_bytes(prof.params, hw, kept) if name.endswith("nvme") else 0)
         why = _fit(e, hw)

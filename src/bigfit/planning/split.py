@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from ..device_map.auto import device_parts, plan_budgets, profile_costs, split_plan
 from .estimate import MFU, Estimate, _bytes
+from .hostcost import pass_seconds
 
 NAME = "device_map"
 
@@ -47,7 +48,7 @@ def device_map_row(prof, hw, job) -> SplitRow:
     gpus = {d: p for d, p in parts.items() if not d.startswith("cpu")} or parts
     shown = max(gpus, key=lambda d: sum(gpus[d].values()))
     section["shown"] = shown
-    stage = stage_seconds(prof, hw, job, assignment, main)
+    stage = stage_seconds(prof, hw, job, assignment, main, max(1, job.batch_size // job.micro(1)) * chunks)
     costs = {"compute": _compute(stage, chunks), "copies": _copies(prof, hw, job, assignment, main),
              "cpu_optimizer": _host_params(prof, assignment, main) / hw.cpu_adam_params_per_s}
     e = Estimate(NAME, _bytes(**parts[shown]), _host(prof, parts.get("cpu")), sum(costs.values()), costs,
@@ -55,16 +56,22 @@ def device_map_row(prof, hw, job) -> SplitRow:
     return SplitRow(e, section, section.get("why_not"), _no_split(set(stage), hw, e))
 
 
-def stage_seconds(prof, hw, job, assignment: list[str], main: str) -> dict[str, float]:
+def stage_seconds(prof, hw, job, assignment: list[str], main: str, passes: int) -> dict[str, float]:
     """Each device's compute per step. A block's model FLOPs are 6 x its parameters plus an equal share of
     the attention term (encoder and decoder tokens are not told apart, as in every row); the main device
-    adds the non-embedding rest (an untied head). GPUs at MFU of their peak; the host at cpu_tflops."""
+    adds the non-embedding rest (an untied head). GPUs at MFU of their peak, but no faster than the host
+    issues their kernels for `passes` micro-batches or chunks a step (hostcost.py); the host at cpu_tflops."""
     attn = (prof.flops_per_token - 6 * (prof.params - prof.embedding_params)) / max(prof.n_blocks, 1)
     flops = {main: 6.0 * max(0, prof.root_params - prof.embedding_params)}
     for dev, n in zip(assignment, prof.block_params):
         flops[dev] = flops.get(dev, 0.0) + 6 * n + attn
     tokens = job.batch_size * (job.seq_len + job.target_len) * (4 / 3 if job.checkpointing else 1)
-    return {d: f * tokens / _flops_per_s(d, hw) for d, f in flops.items()}
+    out = {d: f * tokens / _flops_per_s(d, hw) for d, f in flops.items()}
+    for d in out:
+        if not d.startswith("cpu"):  # the host's own blocks: its compute is its issuing
+            mine = [g for g, dev in enumerate(assignment) if dev == d]
+            out[d] = max(out[d], passes * pass_seconds(prof, hw, job, mine, outside=d == main))
+    return out
 
 
 def _flops_per_s(device: str, hw) -> float:

@@ -156,9 +156,9 @@ def _costs(prof, hw, job, layout, runs, ranks) -> tuple[dict[str, float], float]
     of p ranks, shortened v times by v stages per rank (interleaved). Receives wait for the sender, so
     they add; the tied gradients are all-reduced and the optimizer steps after the schedule."""
     devices = [f"cuda:{layout.rank_of(s)}" for s, (a, b) in enumerate(runs) for _ in range(a, b)]
-    busy = stage_seconds(prof, hw, job, devices, f"cuda:{layout.rank_of(layout.stages - 1)}")
     m, idle = layout.chunks, (layout.world - 1) / layout.stages_per_rank
     link, accum = hw.intra_gbps * 1e9, max(1, job.batch_size // job.micro(1))
+    busy = stage_seconds(prof, hw, job, devices, f"cuda:{layout.rank_of(layout.stages - 1)}", accum * m)
     tied = [(n, len(held)) for n, held in holders(prof, layout, runs) if len(held) > 1]
     costs = {"compute": max(busy.values()) * (m + idle) / m,
              "point-to-point": max(received(prof, layout, runs)) * accum / link,
