@@ -13,6 +13,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 _tmp = tempfile.mkdtemp(prefix="bigfit-tests-")
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(_tmp, "inductor"))
 os.environ["TMPDIR"] = _tmp
+os.environ["XDG_CACHE_HOME"] = os.path.join(_tmp, "cache")  # bigfit's calibration cache (hardware.calibration_path)
 tempfile.tempdir = _tmp
 sys.path.insert(0, str(Path(__file__).parent))
 

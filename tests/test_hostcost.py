@@ -1,6 +1,7 @@
 """The host's cost of issuing kernels in the planner's step times (planning/hostcost.py): the trace's
 operator counts, the floor they put under every row's compute (data parallel, device-map devices,
-pipeline chunks), compiled blocks, and `bigfit plan --calibrate`'s measured figure in the cache."""
+pipeline chunks), compiled blocks, `bigfit plan --calibrate`'s measured figure in the cache, and the
+NVMe disk `--strategy auto` sees."""
 from __future__ import annotations
 
 import json
@@ -115,3 +116,25 @@ def test_host_op_us_flag_overrides(tmp_path, capsys):
     assert steps[1] == pytest.approx(2 * steps[0], rel=1e-3)
     assert main(["plan", "--model", str(model), "--gpus", "1x16GB", "--host-op-us", "0"]) == 2
     assert "--host-op-us must be more than 0, got 0.0" in capsys.readouterr().err
+
+
+def test_auto_sees_the_nvme_tiers_disk_and_fills_ram_with_states(tmp_path, model_dirs):
+    from bigfit.calibration import disk
+    from bigfit.config import TrainConfig
+    from bigfit.models import build_model, count_parameters, load_config, locate
+    from bigfit.planning import command
+    from bigfit.planning.estimate import PROCESS_BYTES
+
+    cfg = TrainConfig(model=str(model_dirs["llama"]), output_dir=str(tmp_path / "out"), batch_size=2, micro_batch_size=1)
+    p = command._auto(cfg, 1, ("zero2-offload-nvme", "device_map"), None)
+    free, gbps = disk(str(tmp_path / "out" / "nvme"))  # measured once per filesystem, then from the cache
+    hw = command._this_machine(1, nvme_dir=str(tmp_path / "out" / "nvme"))
+    assert gbps > 0 and hw.nvme_gbps == gbps and 0 < hw.nvme <= free
+    assert hw.notes[-1].startswith(f"NVMe tier at {tmp_path / 'out' / 'nvme'}: ") and "NVMe" in p.hardware
+    nvme = {c.estimate.name: c for c in p.candidates}["zero2-offload-nvme"]
+    assert nvme.fits, nvme.why_not  # the disk is described: its states have room
+    assert not (tmp_path / "out").exists()  # measuring the disk leaves nothing behind
+    src = locate(cfg.model)
+    host, n = nvme.estimate.per_host, count_parameters(build_model(src, load_config(src), 0, on_meta=True))
+    assert host["optimizer"] == pytest.approx(min(12 * n, 0.9 * hw.cpu_ram - host["grads"] - PROCESS_BYTES))
+    assert command.nvme_host_gb(cfg, 1) == round(host["optimizer"] / 1e9, 1)

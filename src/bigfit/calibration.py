@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
+import shutil
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
@@ -55,15 +59,73 @@ def calibrate() -> dict:
     """Measure on this machine's GPU (else its CPU) and keep the figure; returns the record."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     record = measure(device)
-    path = calibration_path()
-    kept = {}
-    try:
-        kept = json.loads(path.read_text())
-    except (OSError, ValueError):
-        pass  # first calibration, or an unreadable file: written afresh
+    kept = _read_cache()
     kept[device.type] = record
+    _write_cache(kept)
+    return record
+
+
+def _read_cache() -> dict:
+    try:
+        kept = json.loads(calibration_path().read_text())
+    except (OSError, ValueError):
+        return {}  # first calibration, or an unreadable file: written afresh
+    return kept if isinstance(kept, dict) else {}
+
+
+def _write_cache(kept: dict) -> None:
+    path = calibration_path()
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(kept, indent=1))
     tmp.replace(path)
-    return record
+
+
+DISK_PROBE_BYTES = 256 * 2**20  # enough to pass a disk's write cache; ~0.1-0.3 s on an NVMe drive
+
+
+def disk(path: str) -> tuple[int, float]:
+    """(free bytes, GB/s) of the filesystem that would hold `path` (the NVMe tier's directory, which need
+    not exist yet): its free space now, and its bandwidth, measured once per filesystem and kept in the
+    cache. The measure writes a file of DISK_PROBE_BYTES beside nothing of the user's (a fresh temporary
+    directory under the nearest existing ancestor that is writable), syncs it, drops it from the page
+    cache and reads it back; the slower direction is the tier's rate (it reads and writes each step)."""
+    where = _existing(Path(path))
+    free = shutil.disk_usage(where).free
+    key = f"disk-{os.stat(where).st_dev}"
+    kept = _read_cache()
+    if key in kept and kept[key].get("gbps", 0) > 0:
+        return free, float(kept[key]["gbps"])
+    gbps = _measure_disk(where)
+    kept[key] = {"gbps": gbps, "path": str(where), "measured": datetime.datetime.now().isoformat(timespec="seconds")}
+    _write_cache(kept)
+    return free, gbps
+
+
+def _existing(path: Path) -> Path:
+    path = path.expanduser().absolute()
+    while not path.exists():
+        path = path.parent
+    return path
+
+
+def _measure_disk(where: Path) -> float:
+    block = os.urandom(4 * 2**20)
+    with tempfile.TemporaryDirectory(prefix=".bigfit-disk-", dir=where) as tmp:
+        name = os.path.join(tmp, "probe")
+        start = time.perf_counter()
+        with open(name, "wb", buffering=0) as f:
+            for _ in range(DISK_PROBE_BYTES // len(block)):
+                f.write(block)
+            os.fsync(f.fileno())
+        write = time.perf_counter() - start
+        fd = os.open(name, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # read from the disk, not the page cache
+            start = time.perf_counter()
+            while os.read(fd, len(block)):
+                pass
+            read = time.perf_counter() - start
+        finally:
+            os.close(fd)
+    return DISK_PROBE_BYTES / max(write, read) / 1e9

@@ -2,13 +2,15 @@
 from __future__ import annotations
 
 import json
+import os
+from dataclasses import replace
 
 import torch
 from rich.console import Console
 
 from ..config import PIPELINE_STRATEGIES, SPLIT_STRATEGIES, STRATEGIES, auto_precision
 from ..errors import BigfitError
-from ..calibration import calibrate
+from ..calibration import calibrate, disk
 from ..hardware import (DEFAULTS, MAX_NODES, Hardware, calibrated_host_op_us, calibration_path, detect, host_ram,
                         parse_gpus, parse_size)
 from ..models import load_config, locate
@@ -116,15 +118,20 @@ def _show(console, p, fixed: dict) -> None:
     console.print(pipeline_text(p.pipeline))
 
 
-def _this_machine(world: int, strategy: str | None = None) -> Hardware:
+def _this_machine(world: int, strategy: str | None = None, nvme_dir: str | None = None) -> Hardware:
     """The GPUs a job of `world` local processes uses, or on a CPU-only machine its RAM split over them;
-    device_map's one process drives every GPU."""
+    device_map's one process drives every GPU. `nvme_dir`: the NVMe tier's directory, whose disk (90%
+    of its free space, its measured bandwidth: calibration.disk) joins the description."""
     if torch.cuda.is_available():
         hw = detect()
     else:
         hw = Hardware(gpu_bytes=(host_ram() // world,) * world, device="cpu",
                       host_op_us=calibrated_host_op_us("cpu") or DEFAULTS["host_op_us"])
-    return hw if strategy == DEVICE_MAP else Hardware(**{**vars(hw), "gpu_bytes": hw.gpu_bytes[:world]})
+    if nvme_dir is not None:
+        free, gbps = disk(nvme_dir)
+        hw = replace(hw, nvme=int(free * 0.9), nvme_gbps=gbps,
+                     notes=(*hw.notes, f"NVMe tier at {nvme_dir}: {free / 1e9:.0f} GB free, {gbps:.2f} GB/s measured"))
+    return hw if strategy == DEVICE_MAP else replace(hw, gpu_bytes=hw.gpu_bytes[:world])
 
 
 def _job(cfg, config, batch: int, micro: int | None) -> Job:
@@ -177,7 +184,19 @@ def _auto(cfg, world: int, strategies: tuple[str, ...], layouts: dict | None):
     config = load_config(locate(cfg.model))
     micro = cfg.micro_batch_size if isinstance(cfg.micro_batch_size, int) else None
     batch = cfg.batch_size if isinstance(cfg.batch_size, int) else world
-    return plan_for_config(config, _this_machine(world), _job(cfg, config, batch, micro), strategies, layouts)
+    nvme_dir = cfg.nvme_dir or os.path.join(cfg.output_dir, "nvme")  # where zero2-offload-nvme would write
+    job = _job(cfg, config, batch, micro)
+    if not cfg.nvme_host_gb:  # not chosen: zero2-offload-nvme rated with the states RAM can hold kept there
+        job = replace(job, nvme_host_gb=None)
+    return plan_for_config(config, _this_machine(world, nvme_dir=nvme_dir), job, strategies, layouts)
+
+
+def nvme_host_gb(cfg, world: int) -> float:
+    """The GB per node of optimizer states `--strategy auto`'s zero2-offload-nvme row kept in RAM
+    (estimate.nvme_fill), for the run it launches."""
+    p = _auto(cfg, world, ("zero2-offload-nvme",), None)
+    e = p.candidates[0].estimate
+    return round(max(0.0, e.per_host["optimizer"]) / 1e9, 1)
 
 
 def _agrees(degrees: dict[str, int], fixed: dict[str, int]) -> bool:

@@ -157,6 +157,20 @@ def step_time(strategy: str, prof, hw, c: int, checkpointing: bool, tokens_per_s
             "nvme": disk}
 
 
+# The process beside its offloaded states: CUDA context, libraries, the dataset (plain PyTorch's process
+# was 1.4 GiB on the H200 machine, the offload engine's 1.6 GiB over its states: docs/planning.md), with room.
+PROCESS_BYTES = 4 * 10**9
+
+
+def nvme_fill(prof, hw, grads_on_device: bool, grad_bytes: int) -> float:
+    """One node's bytes of optimizer states zero2-offload-nvme keeps in RAM when the planner chooses
+    (`--strategy auto` with no --nvme-host-gb): what 90% of the RAM leaves beside the gradients'
+    slots (memory()'s) and the process, at most every state."""
+    n, w, g = prof.params, hw.world_size, hw.gpus_per_node
+    slots = (3 * max(prof.largest_unit_params, prof.head_params) / w if grads_on_device else n / w) * grad_bytes * g
+    return max(0.0, min(12 * n / w * g, 0.9 * hw.cpu_ram - slots - PROCESS_BYTES))
+
+
 def nvme_bytes(n: int, hw, nvme_host: float = 0.0) -> float:
     """One node's optimizer files under zero2-offload-nvme: fp32 master weights and two moments,
     less the `nvme_host` bytes kept in RAM."""

@@ -15,7 +15,7 @@ class Job:
     checkpointing: bool = False
     delayed_update: bool = False  # zero2-offload's host step overlaps the next step
     offload_grads: str = "host"  # zero2-offload: where gradients wait for the host step (host or device)
-    nvme_host_gb: float = 0.0  # zero2-offload-nvme: GB of optimizer states per node kept in host RAM
+    nvme_host_gb: float | None = 0.0  # zero2-offload-nvme: GB of states per node kept in RAM; None: what RAM leaves
     clipping: bool = True  # a global gradient norm is needed before the host step (max_grad_norm > 0)
     chunks: int | None = None  # GPipe / pipeline micro-batches per micro-batch; None: device_map 1, pipeline one per stage
     pipeline_schedule: str | None = None  # pipeline: gpipe, 1f1b, interleaved; None: 1f1b (config.pipeline_defaults)

@@ -39,5 +39,5 @@ def host_problem(e: Estimate, hw) -> str | None:
     if e.per_host["total"] > hw.cpu_ram * 0.9:
         return f"needs {gb(e.per_host['total'])} of host RAM per node, more than 90% of {gb(hw.cpu_ram)}"
     if e.nvme > hw.nvme:
-        return f"needs {gb(e.nvme)} of NVMe per node for optimizer states; --nvme gives {gb(hw.nvme)}"
+        return f"needs {gb(e.nvme)} of NVMe per node for optimizer states; the disk offers {gb(hw.nvme)} (--nvme)"
     return None

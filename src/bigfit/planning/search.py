@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from ..config import PIPELINE_STRATEGIES, SPLIT_STRATEGIES, STRATEGIES
 from ..precision import DTYPES
 from ..device_map.auto import profile_for
-from .estimate import RESERVE, Estimate, combine, grad_bytes, memory, nvme_bytes, step_time
+from .estimate import RESERVE, Estimate, combine, grad_bytes, memory, nvme_bytes, nvme_fill, step_time
 from .hostcost import step_seconds as issue_seconds
 from .job import Job
 from .layouts import LayoutCandidate, Rejected, choose, layout_rows
@@ -74,8 +74,9 @@ def plan(prof, hw, job: Job, strategies=ALL, autocast_prof=None, split_prof=None
             why, sections[name] = row.no_fit or _host_fit(row.estimate, hw), row.section
             out.append(Candidate(row.estimate, why is None, why or row.not_candidate, tokens / row.estimate.step_time_s))
             continue
-        kept = job.nvme_host_gb * 1e9
         gb = grad_bytes(job.precision, hw.cpu_adam_kernel) if name.startswith("zero2-offload") else 4
+        kept = (job.nvme_host_gb * 1e9 if job.nvme_host_gb is not None
+                else nvme_fill(prof, hw, job.offload_grads == "device", gb))
         traced = autocast_prof if name in AUTOCAST and autocast_prof else prof
         gpu, host = memory(name, traced, hw, c, job.checkpointing, accum, grads_on_device=job.offload_grads == "device",
                            nvme_host=kept, grad_bytes=gb)

@@ -102,6 +102,10 @@ def _auto_strategy(cfg: TrainConfig) -> TrainConfig:
         shown = "".join(f" --{d.replace('_', '-')} {v}" for d, v in given.items())
         print(f"--strategy auto -> {name}{shown}: {reason}")
     split = {"device_map": "auto"} if name in SPLIT_STRATEGIES else {}  # balanced as the plan was
+    if name == "zero2-offload-nvme" and not cfg.nvme_host_gb:  # rated with the states RAM holds kept there
+        given["nvme_host_gb"] = planner.nvme_host_gb(cfg, world(cfg.nproc, cfg))
+        if speaks():
+            print(f"--nvme-host-gb {given['nvme_host_gb']:g}: the optimizer states host RAM holds beside the rest")
     return dataclasses.replace(cfg, strategy=name, **split, **given)  # workers start from the decision, not from "auto"
 
 
