@@ -38,6 +38,12 @@ def _vocab_parallel_loss(logits: DTensor, labels: torch.Tensor, seq2seq: bool) -
     return VocabParallelCrossEntropy.apply(local.flatten(0, 1), labels.flatten(), start, mesh.get_group())
 
 
+def sample_targets(sample: dict, seq2seq: bool) -> int:
+    """`target_tokens` of one uncollated sample (its labels a list): what padding leaves unchanged."""
+    labels = sample["labels"] if seq2seq else sample["labels"][1:]
+    return sum(1 for x in labels if x != IGNORE)
+
+
 def target_tokens(labels: torch.Tensor, seq2seq: bool) -> int:
     """Tokens that carry loss: a decoder-only model predicts position t+1 from t, so its first label
     is never a target."""

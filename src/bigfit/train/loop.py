@@ -20,7 +20,7 @@ from .evaluate import evaluate
 from .job import Job, describe, prepare
 from .metrics import MetricsLog, StepProgress, console, table
 from .ownership import claim
-from .step import lr_at, train_step
+from .step import global_targets, lr_at, train_step
 
 
 def train(cfg: TrainConfig) -> dict:
@@ -92,9 +92,10 @@ def _train(job: Job, rt: Runtime) -> dict:
         t0 = time.perf_counter()
         data = rt.data  # pipeline and tensor-parallel peers read the same samples
         micro = batcher.micro_batches(step, data.rank, data.world_size, cfg.micro_batch_size)
+        tokens = global_targets([ds.train[i] for i in batcher.global_batch(step)], job.seq2seq)  # no collective
         record = train_step(applied, [[ds.train[i] for i in mb] for mb in micro], pad_id=ds.pad_id,
                             seq2seq=job.seq2seq, rt=rt, lr=lr_at(step, cfg), max_grad_norm=cfg.max_grad_norm,
-                            scaler=scaler)
+                            scaler=scaler, total_tokens=tokens)
         step += 1
         record = {"step": step, **record, "tokens_per_s": record["tokens"] / (time.perf_counter() - t0)}
         if step == cfg.max_steps or (cfg.eval_every and step % cfg.eval_every == 0):

@@ -16,9 +16,15 @@ import torch
 
 from ..data import collate
 from ..distributed import Runtime, all_reduce_sum
-from ..losses import target_tokens
+from ..losses import sample_targets, target_tokens
 from ..precision import LossScaler
 from ..strategies import Engine
+
+
+def global_targets(samples: list[dict], seq2seq: bool) -> int:
+    """The target tokens of a step's whole global batch, counted on the host from its samples (every
+    rank holds the dataset and the batch order is a function of the step: data/batches.py)."""
+    return sum(sample_targets(s, seq2seq) for s in samples)
 
 
 def lr_at(step: int, cfg) -> float:
@@ -40,14 +46,18 @@ def lr_at(step: int, cfg) -> float:
 
 
 def train_step(engine: Engine, micro_batches: list[list[dict]], *, pad_id: int, seq2seq: bool, rt: Runtime,
-               lr: float, max_grad_norm: float, scaler: LossScaler | None = None) -> dict:
+               lr: float, max_grad_norm: float, scaler: LossScaler | None = None,
+               total_tokens: int | None = None) -> dict:
     """Forward/backward every micro-batch, unscale, clip, step (or skip an fp16 overflow).
-    Returns the global-batch loss and what happened."""
+    Returns the global-batch loss and what happened. `total_tokens`: the global batch's target tokens
+    where the caller counted them (the loop knows every rank's samples: `global_targets`); else they
+    are summed over the ranks, a collective and a device sync before the first forward."""
     host = [collate(mb, pad_id, multiple=engine.sequence_multiple) for mb in micro_batches]
-    local_tokens = sum(target_tokens(b["labels"], seq2seq) for b in host)  # counted on the host: no device sync
-    batches = [{k: v.to(rt.device) for k, v in b.items()} for b in host]
+    batches = [{k: v.to(rt.device, non_blocking=True) for k, v in b.items()} for b in host]
     data = rt.data  # the ranks the global batch is divided over
-    total_tokens, = all_reduce_sum([local_tokens], data)
+    if total_tokens is None:
+        local_tokens = sum(target_tokens(b["labels"], seq2seq) for b in host)  # counted on the host
+        total_tokens, = all_reduce_sum([local_tokens], data)
     loss_scale = scaler.scale if scaler else 1.0
     factor = loss_scale * data.world_size / max(total_tokens, 1.0)
     local_loss = torch.zeros((), dtype=torch.float64, device=rt.device)
