@@ -138,3 +138,18 @@ def test_auto_sees_the_nvme_tiers_disk_and_fills_ram_with_states(tmp_path, model
     host, n = nvme.estimate.per_host, count_parameters(build_model(src, load_config(src), 0, on_meta=True))
     assert host["optimizer"] == pytest.approx(min(12 * n, 0.9 * hw.cpu_ram - host["grads"] - PROCESS_BYTES))
     assert command.nvme_host_gb(cfg, 1) == round(host["optimizer"] / 1e9, 1)
+
+
+def test_a_smaller_card_is_simulated_by_bigfit_gpu_memory(monkeypatch):
+    from bigfit.errors import BigfitError
+    from bigfit.hardware import gpu_cap
+
+    assert gpu_cap() is None
+    monkeypatch.setenv("BIGFIT_GPU_MEMORY", "24GB")
+    assert gpu_cap() == 24 * GB
+    monkeypatch.setenv("BIGFIT_GPU_MEMORY", "a lot")
+    with pytest.raises(BigfitError, match="BIGFIT_GPU_MEMORY 'a lot' is not a size; write it like 24GB"):
+        gpu_cap()
+    monkeypatch.setenv("BIGFIT_GPU_MEMORY", "0GB")
+    with pytest.raises(BigfitError, match="BIGFIT_GPU_MEMORY '0GB' holds nothing"):
+        gpu_cap()

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .hardware import gpu_cap
+
 
 @dataclass(frozen=True)
 class Runtime:
@@ -73,6 +75,9 @@ def init_runtime(timeout_s: float = 300.0, group_for_one: bool = False, host_col
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
+        if cap := gpu_cap():  # a smaller card, simulated: the allocator raises out-of-memory past it
+            total = torch.cuda.get_device_properties(device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), device)
     else:
         device = torch.device("cpu")
     owns = (world > 1 or group_for_one) and not dist.is_initialized()  # an embedding program may have joined

@@ -109,6 +109,19 @@ def calibrated_host_op_us(device: str) -> float | None:
     return value if value > 0 else None
 
 
+def gpu_cap() -> int | None:
+    """BIGFIT_GPU_MEMORY (e.g. 24GB): each GPU is this big for bigfit, detected and allocated alike,
+    to plan and train as on a smaller card (a benchmark's 24 GB card on an H200, a GPU shared with
+    another job). The runtime caps torch's allocator to it (distributed.init_runtime)."""
+    text = os.environ.get("BIGFIT_GPU_MEMORY")
+    if not text:
+        return None
+    cap = parse_size(text, "BIGFIT_GPU_MEMORY")
+    if cap <= 0:
+        raise BigfitError(f"BIGFIT_GPU_MEMORY {text!r} holds nothing; give each GPU's memory, like 24GB")
+    return cap
+
+
 def host_ram() -> int:
     with open("/proc/meminfo") as f:
         for line in f:
@@ -125,7 +138,8 @@ def detect() -> Hardware:
 
     from .strategies import cpu_adam
 
-    gpus = tuple(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count()))
+    cap = gpu_cap() or 2**63
+    gpus = tuple(min(cap, torch.cuda.get_device_properties(i).total_memory) for i in range(torch.cuda.device_count()))
     if not gpus:
         raise BigfitError("no GPU found on this machine; describe the target with --gpus (e.g. --gpus 8x16GB)")
     op_us = calibrated_host_op_us("cuda")
