@@ -1,10 +1,15 @@
 """`--micro-batch-size auto` / `--batch-size auto`: the largest micro-batch the planner predicts to
-fit, confirmed by a probe job in disposable worker processes that steps down after an out-of-memory
-error (the workers exit with OOM_EXIT), so an OOM never breaks the real job's process group."""
+fit (planning/command.py), then the largest that runs, found by probe workers (train/probe.py).
+
+The probe starts at the prediction, grows past it while sizes run and bisects between the largest
+that ran and the smallest that failed (planning/sizes.py). Its workers build the model once and try
+the sizes one after another; one process recovers from an out-of-memory error in place, while with
+several ranks an OOM ends the worker set (OOM_EXIT) and this launcher starts another from the
+outcomes recorded so far (probefile.py). The probe's processes exit before the real job starts, so
+its OOMs never reach the job's process group."""
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import torch
 
@@ -13,9 +18,8 @@ from .distributed import launched_by_torchrun_env
 from .errors import BigfitError
 from .launch import launch_local
 from .planning.command import auto_micro_batch
-
-OOM_EXIT = 3  # a worker's exit status for out-of-memory
-
+from .planning.sizes import Prediction, ProbeSearch, outcome_text
+from .probefile import OOM_EXIT, RETRY_EXIT, load, path, save
 
 def exit_status(e: BaseException) -> int:
     """A failed worker's exit status: OOM_EXIT for out-of-memory, 1 otherwise."""
@@ -23,24 +27,71 @@ def exit_status(e: BaseException) -> int:
 
 
 def choose_micro_batch(argv: list[str], cfg: TrainConfig, world: int, speaks: bool) -> tuple[int, int]:
-    """Plan the largest micro-batch predicted to fit, then confirm it with a probe job (one step on
-    the longest samples) in fresh processes, stepping down after an out-of-memory error: the probe's
-    processes and process group are thrown away, so an OOM never leaves this job's broken."""
-    candidates = auto_micro_batch(cfg, world)
-    predicted = candidates[0]
-    if launched_by_torchrun_env():  # torchrun owns the processes: no probe, the prediction stands
+    """(micro-batch, global batch): the prediction confirmed and pushed as far as probes allow;
+    under torchrun, whose processes are the job's, the prediction alone."""
+    pred = auto_micro_batch(cfg, world)
+    said = f"predicted {pred.size} ({_gb(pred.need)} of {_gb(pred.budget)})"
+    if launched_by_torchrun_env():
         if speaks:
-            print(f"micro-batch auto -> {predicted[0]} (predicted {predicted[2] / 1e9:.2f} GB per GPU; "
-                  "not probed under torchrun)")
-        return predicted[0], predicted[1]
-    for micro, batch, need in candidates:
-        probe = dataclasses.replace(cfg, micro_batch_size=micro, batch_size=batch, probe_only=True)
-        code = launch_local(argv, world, Path(cfg.output_dir) / "logs" / "probe", quiet=True, settings=probe.to_dict())
-        if code == 0:
-            print(f"micro-batch auto -> {micro}: predicted {predicted[0]} to fit ({predicted[2] / 1e9:.2f} GB per "
-                  f"GPU), confirmed {micro} by a probe step ({need / 1e9:.2f} GB predicted for it)")
-            return micro, batch
-        if code != OOM_EXIT:
-            raise BigfitError(f"the micro-batch probe failed (exit status {code}); logs in {cfg.output_dir}/logs/probe")
-        print(f"micro-batch {micro}: out of memory in the probe; trying a smaller one")
-    raise BigfitError("--micro-batch-size auto: even micro-batch 1 ran out of memory in the probe")
+            print(f"micro-batch auto -> {pred.size}: {said}; not probed under torchrun (its processes are the job's)")
+        return pred.size, _batch(cfg, world, pred.size)
+    search = _probe(argv, cfg, world, pred)
+    best = search.best()
+    if search.start < pred.size:  # the workers keep to sizes the longest samples can fill
+        said += f", the data gives {search.sizes[-1]} samples per process at most"
+    if best is None:
+        raise BigfitError(f"--micro-batch-size auto: {said}, but even micro-batch {search.sizes[0]} ran out of "
+                          f"memory in the probe ({outcome_text(search.outcomes)})")
+    peak = search.peak(best)
+    measured = f"peak {_gb(peak)} measured, {_gb(pred.budget - peak)} left" if peak else "measured by a probe step"
+    builds = ("the model built once" if search.worker_sets == 1 else
+              f"the model built {search.worker_sets} times: new probe processes after each OOM on several ranks")
+    print(f"micro-batch auto -> {best}: {said}, probes {outcome_text(search.outcomes)}; confirmed {best} "
+          f"({measured}; {builds})")
+    return best, _batch(cfg, world, best)
+
+
+def _probe(argv: list[str], cfg: TrainConfig, world: int, pred: Prediction) -> ProbeSearch:
+    """Probe worker sets until the search is over; each runs sizes until it ends or one of its
+    ranks runs out of memory (then that size, the search's next, failed)."""
+    where = path(cfg.output_dir)
+    search = ProbeSearch(pred.size, pred.sizes)
+    save(where, search)
+    # the workers read their sizes from the search; these only need to pass the checks (whole
+    # accumulation steps, a global batch the data fills)
+    low = pred.sizes[0]
+    settings = dataclasses.replace(cfg, micro_batch_size=low, batch_size=_batch(cfg, world, low), probe_only=True)
+    while search.next() is not None:
+        code = launch_local(argv, world, where.parent, quiet=True, settings=settings.to_dict())
+        seen, sets, search = len(search.outcomes), search.worker_sets, load(where)
+        _show(search.outcomes[seen:])
+        if code == OOM_EXIT and search.worker_sets == sets:  # it never reached a probe step
+            raise BigfitError(f"the micro-batch probe ran out of memory before its first step, building the model "
+                              f"with {cfg.strategy}; logs in {where.parent}")
+        if code == OOM_EXIT:
+            failed = search.next()
+            search.outcomes.append([failed, False, None])
+            save(where, search)
+            print(f"probe micro-batch {failed}: out of memory on a rank"
+                  + ("; new probe processes go on" if search.next() is not None else ""))
+        elif code == RETRY_EXIT:  # a fresh set's first step has no deadline: this cannot repeat forever
+            print(f"probe micro-batch {search.next()}: the step after an out-of-memory error did not finish; "
+                  "trying it again in new probe processes")
+        elif code != 0:
+            raise BigfitError(f"the micro-batch probe failed (exit status {code}); logs in {where.parent}")
+    return search
+
+
+def _show(outcomes: list[list]) -> None:
+    for size, ran, peak in outcomes:
+        print(f"probe micro-batch {size}: " + (f"ran (peak {_gb(peak)})" if ran and peak else
+                                                "ran" if ran else "out of memory"))
+
+
+def _batch(cfg: TrainConfig, world: int, micro: int) -> int:
+    """--batch-size auto: one micro-batch per process, no accumulation; else the batch given."""
+    return micro * world if cfg.batch_size == "auto" else cfg.batch_size
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.1f} GB"

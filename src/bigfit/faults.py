@@ -4,6 +4,7 @@ At that point of that step the given rank (default 0) kills itself with SIGKILL,
 OOM killer or a machine fault would, or with `raise` fails with an exception instead. Points: `step`
 (after the optimizer step and its metrics) and `save` (after every rank wrote its part of a
 checkpoint, before it is marked complete). Unset, this costs one dictionary look-up per call.
+BIGFIT_FAULT=oom-above:<n> makes micro-batch auto's probe steps above n run out of memory.
 """
 from __future__ import annotations
 
@@ -22,10 +23,16 @@ def maybe_die(point: str, step: int, rt) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def maybe_oom(micro_batch: int) -> None:
-    """BIGFIT_FAULT=oom-above:<n>: micro-batches larger than n run out of memory (for the probe's test)."""
+def inject_oom(module, micro_batch: int):
+    """BIGFIT_FAULT=oom-above:<n> (the probe's tests): a micro-batch larger than n runs out of memory
+    at the end of `module`'s forward, as a real error would half-way through a step, with the graph
+    and its activations built. Returns the hook's handle to remove, or None."""
     spec = os.environ.get("BIGFIT_FAULT", "")
-    if spec.startswith("oom-above:") and micro_batch > int(spec.split(":")[1]):
-        import torch
+    if not (spec.startswith("oom-above:") and micro_batch > int(spec.split(":")[1])):
+        return None
+    import torch
 
+    def fail(*_):
         raise torch.OutOfMemoryError(f"injected: micro-batch {micro_batch} does not fit")
+
+    return module.register_forward_hook(fail)

@@ -14,7 +14,7 @@ from ..parallel.apply import apply
 from ..parallel.mesh import with_mesh
 from ..precision import LossScaler, fp16_warning
 from ..strategies import Engine, build_optimizer
-from . import checkpoint, runinfo
+from . import checkpoint, probe, runinfo
 from .consolidate import consolidate
 from .evaluate import evaluate
 from .job import Job, describe, prepare
@@ -58,7 +58,7 @@ def _train(job: Job, rt: Runtime) -> dict:
     build_optimizer(applied, cfg)
     scaler = LossScaler.from_config(cfg) if cfg.precision == "fp16" else None
     if cfg.probe_only:
-        return _probe(job, applied, scaler, rt)
+        return _probe(job, applied, rt)
     step = 0
     if job.resume_from:
         trainer = checkpoint.load(job.resume_from, applied, rt)
@@ -130,16 +130,10 @@ def _train(job: Job, rt: Runtime) -> dict:
     return summary
 
 
-def _probe(job: Job, applied: Engine, scaler, rt: Runtime) -> dict:
-    """One full step (forward, backward, optimizer) on this rank's micro-batch of the longest samples:
-    the memory peak training will see. An out-of-memory error ends the process (see autobatch.py)."""
-    cfg, ds = job.cfg, job.dataset
-    faults.maybe_oom(cfg.micro_batch_size)
-    longest = sorted(ds.train, key=lambda s: len(s["input_ids"]) + len(s["labels"]), reverse=True)
-    data = rt.data
-    mine = longest[data.rank * cfg.micro_batch_size:(data.rank + 1) * cfg.micro_batch_size]
-    return train_step(applied, [mine], pad_id=ds.pad_id, seq2seq=job.seq2seq, rt=rt, lr=0.0,
-                      max_grad_norm=cfg.max_grad_norm, scaler=scaler)
+def _probe(job: Job, applied: Engine, rt: Runtime) -> dict:
+    """micro-batch auto's probe (train/probe.py): candidate micro-batches tried one after another on
+    this model and engine, built once; the process exits after it, and the real job starts apart."""
+    return probe.probe(job, applied, rt)
 
 
 def _overflow_text(step: int, record: dict, scaler: LossScaler) -> str:

@@ -1,0 +1,156 @@
+"""`--micro-batch-size auto` / `--batch-size auto`: the prediction's search over every size, the
+probe's bisection, and probe workers that build the model once (one process) or start again only
+after an out-of-memory error (several ranks). OOMs are injected (faults.py: BIGFIT_FAULT=oom-above:N)."""
+from __future__ import annotations
+
+import json
+import math
+import threading
+from types import SimpleNamespace
+
+import pytest
+
+from bigfit.planning.sizes import ProbeSearch, divisors, largest_true, outcome_text
+from conftest import read_jsonl
+from tiny import write_pairs
+
+
+def _run(search: ProbeSearch, fits_up_to: int) -> ProbeSearch:
+    while (m := search.next()) is not None:
+        search.outcomes.append([m, m <= fits_up_to, None])
+    return search
+
+
+def test_probe_grows_past_a_prediction_that_runs_then_bisects():
+    assert outcome_text(_run(ProbeSearch(9, list(range(1, 4097))), 12).outcomes) == "9 ok, 14 OOM, 12 ok, 13 OOM"
+    assert outcome_text(_run(ProbeSearch(16, divisors(16)), 4).outcomes) == "16 OOM, 4 ok, 8 OOM"
+    assert _run(ProbeSearch(7, list(range(1, 11))), 50).best() == 10  # everything runs: up to the cap
+    assert _run(ProbeSearch(5, list(range(1, 11))), 0).best() is None  # not even 1
+
+
+@pytest.mark.parametrize("start", [1, 7, 64, 300, 4096])
+def test_probe_finds_every_threshold_exactly_in_logarithmically_many_probes(start):
+    sizes = list(range(1, 4097))
+    for threshold in [1, 2, 3, 13, 63, 64, 65, 299, 1000, 4095, 4096]:
+        search = _run(ProbeSearch(start, sizes), threshold)
+        assert search.best() == threshold, (start, threshold, outcome_text(search.outcomes))
+        # growth by 1.5 up to the failure, then a bisection of the gap
+        assert len(search.outcomes) <= 2 * math.ceil(math.log2(4096)) + 2, outcome_text(search.outcomes)
+
+
+def test_a_fixed_batch_probes_only_divisors():
+    sizes = divisors(48)
+    for threshold in range(1, 60):
+        search = _run(ProbeSearch(48, sizes), threshold)
+        assert all(48 % s == 0 for s, _, _ in search.outcomes)
+        assert search.best() == max(s for s in sizes if s <= threshold)
+
+
+def test_probe_keeps_to_sizes_the_data_fills():
+    search = ProbeSearch(4096, list(range(1, 4097))).within(400)
+    assert (search.start, search.sizes[-1]) == (400, 400)
+    assert ProbeSearch(16, divisors(16)).within(10).start == 8
+
+
+def test_largest_true_gallops_then_bisects():
+    calls = []
+    assert largest_true(lambda m: calls.append(m) or m <= 300, list(range(1, 4097))) == 300
+    assert len(calls) <= 2 * math.ceil(math.log2(300)) + 1
+    assert largest_true(lambda m: True, list(range(1, 4097))) == 4096
+    assert largest_true(lambda m: False, [1, 2, 3]) is None
+
+
+def test_the_prediction_searches_every_size_and_keeps_divisors_for_a_fixed_batch(monkeypatch, model_dirs):
+    from bigfit.config import TrainConfig
+    from bigfit.planning import command
+
+    planned = []
+
+    def plan(config, hw, job, strategies):  # the planner's bytes grow with the micro-batch; 300 still fits
+        planned.append(job.micro_batch)
+        est = SimpleNamespace(per_gpu={"total": job.micro_batch * 10**6})
+        return SimpleNamespace(candidates=[SimpleNamespace(fits=job.micro_batch <= 300, estimate=est)])
+
+    monkeypatch.setattr(command, "plan_for_config", plan)
+    p = command.auto_micro_batch(TrainConfig(model=str(model_dirs["gpt2"]), strategy="single", batch_size="auto"), 2)
+    assert (p.size, p.need, p.sizes[-1]) == (300, 300 * 10**6, 4096)  # not a power of two
+    assert len(set(planned)) <= 2 * math.ceil(math.log2(300)) + 1  # not 4096 plans
+    p = command.auto_micro_batch(TrainConfig(model=str(model_dirs["gpt2"]), strategy="single", batch_size=960), 2)
+    assert (p.size, p.sizes) == (240, divisors(480))  # the largest divisor of the per-process 480 up to 300
+
+
+def test_no_probe_under_torchrun(monkeypatch, model_dirs, capsys):
+    from bigfit import autobatch
+    from bigfit.config import TrainConfig
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setattr(autobatch, "launch_local", lambda *a, **k: pytest.fail("no probe under torchrun"))
+    pred = autobatch.auto_micro_batch(TrainConfig(model=str(model_dirs["gpt2"]), strategy="single", batch_size=8), 1)
+    cfg = TrainConfig(model=str(model_dirs["gpt2"]), strategy="single", batch_size=8, micro_batch_size="auto")
+    assert autobatch.choose_micro_batch([], cfg, 1, speaks=True) == (pred.size, 8)
+    assert f"micro-batch auto -> {pred.size}: predicted {pred.size} (" in capsys.readouterr().out
+
+
+def test_a_step_that_never_finishes_after_an_oom_ends_the_probe():
+    from bigfit.train.probe import _deadline
+
+    expired = threading.Event()
+    with _deadline(0.05, expire=expired.set):
+        assert expired.wait(10)  # the body would wait forever: the deadline fires
+    finished = threading.Event()
+    with _deadline(0.05, expire=finished.set):
+        pass
+    assert not finished.wait(0.2)  # cancelled once the body is done
+
+
+def test_injected_oom_fires_above_the_threshold_only(monkeypatch):
+    import torch
+
+    from bigfit import faults
+
+    monkeypatch.setenv("BIGFIT_FAULT", "oom-above:4")
+    layer = torch.nn.Linear(2, 2)
+    assert faults.inject_oom(layer, 4) is None
+    handle = faults.inject_oom(layer, 5)
+    with pytest.raises(torch.OutOfMemoryError):
+        layer(torch.zeros(1, 2))
+    handle.remove()
+    layer(torch.zeros(1, 2))
+
+
+def _train(model_dir, data, out, *flags):
+    from bigfit.cli import main
+
+    return main(["train", "--model", str(model_dir), "--data", str(data), "--batch-size", "auto", "--max-steps", "1",
+                 "--eval-samples", "0", "--save-every", "0", "--no-consolidate", "--output-dir", str(out), *flags])
+
+
+def test_one_process_finds_the_threshold_with_one_model_build(model_dirs, pairs_file, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("BIGFIT_FAULT", "oom-above:13")  # read by the probe processes, which inherit it
+    code = _train(model_dirs["gpt2"], pairs_file, tmp_path, "--strategy", "single")
+    printed = capsys.readouterr()
+    assert code == 0, printed.err
+    search = ProbeSearch.from_json(json.loads((tmp_path / "logs" / "probe" / "search.json").read_text()))
+    assert search.best() == 13 and search.worker_sets == 1  # every OOM recovered in place: one build
+    assert search.sizes[-1] == 400  # the 400 training samples bound the sizes, not the prediction
+    assert len(search.outcomes) <= 2 * math.ceil(math.log2(400)), outcome_text(search.outcomes)
+    out = " ".join(printed.out.split())
+    assert f"probes {outcome_text(search.outcomes)}; confirmed 13 (peak" in out and "the model built once" in out
+    assert "global 13 = 1 data-parallel x 1 accumulation x micro-batch 13" in out
+    assert len(read_jsonl(tmp_path / "metrics.jsonl")) == 1
+
+
+def test_two_ranks_start_new_probe_processes_only_after_an_oom(model_dirs, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("BIGFIT_FAULT", "oom-above:11")
+    data = write_pairs(tmp_path / "pairs.jsonl", n=24)  # 12 per rank: few sizes, few worker sets
+    code = _train(model_dirs["gpt2"], data, tmp_path / "out", "--strategy", "ddp", "--nproc", "2")
+    printed = capsys.readouterr()
+    assert code == 0, printed.err
+    search = ProbeSearch.from_json(json.loads((tmp_path / "out" / "logs" / "probe" / "search.json").read_text()))
+    assert outcome_text(search.outcomes) == "12 OOM, 6 ok, 9 ok, 11 ok"
+    assert search.worker_sets == 2  # the OOM ended the first set; the second ran the rest in its processes
+    assert "out of memory on a rank; new probe processes go on" in printed.out
+    out = " ".join(printed.out.split())
+    assert "confirmed 11 (peak" in out and "the model built 2 times" in out
+    assert len(read_jsonl(tmp_path / "out" / "metrics.jsonl")) == 1  # the job's own workers trained after
