@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 
 from ..pipeline.cut import PipelineLayout
 from ..precision import DTYPES
-from .estimate import HOST_STEP_BYTES, KEYS, Estimate, _bytes, grad_bytes, memory
+from .estimate import FSDP_HOST_ADAM, HOST_STEP_BYTES, KEYS, Estimate, _bytes, grad_bytes, memory
 from .split import stage_seconds
 from .stages import holders, rank_bytes, received
 
@@ -56,7 +56,9 @@ def share(prof, tp: int, scale: float, sequence: bool = False):
     blocks = [n - s * cut for n, s in zip(prof.block_params, split)]
     params = prof.params - sum(split) * cut - prof.vocab_params * vcut
     embedding = prof.embedding_params * (1 - vcut)
-    attention = prof.flops_per_token - 6 * (prof.params - prof.embedding_params)  # split by heads too
+    attention = prof.attention_per_token  # split by heads too
+    ratio = (params - embedding) / max(1, prof.params - prof.embedding_params)  # the matmuls' share this rank keeps
+    kept = [b / max(1, n) for b, n in zip(blocks, prof.block_params)]
     reduce = [list(r) for r in prof.tp_reduce]
     if vcut and reduce:
         reduce[0][0] += prof.hidden
@@ -66,7 +68,9 @@ def share(prof, tp: int, scale: float, sequence: bool = False):
                    root_params=prof.root_params - prof.vocab_params * vcut, block_params=blocks,
                    head_params=prof.head_params * (1 - vcut),
                    matmul_params=max(0, prof.matmul_params - sum(split) * cut - prof.head_params * vcut),
-                   flops_per_token=6 * (params - embedding) + attention / tp,
+                   flops_per_token=(prof.flops_per_token - attention) * ratio + attention / tp,
+                   block_matmul_flops=[f * k for f, k in zip(prof.block_matmul_flops, kept)],
+                   block_attention_flops=[f / tp for f in prof.block_attention_flops],
                    block_saved=[(a - d * cut) * scale for a, d in zip(prof.block_saved, divided)],
                    block_inputs=[x * scale for x in prof.block_inputs],
                    other_saved=(prof.other_saved - prof.loss_saved * vcut) * scale, loss_saved=prof.loss_saved * logits,
@@ -174,7 +178,7 @@ def _costs(plan, rank, hw, job, c: int, micro: int, accum: int, pipe: Pipe | Non
     if plan.offload_params:  # zero3-offload: shards up for each chunk's forward and backward, gradients down, host step
         n = _offloaded_rows(plan, rank, pipe) if pipe else rank.params / plan.dp_shard
         costs["pcie"] = (accum * m * 2 * 4 * n + 4 * n) / (hw.pcie_gbps * 1e9)
-        costs["cpu_optimizer"] = n * hw.gpus_per_node / hw.cpu_adam_params_per_s
+        costs["cpu_optimizer"] = n * hw.gpus_per_node / (hw.cpu_adam_params_per_s * FSDP_HOST_ADAM)
     if plan.engine == "offload" and pipe:  # after the schedule: gradient rows down, the host step, masters up
         n, g = _offloaded_rows(plan, rank, pipe), grad_bytes(job.precision, hw.cpu_adam_kernel)
         costs["pcie"] = (g + 4) * n / (hw.pcie_gbps * 1e9)

@@ -16,6 +16,10 @@ RESERVE = 1 << 30  # per GPU: CUDA context and allocator slack the plan never ha
 # the DMA writes fp32 gradients and reads masters (40); bigfit's kernel reads bf16 gradients and
 # leaves them (32). hw.cpu_adam_params_per_s is torch's rate; the step is memory-bound (RESULTS.md).
 HOST_STEP_BYTES = {4: 40, 2: 32}
+# zero3-offload's host step (FSDP2's CPUOffloadPolicy: torch's AdamW on each unit's host shards, with
+# the clipping norm over host gradients) against hw.cpu_adam_params_per_s: 1.2-1.4 G parameters/s on
+# the H200 machine's 16 cores at 1.5B and 1.2B (tests/data/h200_measured.json s1, k2, ss3), a third.
+FSDP_HOST_ADAM = 0.35
 
 
 @dataclass
@@ -151,6 +155,8 @@ def step_time(strategy: str, prof, hw, c: int, checkpointing: bool, tokens_per_s
         cpu = n / w * hw.gpus_per_node / hw.cpu_adam_params_per_s  # the node's ranks share its cores
         if strategy.startswith("zero2-offload"):  # memory-bound: bytes a parameter, against torch's 40 (its rate)
             cpu *= HOST_STEP_BYTES[grad_bytes] / HOST_STEP_BYTES[4]
+        else:  # torch's AdamW over FSDP2's host shards, at its measured share of the fused step's rate
+            cpu /= FSDP_HOST_ADAM
     if strategy.endswith("nvme"):  # read and write back 12 bytes per parameter, the node's ranks together
         disk = 2 * nvme_bytes(n, hw, nvme_host) / (hw.nvme_gbps * 1e9)
     return {"compute": compute, "host issue": issue, "communication": comm, "pcie": pcie, "cpu_optimizer": cpu,

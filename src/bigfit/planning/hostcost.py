@@ -27,6 +27,21 @@ def pass_seconds(prof, hw, job, blocks: Iterable[int], outside: bool = True) -> 
     return (ops + (prof.other_ops if outside else 0)) * hw.host_op_us * 1e-6
 
 
-def step_seconds(prof, hw, job, passes: int) -> float:
-    """Host seconds to issue a whole step of the whole model: `passes` micro-batches (or chunks)."""
-    return passes * pass_seconds(prof, hw, job, range(prof.n_blocks))
+# FSDP2's own host work per unit and micro-batch: its pre- and post-forward and backward hooks, the
+# all-gathers' copy-in and copy-out, the reduce-scatter's: zero2 and zero3 took 8-14 ms a step more
+# than single on a 16-block 1.2B Llama at 4 x 1024 on the H200 machine, host-bound rows
+# (tests/data/h200_measured.json ss1, ss3), about 0.8 ms for each of its 17 units.
+FSDP_UNIT_S = 0.8e-3
+
+
+# The device map's hooks per block and pass (moving inputs to the block's device, casts): a 1.2B Llama
+# mapped whole onto one GPU took 9 ms a step more than single at 4 x 1024, 16 blocks (ss1 in
+# tests/data/h200_measured.json).
+HOOK_S = 0.5e-3
+
+
+def step_seconds(prof, hw, job, passes: int, fsdp: bool = False) -> float:
+    """Host seconds to issue a whole step of the whole model: `passes` micro-batches (or chunks), with
+    FSDP2's hooks per unit (its blocks and the root) where it shards."""
+    units = (prof.n_blocks + 1) * FSDP_UNIT_S if fsdp else 0.0
+    return passes * (pass_seconds(prof, hw, job, range(prof.n_blocks)) + units)

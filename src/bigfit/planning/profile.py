@@ -34,7 +34,7 @@ class ModelProfile:
     other_saved: int  # saved outside blocks: embeddings, final norm, head, loss
     logits_bytes: int  # the head's output in the compute dtype
     tokens: int  # tokens per micro-batch (encoder + decoder for encoder-decoders)
-    flops_per_token: float = 0.0  # 6 x non-embedding params + 12 x layers x hidden x seq (model FLOPs)
+    flops_per_token: float = 0.0  # model FLOPs per token (of source and target): _block_flops, and the head
     loss_saved: int = 0  # the part of other_saved the loss itself saves (its fp32 log-softmax)
     logits_numel: int = 0  # elements of the head's output
     head_params: int = 0  # the output head's weight (tied or not): its gradient comes first in backward
@@ -61,6 +61,11 @@ class ModelProfile:
     # head, loss): what the host issues per micro-batch whatever its size (hostcost.py)
     block_ops: list[int] = field(default_factory=list)
     other_ops: int = 0
+    # each block's model FLOPs per sample (forward and backward): its matmuls, and its attention's
+    # query-key products, which tensor parallelism divides by heads (_block_flops)
+    block_matmul_flops: list[float] = field(default_factory=list)
+    block_attention_flops: list[float] = field(default_factory=list)
+    attention_per_token: float = 0.0  # the attention's part of flops_per_token
 
     def activations(self, checkpointing: bool) -> int:
         if not checkpointing:
@@ -238,8 +243,9 @@ def _trace(model, seq2seq: bool, b: int, t: int, tt: int, skip=None) -> ModelPro
     emb = model.get_input_embeddings().weight.numel()
     hidden = _hidden(model.config)
     tokens = b * (t + (tt if seq2seq else 0))
-    seq = (t + tt) / 2 if seq2seq else t
-    flops = 6 * (n - emb) + 12 * len(blocks) * hidden * seq
+    matmul, attention = _block_flops(stacks, block_params, hidden, t, tt if seq2seq else 0)
+    head = 6 * (n - emb - sum(block_params)) * (tt if seq2seq else t)  # the parts outside blocks: on the output side
+    flops = (sum(matmul) + sum(attention) + head) / (t + (tt if seq2seq else 0))
     return ModelProfile(params=n, embedding_params=emb, largest_unit_params=max(block_params, default=0),
                         root_params=n - sum(block_params), n_blocks=len(blocks), block_saved=per_block,
                         block_inputs=inputs, other_saved=other,
@@ -250,6 +256,8 @@ def _trace(model, seq2seq: bool, b: int, t: int, tt: int, skip=None) -> ModelPro
                         block_tp_params=split.params, block_tp_saved=divided, block_sp_saved=sequence,
                         tp_reduce=[tuple(r) for r in split.reduce], hidden=hidden, vocab_rows=split.vocab_rows,
                         vocab_params=split.vocab_params, block_ops=ops.blocks, other_ops=ops.other,
+                        block_matmul_flops=matmul, block_attention_flops=attention,
+                        attention_per_token=sum(attention) / (t + (tt if seq2seq else 0)),
                         **_tp_counts(model.config, split))
 
 
@@ -272,6 +280,27 @@ class _OpCounter(TorchDispatchMode):
 
 
 _METADATA = re.compile(r"^(sym_|size|stride|dim|numel|is_|_local_scalar_dense|detach|lift_fresh)")
+
+
+_CROSS_KV = re.compile(r"(EncDecAttention\.[kv]|encoder_attn\.[kv]_proj)$")  # T5's and BART's cross-attention
+
+
+def _block_flops(stacks, block_params: list[int], hidden: int, t: int, tt: int) -> tuple[list[float], list[float]]:
+    """Each block's model FLOPs per sample, forward and backward: 6 x its parameters x the tokens it
+    computes, plus 12 x hidden x the query-key pairs of its attention (the usual convention). An
+    encoder-decoder's encoder blocks compute the source's t tokens, its decoder blocks the target's tt,
+    their cross-attention's keys and values the source's t again."""
+    matmul, attention, g = [], [], 0
+    for i, (_, stack) in enumerate(stacks):
+        decoder = tt and i > 0
+        for blk in stack:
+            kv = sum(p.numel() for name, m in blk.named_modules() if _CROSS_KV.search(name)
+                     for p in m.parameters(recurse=False)) if decoder else 0
+            mine = tt if decoder else t
+            matmul.append(6.0 * ((block_params[g] - kv) * mine + kv * t))
+            attention.append(12.0 * hidden * (tt * tt + tt * t if decoder else t * t))
+            g += 1
+    return matmul, attention
 
 
 def _hidden(cfg) -> int:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from ..device_map.auto import device_parts, plan_budgets, profile_costs, split_plan
 from .estimate import MFU, Estimate, _bytes
-from .hostcost import pass_seconds
+from .hostcost import HOOK_S, pass_seconds
 
 NAME = "device_map"
 
@@ -48,8 +48,13 @@ def device_map_row(prof, hw, job) -> SplitRow:
     gpus = {d: p for d, p in parts.items() if not d.startswith("cpu")} or parts
     shown = max(gpus, key=lambda d: sum(gpus[d].values()))
     section["shown"] = shown
-    stage = stage_seconds(prof, hw, job, assignment, main, max(1, job.batch_size // job.micro(1)) * chunks)
-    costs = {"compute": _compute(stage, chunks), "copies": _copies(prof, hw, job, assignment, main),
+    passes = max(1, job.batch_size // job.micro(1)) * chunks
+    stage = stage_seconds(prof, hw, job, assignment, main, passes)
+    # one thread issues every GPU's kernels: chunks overlap the GPUs' work, never their issuing
+    gpu_blocks = [g for g, d in enumerate(assignment) if not d.startswith("cpu")]
+    issued = passes * (pass_seconds(prof, hw, job, gpu_blocks, outside=not main.startswith("cpu"))
+                       + len(gpu_blocks) * HOOK_S)
+    costs = {"compute": max(_compute(stage, chunks), issued), "copies": _copies(prof, hw, job, assignment, main),
              "cpu_optimizer": _host_params(prof, assignment, main) / hw.cpu_adam_params_per_s}
     e = Estimate(NAME, _bytes(**parts[shown]), _host(prof, parts.get("cpu")), sum(costs.values()), costs,
                  labels={"compute": _label(stage, chunks, hw.gpus_per_node)})
@@ -57,21 +62,29 @@ def device_map_row(prof, hw, job) -> SplitRow:
 
 
 def stage_seconds(prof, hw, job, assignment: list[str], main: str, passes: int) -> dict[str, float]:
-    """Each device's compute per step. A block's model FLOPs are 6 x its parameters plus an equal share of
-    the attention term (encoder and decoder tokens are not told apart, as in every row); the main device
-    adds the non-embedding rest (an untied head). GPUs at MFU of their peak, but no faster than the host
+    """Each device's compute per step: its blocks' model FLOPs (`block_flops`); the main device adds the
+    non-embedding rest (an untied head) on the output tokens. GPUs at MFU of their peak, but no faster than the host
     issues their kernels for `passes` micro-batches or chunks a step (hostcost.py); the host at cpu_tflops."""
-    attn = (prof.flops_per_token - 6 * (prof.params - prof.embedding_params)) / max(prof.n_blocks, 1)
-    flops = {main: 6.0 * max(0, prof.root_params - prof.embedding_params)}
-    for dev, n in zip(assignment, prof.block_params):
-        flops[dev] = flops.get(dev, 0.0) + 6 * n + attn
-    tokens = job.batch_size * (job.seq_len + job.target_len) * (4 / 3 if job.checkpointing else 1)
-    out = {d: f * tokens / _flops_per_s(d, hw) for d, f in flops.items()}
+    flops = {main: 6.0 * max(0, prof.root_params - prof.embedding_params) * (job.target_len or job.seq_len)}
+    for dev, f in zip(assignment, block_flops(prof, job)):
+        flops[dev] = flops.get(dev, 0.0) + f
+    samples = job.batch_size * (4 / 3 if job.checkpointing else 1)
+    out = {d: f * samples / _flops_per_s(d, hw) for d, f in flops.items()}
     for d in out:
         if not d.startswith("cpu"):  # the host's own blocks: its compute is its issuing
             mine = [g for g, dev in enumerate(assignment) if dev == d]
             out[d] = max(out[d], passes * pass_seconds(prof, hw, job, mine, outside=d == main))
     return out
+
+
+def block_flops(prof, job) -> list[float]:
+    """Each block's model FLOPs per sample (profile._block_flops: an encoder-decoder's encoder blocks on
+    the source tokens, its decoder blocks on the target's). A profile built by hand without them: 6 x
+    each block's parameters and an equal share of the attention term, on every token of the sample."""
+    if prof.block_matmul_flops:
+        return [m + a for m, a in zip(prof.block_matmul_flops, prof.block_attention_flops)]
+    attn = (prof.flops_per_token - 6 * (prof.params - prof.embedding_params)) / max(prof.n_blocks, 1)
+    return [(6 * n + attn) * (job.seq_len + job.target_len) for n in prof.block_params]
 
 
 def _flops_per_s(device: str, hw) -> float:
