@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer, ByT5Tokenizer
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer, ByT5Tokenizer,
+                          GenerationConfig)
 
 from .errors import BigfitError
 
@@ -87,14 +88,16 @@ def load_tokenizer(src: ModelSource, config):
 
 
 def build_model(src: ModelSource, config, seed: int, on_meta: bool = False) -> torch.nn.Module:
-    """The model in fp32 on the CPU: pretrained weights, or random init from `seed` (what the
-    single-process run has). `on_meta`: shapes only, no memory; the other ranks of a job build this
-    and receive rank 0's weights when the strategy is applied, so the whole model exists once."""
+    """The model in fp32 on the CPU: pretrained weights, or random init from `seed`. `on_meta`:
+    shapes only, no memory; every rank builds this when it fills its own storage after the plan's
+    transforms (bigfit.loading), and on the rank-0 path the other ranks do, to receive rank 0's."""
     auto = AutoModelForSeq2SeqLM if is_seq2seq(config) else AutoModelForCausalLM
     torch.manual_seed(seed)
     if on_meta:
         with torch.device("meta"):
             model = auto.from_config(config, dtype=torch.float32)
+        if src.kind in ("weights", "hub"):
+            _as_from_pretrained(model, src.name)
     elif src.kind in ("weights", "hub"):
         try:
             model = auto.from_pretrained(src.name, dtype=torch.float32)
@@ -107,6 +110,18 @@ def build_model(src: ModelSource, config, seed: int, on_meta: bool = False) -> t
         if hasattr(config, "use_cache"):
             config.use_cache = False
     return model
+
+
+def _as_from_pretrained(model: torch.nn.Module, name: str) -> None:
+    """What from_pretrained gives besides the weights, for a model whose weights come later: its
+    mode (eval: dropout off, as rank 0 and the single-process run have it) and the generation
+    config saved beside the weights (from the local files only, as the weights are)."""
+    model.eval()
+    if model.can_generate():
+        try:
+            model.generation_config = GenerationConfig.from_pretrained(name, local_files_only=True)
+        except (OSError, ValueError):
+            pass  # none saved: the one derived from the model config stays
 
 
 def block_lists(model: torch.nn.Module) -> list[tuple[str, torch.nn.ModuleList]]:

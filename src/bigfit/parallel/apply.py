@@ -2,19 +2,26 @@
 
     split -> tensor parallel -> activation checkpointing -> compile -> sharding -> materialise -> offload
 
+The model comes on the meta device on every rank (bigfit.loading): each transform cuts shapes, not
+weights, and each rank then fills only what it stores, from its slices of the safetensors weights
+or by the seeded init. On the rank-0 path (`.bin` weights, hub names not cached, device maps, a
+model handed in with real weights) rank 0 brings the whole model and the others receive their parts.
 - split: a device map (one process drives every device) or pipeline stages (this rank keeps its
-  stages' blocks, gets their weights from rank 0, and runs them through torch's schedules); first,
-  because every later transform works on the blocks this rank keeps.
+  stages' blocks and fills them, or gets them from rank 0, and runs them through torch's
+  schedules); first, because every later transform works on the blocks this rank keeps.
 - tensor parallel: each kept block's matrices split over the mesh's `tp` ranks (DTensor); before
   checkpointing and compile, so that both see the parallel block.
 - activation checkpointing, then compile, of every kept block: inside the units FSDP2 makes next,
   so a block's parameters are gathered around its recompute.
-- sharding over the data-parallel ranks: FSDP2 units (ZeRO-2/3, HSDP), DDP (+ ZeRO-1), or DDP's
-  gradient all-reduce on pipeline stages. zero2-offload's engine shards rows itself (offload step).
-- materialise: ranks that built the model on the meta device receive rank 0's weights into their
-  shards, so the whole model exists only on rank 0.
-- offload: the offload engine (optimizer states and update in host RAM or files), or zero3-offload's
-  host steps streamed under backward.
+- sharding over the data-parallel ranks: FSDP2 units (ZeRO-2/3, HSDP), DDP (+ ZeRO-1; its
+  replicas filled first, since DDP broadcasts rank 0's values as it wraps), or DDP's gradient
+  all-reduce on pipeline stages. zero2-offload's engine shards rows itself (offload step).
+- materialise: each rank allocates its shards (FSDP2's, tensor parallelism's; the whole model on
+  one process) and fills them; on the rank-0 path they receive rank 0's, so the whole model exists
+  only on rank 0.
+- offload: the offload engine (optimizer states and update in host RAM or files; it places the
+  parameters: whole on the device, this rank's fp32 rows on the host, read or made on each rank),
+  or zero3-offload's host steps streamed under backward.
 Each step is a no-op when its part of the plan is off; none returns early.
 """
 from __future__ import annotations
@@ -25,6 +32,7 @@ import torch
 
 from ..device_map.strategy import apply_device_map
 from ..distributed import Runtime
+from ..loading import Weights, WholeParams, fill, weights_for
 from ..pipeline.strategy import apply_pipeline
 from ..precision import DTYPES, compute_dtype
 from ..strategies.base import Applied
@@ -39,16 +47,19 @@ from .plan import ParallelPlan
 
 
 def apply(model: torch.nn.Module, plan: ParallelPlan, cfg, rt: Runtime) -> Applied:
-    """Spread `model` as `plan` says. Rank 0 brings the real weights; other ranks may bring a meta-device
-    model. Returns the engine the training loop drives (strategies/base.py `Engine`)."""
-    full = model.state_dict() if rt.is_main and _materialises(plan, rt) else {}  # references, not copies
-    split = apply_split(model, plan, cfg, rt)
+    """Spread `model` as `plan` says. A meta-device model on every rank is filled per rank (weights
+    from cfg.model's files, or the seeded init); otherwise rank 0 brings the real weights and the
+    other ranks a meta-device model. Returns the engine the training loop drives (strategies/base.py
+    `Engine`)."""
+    weights = weights_for(model, cfg, plan, rt)  # checks the files against the model, before any storage
+    full = model.state_dict() if weights is None and rt.is_main and _materialises(plan, rt) else {}  # references
+    split = apply_split(model, plan, cfg, rt, weights)
     notes = apply_tp(split.module, plan, rt)
     notes += apply_per_block(split.module, plan, cfg)
-    engine = apply_sharding(model, split, plan, cfg, rt)
-    engine = apply_materialise(engine, full, plan, rt)
-    engine = apply_offloading(engine, plan, cfg, rt)
-    engine.notes[:0] = notes
+    engine = apply_sharding(model, split, plan, cfg, rt, weights)
+    engine = apply_materialise(engine, full, plan, rt, weights)
+    engine = apply_offloading(engine, plan, cfg, rt, weights)
+    engine.notes[:0] = notes + ([weights.describe()] if weights else [])
     if plan.sequence_parallel:  # torch 2.11 gathers uneven sequence splits into views its backward cannot use
         engine.sequence_multiple = plan.tp
     if plan.tp > 1:
@@ -64,12 +75,13 @@ def _materialises(plan: ParallelPlan, rt: Runtime) -> bool:
     return rt.distributed and plan.pp == 1 and (plan.engine == "fsdp" or plan.tp > 1)
 
 
-def apply_split(model, plan: ParallelPlan, cfg, rt: Runtime) -> Applied:
-    """Device map or pipeline stages; otherwise the model whole, as a plain engine to build on."""
+def apply_split(model, plan: ParallelPlan, cfg, rt: Runtime, weights: Weights | None = None) -> Applied:
+    """Device map or pipeline stages (filled here: later transforms cut their real tensors);
+    otherwise the model whole, as a plain engine to build on."""
     if plan.split == "device_map":
         return apply_device_map(model, cfg, rt)
     if plan.pp > 1:
-        return apply_pipeline(model, plan, cfg, rt)
+        return apply_pipeline(model, plan, cfg, rt, weights)
     return Applied(model=model, module=model, strategy=plan.name)
 
 
@@ -89,7 +101,8 @@ def apply_per_block(model, plan: ParallelPlan, cfg) -> list[str]:
     return notes
 
 
-def apply_sharding(model, split: Applied, plan: ParallelPlan, cfg, rt: Runtime) -> Applied:
+def apply_sharding(model, split: Applied, plan: ParallelPlan, cfg, rt: Runtime,
+                   weights: Weights | None = None) -> Applied:
     """The data-parallel engine over the `dp` ranks, or the split's own engine where it has one."""
     compute = compute_dtype(cfg.precision)
     if plan.split or plan.pp > 1:  # a device map (one process) or pipeline stages
@@ -103,23 +116,32 @@ def apply_sharding(model, split: Applied, plan: ParallelPlan, cfg, rt: Runtime) 
         return split  # the offload engine shards rows itself: it is built at the offload step
     if plan.engine == "ddp":
         to_device(model, rt.device)
+        if weights is not None:
+            fill(model, weights, rt.device)  # every replica reads the whole model itself
         return apply_ddp(model, plan, rt, compute, cfg.ddp_bucket_mb)  # DDP broadcasts rank 0's weights
-    to_device(model, rt.device)  # a meta model: storage only, filled from rank 0 next
+    to_device(model, rt.device)  # a meta model: storage only, filled next (materialise)
     return Applied(model=model, module=model, strategy=plan.name, autocast=compute)
 
 
-def apply_materialise(engine: Applied, full: dict, plan: ParallelPlan, rt: Runtime) -> Applied:
-    if _materialises(plan, rt):
-        # zero3-offload's shards live in host RAM; FSDP2 copies them to the device for compute
-        materialise_from_rank0(engine.module, full, rt, "cpu" if plan.offload_params else rt.device)
+def apply_materialise(engine: Applied, full: dict, plan: ParallelPlan, rt: Runtime,
+                      weights: Weights | None = None) -> Applied:
+    # zero3-offload's shards live in host RAM; FSDP2 copies them to the device for compute
+    device = "cpu" if plan.offload_params else rt.device
+    if weights is not None and not plan.split and plan.pp == 1 and plan.engine in ("fsdp", "local"):
+        fill(engine.module, weights, device)  # DDP's replicas, stages and the offload engine: elsewhere
+    elif weights is None and _materialises(plan, rt):
+        materialise_from_rank0(engine.module, full, rt, device)
     return engine
 
 
-def apply_offloading(engine: Applied, plan: ParallelPlan, cfg, rt: Runtime) -> Applied:
+def apply_offloading(engine: Applied, plan: ParallelPlan, cfg, rt: Runtime, weights: Weights | None = None) -> Applied:
     eager = cfg.max_grad_norm <= 0 and cfg.precision != "fp16"  # no global norm needed before a host step
     if plan.engine == "offload":
         stages = engine if plan.pp > 1 else None  # the pipeline runs the batches, the engine the update
+        # stages were filled at the split; a whole meta model is placed by the engine from `weights`
+        source = WholeParams(engine.module, weights, rt.device) if weights is not None and stages is None else None
         return apply_offload(engine.module, plan.name, rt, compute_dtype(cfg.precision), delayed=cfg.delayed_update,
+                             weights=source,
                              nvme_dir=_nvme_dir(plan, cfg), eager=eager,
                              nvme_host_bytes=cfg.nvme_host_gb * 1e9 / _local_ranks(),
                              grads_on_device=cfg.offload_grads == "device", stages=stages,

@@ -1,8 +1,9 @@
 """`--strategy pipeline`: the split step of parallel/apply.py for pipelines across processes.
 
-Every rank plans the same split on its copy of the model (rank 0's is real, the others' are on the
-meta device), prunes it to its own stages, and only then gets weights: rank 0 sends each other rank
-just the tensors that rank kept, so no rank but 0 ever holds more than its stages.
+Every rank plans the same split on its meta-device copy of the model, prunes it to its own stages,
+and only then gets weights: it fills the tensors it kept itself (bigfit.loading: its stages' slices of
+the weights files, or the seeded init), so no rank ever holds more than its stages. On the rank-0
+path rank 0's model is real and it sends each other rank just the tensors that rank kept.
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from ..distributed import Runtime, gather_objects
+from ..loading import Weights, fill
 from ..precision import compute_dtype
 from ..strategies.materialise import to_empty
 from .cut import PipelineLayout
@@ -46,16 +48,19 @@ def describe(split: Split) -> str:
     return "; ".join(parts)
 
 
-def apply_pipeline(model: torch.nn.Module, plan, cfg, rt: Runtime) -> PipelineApplied:
+def apply_pipeline(model: torch.nn.Module, plan, cfg, rt: Runtime, weights: Weights | None = None) -> PipelineApplied:
     """This rank's stages of the pipeline it belongs to (its `pp` position; data-parallel and
-    tensor-parallel peers hold the same stages), with rank 0's weights in them."""
+    tensor-parallel peers hold the same stages), filled from `weights`, or with rank 0's weights."""
     layout = layout_of(cfg, plan.pp)
     position = rt.mesh.get_local_rank("pp")
     split = plan_split(model, layout)
     groups = tied_groups(model, split)
-    full = _all_tensors(model) if rt.is_main else {}
+    full = _all_tensors(model) if rt.is_main and weights is None else {}
     prune(model, split, layout.stages_of(position))
-    _materialise(model, full, rt)
+    if weights is not None:
+        fill(model, weights, rt.device)  # the kept tensors only: their names are the unpruned model's
+    else:
+        _materialise(model, full, rt)
     del full
     mods = [StageModule(model, split, s, compute_dtype(cfg.precision)) for s in layout.stages_of(position)]
     tied = _tied(model, groups, rt)

@@ -1,5 +1,6 @@
-"""Weights onto the ranks that built their model on the meta device: only rank 0 ever holds the
-whole model, the others get storage for what they keep and rank 0's values in it."""
+"""Storage for a model built on the meta device (`to_empty`, ties kept), and the rank-0 path:
+rank 0 holds the whole model and the other ranks get rank 0's values into what they keep (where
+each rank cannot fill its own parts, bigfit.loading: `.bin` weights, hub names not cached)."""
 from __future__ import annotations
 
 import torch

@@ -61,9 +61,12 @@ class OffloadEngine(HostSteps, EngineStates):
 
     def __init__(self, model: torch.nn.Module, rt, compute: torch.dtype | None, *, delayed: bool = False,
                  eager: bool = False, nvme_dir=None, nvme_host_bytes: float = 0, grads_on_device: bool = False,
-                 bucket_numel: int = 32 << 20, held: frozenset = frozenset(), uncounted: frozenset = frozenset()):
+                 bucket_numel: int = 32 << 20, held: frozenset = frozenset(), uncounted: frozenset = frozenset(),
+                 weights=None):
         """`held`: ids of parameters whose gradients stay on them until `land` (a pipeline sums tied
-        copies first); `uncounted`: ids of those whose norm another rank counts (the other copies)."""
+        copies first); `uncounted`: ids of those whose norm another rank counts (the other copies);
+        `weights`: the parameters' and buffers' values made on this rank (loading.WholeParams), else
+        the first data-parallel rank's, broadcast (`Transfers`)."""
         self.rt, self.delayed, self.eager, self.held = rt, delayed, eager and not delayed, held
         self.dtype = compute or torch.float32
         # a pipeline stage's block lists hold only its blocks, under their own indices
@@ -72,11 +75,11 @@ class OffloadEngine(HostSteps, EngineStates):
         self.io = Transfers(rt)
         sizes = [b.numel for b in self.buckets]
         self.store = NVMeStore(nvme_dir, sizes, nvme_host_bytes) if nvme_dir else None
-        holders = owners(model)
-        self.masters = [materialise(b, self._new_master(b), self.io, self.io.rank, self.dtype, holders)
+        holders, source = owners(model), weights or self.io
+        self.masters = [materialise(b, self._new_master(b), source, self.io.rank, self.dtype, holders)
                         for b in self.buckets]
-        place_frozen(model, self.io, self.dtype, holders)
-        self.io.place_buffers(model)
+        place_frozen(model, source, self.dtype, holders)
+        source.place_buffers(model)
         self.grads_on_device, self.slots, self.grad_buffers = grads_on_device, None, None  # made by `attach`
         self.kernel, self.grad_dtype = False, torch.float32
         for b in self.buckets:

@@ -69,11 +69,13 @@ class OffloadApplied(Applied):
 
 def apply_offload(model: torch.nn.Module, name: str, rt, compute: torch.dtype | None, *, delayed: bool,
                   nvme_dir, eager: bool = False, nvme_host_bytes: float = 0, grads_on_device: bool = False,
-                  stages: Applied | None = None, tied: list = ()) -> OffloadApplied:
+                  stages: Applied | None = None, tied: list = (), weights=None) -> OffloadApplied:
     """`eager`: the job neither clips nor scales its loss (so the engine may step during backward).
     `stages`: this rank's pipeline stages (their engine runs the micro-batches; the offload engine
-    updates their parameters), with `tied`: (parameter, counted here) for copies held on several stages."""
-    engine = OffloadEngine(model, rt, compute, delayed=delayed, eager=eager, nvme_dir=nvme_dir,
+    updates their parameters), with `tied`: (parameter, counted here) for copies held on several stages.
+    `weights`: where a meta model's values come from on this rank (loading.WholeParams); None: the
+    first data-parallel rank's, broadcast."""
+    engine = OffloadEngine(model, rt, compute, delayed=delayed, eager=eager, nvme_dir=nvme_dir, weights=weights,
                            nvme_host_bytes=nvme_host_bytes, grads_on_device=grads_on_device,
                            held=frozenset(id(p) for p, _ in tied),
                            uncounted=frozenset(id(p) for p, counted in tied if not counted))

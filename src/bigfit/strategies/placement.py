@@ -1,6 +1,7 @@
-"""How the offload engine places an unmodified model: rank 0's weights to every rank, whole
-parameters on the device in the compute dtype, this rank's fp32 rows on the host (buckets.py's
-layout); which modules' forwards wait for which buckets; states as DTensors for checkpoints."""
+"""How the offload engine places an unmodified model: each parameter's fp32 values (from `io`:
+read or made on this rank, loading.WholeParams, or rank 0's broadcast, transfer.Transfers), whole on
+the device in the compute dtype, this rank's fp32 rows on the host (buckets.py's layout); which
+modules' forwards wait for which buckets; states as DTensors for checkpoints."""
 from __future__ import annotations
 
 import math
@@ -13,10 +14,10 @@ from .buckets import Bucket, local_view
 
 @torch.no_grad()
 def materialise(b: Bucket, master: torch.Tensor, io, rank: int, dtype: torch.dtype, held: dict) -> torch.Tensor:
-    """Rank 0's fp32 values to every rank: the local rows into the host `master`, the whole
+    """Each parameter's fp32 values (`io.whole`): the local rows into the host `master`, the whole
     parameter onto the device in the compute dtype (one parameter at a time on the device)."""
     for s in b.slots:
-        full = io.from_rank0(s.param)
+        full = io.whole(s.param)
         start = rank * s.rows * s.row_numel
         view = local_view(master, s, rank).view(-1)
         view.copy_(full.view(-1)[start:start + view.numel()])
@@ -28,7 +29,7 @@ def materialise(b: Bucket, master: torch.Tensor, io, rank: int, dtype: torch.dty
 def place_frozen(model: torch.nn.Module, io, dtype: torch.dtype, held: dict) -> None:
     """Parameters that do not train: on the device in the compute dtype, nothing on the host."""
     for p in {id(p): p for p in model.parameters() if not p.requires_grad}.values():
-        _put(p, io.from_rank0(p).to(dtype), held)
+        _put(p, io.whole(p).to(dtype), held)
 
 
 def _put(p: torch.nn.Parameter, data: torch.Tensor, held: dict) -> torch.nn.Parameter:

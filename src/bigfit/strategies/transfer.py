@@ -35,7 +35,7 @@ class Transfers:
         return torch.zeros(shape, dtype=torch.float32, device=self.device)
 
     @torch.no_grad()
-    def from_rank0(self, p: torch.Tensor) -> torch.Tensor:
+    def whole(self, p: torch.Tensor) -> torch.Tensor:
         """The whole parameter in fp32 on this rank's device, with the first data-parallel rank's
         values: rank 0's, or those its pipeline stage received (pipeline/strategy.py)."""
         full = torch.empty(p.shape, dtype=torch.float32, device=self.device) if p.is_meta else \

@@ -35,7 +35,8 @@ def apply_tensor_parallel(model: torch.nn.Module, tp_mesh, sequence: bool = Fals
     """Split every block's attention and MLP over the 1-D DeviceMesh `tp_mesh`, in place; returns
     notes for the start-of-run table. No communication: each rank cuts its shards from its own
     copy (src_data_rank None), so ranks whose model is on the meta device get meta shards, to be
-    filled afterwards (set_model_state_dict(..., full_state_dict=True, broadcast_from_rank0=True)).
+    filled afterwards: by each rank from its slices (bigfit.loading), or on the rank-0 path by
+    set_model_state_dict(..., full_state_dict=True, broadcast_from_rank0=True).
     A mesh of one rank changes nothing. `sequence`: Megatron's sequence parallelism (plans.py)."""
     tp = tp_mesh.size()
     check_tensor_parallel(model.config, tp, sequence)

@@ -132,7 +132,8 @@ def _checkable(cfg: TrainConfig, nproc: int) -> TrainConfig:
 
 def _check_split(job, nproc: int) -> None:
     """The plan's split against the model's stacks, on the meta device: device_map's map, the pipeline's
-    cut, the tensor-parallel degree against the heads."""
+    cut, the tensor-parallel degree against the heads; and safetensors weights against the model,
+    when each rank will read its own slices."""
     # imported here: each loads its split's stack (model classes, torch.distributed.tensor / pipelining);
     # the launcher loads only the one its plan uses
     if job.plan.split == "device_map":
@@ -147,6 +148,10 @@ def _check_split(job, nproc: int) -> None:
         from ..tensor import check_tensor_parallel
 
         check_tensor_parallel(job.model_config, job.plan.tp, job.plan.sequence_parallel)
+    from ..loading import check_weights, loads_per_rank
+
+    if loads_per_rank(job.source, job.plan):
+        check_weights(job.source, job.model_config)
 
 
 def _auto_batch(cfg: TrainConfig, argv: list[str], nproc: int) -> TrainConfig:

@@ -9,6 +9,7 @@ from .. import faults
 from ..config import TrainConfig
 from ..data import Batcher
 from ..distributed import Runtime, init_runtime, shutdown, world_size
+from ..loading import loads_per_rank
 from ..models import build_model, count_parameters
 from ..parallel.apply import apply
 from ..parallel.mesh import with_mesh
@@ -52,7 +53,7 @@ def _train(job: Job, rt: Runtime) -> dict:
     cfg, ds = job.cfg, job.dataset
     out_dir = Path(cfg.output_dir)
     ckpt_root = out_dir / "checkpoints"
-    model = build_model(job.source, job.model_config, cfg.seed, on_meta=not rt.is_main)
+    model = build_model(job.source, job.model_config, cfg.seed, on_meta=not rt.is_main or loads_per_rank(job.source, job.plan))
     n_params = count_parameters(model)
     applied = apply(model, job.plan, cfg, rt)
     build_optimizer(applied, cfg)

@@ -1,0 +1,125 @@
+"""Pretrained weights in safetensors files, read a slice at a time.
+
+Why `safe_open(...).get_slice(key)[box]` and not torch.distributed.checkpoint's
+HuggingFaceStorageReader (present in torch 2.11 and 2.13): the file is memory-mapped, so a box reads
+only its own bytes, and one call serves every layout bigfit fills: DTensor shards (FSDP2, tensor
+parallel), whole tensors (one process, DDP replicas, pipeline stages) and the offload engine's whole
+parameters, which are no DTensors. DCP's reader needs the checkpoint's keys to be the model's exactly
+and plans every load collectively; checkpoints saved without the model's `base_model_prefix` or
+without tied copies (both the usual case on the hub) would need a renaming layer around it anyway.
+`.bin` (pickle) checkpoints cannot be read by slice: they keep the rank-0 path (rank 0 loads the
+whole model with from_pretrained and the other ranks receive their parts).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from ..errors import BigfitError
+from ..models import ModelSource
+
+SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
+
+
+def safetensors_dir(src: ModelSource) -> Path | None:
+    """The local directory holding the model's safetensors weights: a --model directory, or a hub
+    name's snapshot in the local cache (never the network). None: no such files (.bin only, no
+    weights, or a hub name not cached), so the model is not read per rank."""
+    if src.kind == "weights":
+        directory = Path(src.name).expanduser()
+    elif src.kind == "hub":
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import LocalEntryNotFoundError
+
+        try:
+            directory = Path(snapshot_download(src.name, local_files_only=True))
+        except (LocalEntryNotFoundError, OSError, ValueError):
+            return None
+    else:
+        return None
+    return directory if (directory / SINGLE).is_file() or (directory / INDEX).is_file() else None
+
+
+class Checkpoint:
+    """The tensors of one safetensors checkpoint (one file, or the shards an index names), each file
+    opened once, memory-mapped. `bytes_read` counts the bytes of every box read (tests hold each
+    rank to its share)."""
+
+    def __init__(self, directory: Path):
+        self.directory, self._handles = Path(directory), {}
+        index = self.directory / INDEX
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (ValueError, KeyError) as e:
+                raise BigfitError(f"{index} is not a safetensors index (no weight_map): {e}") from None
+        else:
+            weight_map = {key: SINGLE for key in self._open(self.directory / SINGLE).keys()}
+        self.path_of = {key: self.directory / name for key, name in weight_map.items()}
+        self.bytes_read = 0
+
+    def _open(self, path: Path):
+        if path not in self._handles:
+            if not path.is_file():
+                raise BigfitError(f"{path} is missing (named by {self.directory / INDEX})")
+            self._handles[path] = safe_open(str(path), framework="pt", device="cpu")
+        return self._handles[path]
+
+    def keys(self) -> set[str]:
+        return set(self.path_of)
+
+    def where(self, key: str | None = None) -> str:
+        """The file a key lives in, for messages (the checkpoint's name for a key it lacks)."""
+        if key in self.path_of:
+            return str(self.path_of[key])
+        return str(self.directory / (INDEX if (self.directory / INDEX).is_file() else SINGLE))
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self._open(self.path_of[key]).get_slice(key).get_shape())
+
+    def read(self, key: str, box: tuple[slice, ...]) -> torch.Tensor:
+        """The `box` (one slice per dimension) of tensor `key`, in the file's dtype, on the CPU."""
+        f = self._open(self.path_of[key])
+        t = f.get_slice(key)[box] if box else f.get_tensor(key)  # a 0-d tensor has no slice
+        self.bytes_read += t.numel() * t.element_size()
+        return t
+
+
+def file_key(names: list[str], keys: set[str], prefix: str) -> str | None:
+    """The checkpoint's key for a tensor the model knows by `names` (a tied tensor has several and
+    is saved once): as named, without the model's base_model_prefix (GPT-2's hub files say h.0...,
+    the LM model transformer.h.0...), or with it (a base model's file under a model with a head)."""
+    for name in names:
+        candidates = [name]
+        if prefix:
+            candidates += [name[len(prefix) + 1:]] if name.startswith(prefix + ".") else [f"{prefix}.{name}"]
+        for key in candidates:
+            if key in keys:
+                return key
+    return None
+
+
+def match(ckpt: Checkpoint, groups: dict[str, list[str]], shapes: dict[str, tuple], params: set[str],
+          prefix: str) -> dict[str, str]:
+    """name -> checkpoint key for every tensor of the model the file holds (each of `groups`: a
+    first name and all its names). One line naming the tensor and the file when a parameter is
+    missing or a shape differs; buffers the file lacks are left out (the model's init makes them)."""
+    keys, out = ckpt.keys(), {}
+    for first, names in groups.items():
+        key = file_key(names, keys, prefix)
+        if key is None:
+            if first in params:
+                aka = f" (nor as {', '.join(names[1:])})" if len(names) > 1 else ""
+                raise BigfitError(f"{ckpt.where()} has no tensor for parameter {first}{aka}: "
+                                  "the weights are not this model's (or saved by a transformers version that "
+                                  "names them differently)")
+            continue
+        if ckpt.shape(key) != tuple(shapes[first]):
+            raise BigfitError(f"{first}: {ckpt.where(key)} holds {key} with shape {list(ckpt.shape(key))}, "
+                              f"the model's is {list(shapes[first])}")
+        for name in names:
+            out[name] = key
+    return out
