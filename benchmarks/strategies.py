@@ -29,6 +29,7 @@ import time
 STRATEGIES = ("single", "zero2", "zero3", "zero2-offload", "zero3-offload")
 SIZES = {"tiny": (64, 2, 4, 2, 128, 384),  # a smoke test of this script on a CPU
          "1b": (2048, 16, 32, 8, 8192, 128256), "3b": (3072, 28, 24, 8, 8192, 128256),
+         "6b": (4096, 24, 32, 8, 14336, 128256),  # 6.3B: benchmarks/largest_model.py at 24 layers
          "8b": (4096, 32, 32, 8, 14336, 128256)}  # as ../shared/bench/peers.py's
 
 
