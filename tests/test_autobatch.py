@@ -154,3 +154,21 @@ def test_two_ranks_start_new_probe_processes_only_after_an_oom(model_dirs, tmp_p
     out = " ".join(printed.out.split())
     assert "confirmed 11 (peak" in out and "the model built 2 times" in out
     assert len(read_jsonl(tmp_path / "out" / "metrics.jsonl")) == 1  # the job's own workers trained after
+
+
+def test_a_probe_that_fails_otherwise_says_why(model_dirs, pairs_file, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("BIGFIT_FAULT", "probe:0:0:raise")
+    assert _train(model_dirs["gpt2"], pairs_file, tmp_path, "--strategy", "single") == 2
+    err = capsys.readouterr().err
+    assert "the micro-batch probe failed (worker rank 0 failed: RuntimeError: injected fault at probe 0 on rank 0" in err
+
+
+def test_an_encoder_decoder_config_without_a_decoder_start_is_one_line(tmp_path, capsys):
+    from transformers import T5Config
+
+    from bigfit.cli import main
+
+    T5Config(d_model=32, d_ff=64, d_kv=8, num_heads=4, num_layers=1, vocab_size=384).save_pretrained(tmp_path / "t5")
+    assert main(["train", "--model", str(tmp_path / "t5"), "--output-dir", str(tmp_path / "out")]) == 2
+    assert "its config.json has no decoder_start_token_id" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

@@ -45,7 +45,8 @@ def choose_micro_batch(argv: list[str], cfg: TrainConfig, world: int, speaks: bo
     peak = search.peak(best)
     measured = f"peak {_gb(peak)} measured, {_gb(pred.budget - peak)} left" if peak else "measured by a probe step"
     builds = ("the model built once" if search.worker_sets == 1 else
-              f"the model built {search.worker_sets} times: new probe processes after each OOM on several ranks")
+              f"the model built {search.worker_sets} times: new probe processes after an OOM on several ranks "
+              "or a step that did not finish after one")
     print(f"micro-batch auto -> {best}: {said}, probes {outcome_text(search.outcomes)}; confirmed {best} "
           f"({measured}; {builds})")
     return best, _batch(cfg, world, best)
@@ -78,7 +79,9 @@ def _probe(argv: list[str], cfg: TrainConfig, world: int, pred: Prediction) -> P
             print(f"probe micro-batch {search.next()}: the step after an out-of-memory error did not finish; "
                   "trying it again in new probe processes")
         elif code != 0:
-            raise BigfitError(f"the micro-batch probe failed (exit status {code}); logs in {where.parent}")
+            report = where.parent / "error.txt"
+            why = report.read_text().strip() if report.is_file() else f"exit status {code}"
+            raise BigfitError(f"the micro-batch probe failed ({why}); logs in {where.parent}")
     return search
 
 

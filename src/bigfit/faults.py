@@ -2,8 +2,9 @@
 
 At that point of that step the given rank (default 0) kills itself with SIGKILL, exactly as the
 OOM killer or a machine fault would, or with `raise` fails with an exception instead. Points: `step`
-(after the optimizer step and its metrics) and `save` (after every rank wrote its part of a
-checkpoint, before it is marked complete). Unset, this costs one dictionary look-up per call.
+(after the optimizer step and its metrics), `save` (after every rank wrote its part of a
+checkpoint, before it is marked complete) and `probe` (step 0: micro-batch auto's probe, before its
+first size). Unset, this costs one dictionary look-up per call.
 BIGFIT_FAULT=oom-above:<n> makes micro-batch auto's probe steps above n run out of memory.
 """
 from __future__ import annotations

@@ -82,12 +82,14 @@ def _report(exits: dict[int, int], err_dir: Path, log_dir: Path) -> str:
 def launch_local(argv: list[str], nproc: int, log_dir: Path, quiet: bool = False, lock_fd: int | None = None,
                  settings: dict | None = None) -> int:
     """Run `python -m bigfit <argv>` as `nproc` workers on this machine; returns the exit status.
-    `quiet`: rank 0 writes a log too, and a failure is left to the caller to report. `lock_fd`: the
+    `quiet`: rank 0 writes a log too, and a failure is left to the caller to report (its message in
+    log_dir/error.txt). `lock_fd`: the
     output directory's lock (train/lock.py), inherited by every worker so that it stays held while
     any of them lives, even if this launcher is killed. `settings`: the job's settings as this
     launcher decided them (strategy, degrees, batch sizes): the workers read them from a file
     (SETTINGS_ENV) instead of parsing `argv` again, so they run exactly what was printed."""
     log_dir.mkdir(parents=True, exist_ok=True)
+    (log_dir / "error.txt").unlink(missing_ok=True)  # an earlier launch's
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="bigfit-errors-") as tmp:
         err_dir, procs = Path(tmp), {}
@@ -118,8 +120,11 @@ def launch_local(argv: list[str], nproc: int, log_dir: Path, quiet: bool = False
                     exits = {r: p.poll() for r, p in procs.items() if r != rank}
                     exits = {r: c for r, c in exits.items() if c is not None and c != 0} | {rank: code}
                     _stop(procs)
-                    if not quiet:
-                        print(_report(exits, err_dir, log_dir), file=sys.stderr)
+                    report = _report(exits, err_dir, log_dir)
+                    if quiet:  # the caller reports it; the error files go with this directory
+                        (log_dir / "error.txt").write_text(report + "\n")
+                    else:
+                        print(report, file=sys.stderr)
                     return code if code > 0 else 1
         except KeyboardInterrupt:
             _stop(procs)

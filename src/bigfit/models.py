@@ -61,9 +61,14 @@ def load_config(src: ModelSource):
         cfg = dict(DEFAULT_T5)
         return AutoConfig.for_model(cfg.pop("model_type"), **cfg)
     try:
-        return AutoConfig.from_pretrained(src.name)
+        config = AutoConfig.from_pretrained(src.name)
     except (OSError, ValueError) as e:
         raise BigfitError(f"--model {src.name!r} could not be loaded: {str(e).splitlines()[0]}") from None
+    if is_seq2seq(config) and getattr(config, "decoder_start_token_id", None) is None:
+        # the decoder's first input: without it the first training step fails inside transformers
+        raise BigfitError(f"--model {src.name!r}: its config.json has no decoder_start_token_id, which an "
+                          "encoder-decoder needs to shift its labels; add it (T5: 0, the pad id)")
+    return config
 
 
 def is_seq2seq(config) -> bool:

@@ -22,8 +22,8 @@ from .files import Checkpoint, safetensors_dir
 from .fill import WholeParams, fill, local_box
 from .source import Weights
 
-__all__ = ["Checkpoint", "Weights", "WholeParams", "check_weights", "fill", "loads_per_rank", "local_box",
-           "weights_for"]
+__all__ = ["Checkpoint", "Weights", "WholeParams", "check_weights", "fill", "init_whole", "loads_per_rank",
+           "local_box", "seeded_whole", "weights_for"]
 
 
 def loads_per_rank(src: ModelSource, plan) -> bool:
@@ -47,6 +47,18 @@ def weights_for(model: torch.nn.Module, cfg, plan, rt) -> Weights | None:
         return None
     directory = safetensors_dir(locate(cfg.model))
     return Weights(copy.deepcopy(model), cfg.seed, rt.device, Checkpoint(directory) if directory else None)
+
+
+def seeded_whole(src: ModelSource, plan) -> bool:
+    """A config-only model that the rank-0 path builds whole (device maps): it gets the same seeded
+    init as every per-rank strategy (`init_whole`), so a device map starts where `single` does."""
+    return src.kind in ("default", "config") and not loads_per_rank(src, plan)
+
+
+def init_whole(model: torch.nn.Module, seed: int, device) -> None:
+    """Fill a meta-device model whole in host RAM with the seeded init made on `device` (the device
+    the per-rank strategies initialise on: their values, bit for bit)."""
+    fill(model, Weights(copy.deepcopy(model), seed, device, None), "cpu")
 
 
 def check_weights(src: ModelSource, model_config) -> None:

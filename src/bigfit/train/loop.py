@@ -9,7 +9,7 @@ from .. import faults
 from ..config import TrainConfig
 from ..data import Batcher
 from ..distributed import Runtime, init_runtime, shutdown, world_size
-from ..loading import loads_per_rank
+from ..loading import init_whole, loads_per_rank, seeded_whole
 from ..models import build_model, count_parameters
 from ..parallel.apply import apply
 from ..parallel.mesh import with_mesh
@@ -53,7 +53,11 @@ def _train(job: Job, rt: Runtime) -> dict:
     cfg, ds = job.cfg, job.dataset
     out_dir = Path(cfg.output_dir)
     ckpt_root = out_dir / "checkpoints"
-    model = build_model(job.source, job.model_config, cfg.seed, on_meta=not rt.is_main or loads_per_rank(job.source, job.plan))
+    whole = seeded_whole(job.source, job.plan)  # a device map: rank 0's model, the per-rank strategies' init
+    model = build_model(job.source, job.model_config, cfg.seed,
+                        on_meta=not rt.is_main or loads_per_rank(job.source, job.plan) or whole)
+    if whole and rt.is_main:
+        init_whole(model, cfg.seed, rt.device)
     n_params = count_parameters(model)
     applied = apply(model, job.plan, cfg, rt)
     build_optimizer(applied, cfg)

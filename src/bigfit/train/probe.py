@@ -37,6 +37,7 @@ def probe(job: Job, engine: Engine, rt: Runtime) -> dict:
     search.worker_sets += 1
     _agreed_save(where, search, rt)
     longest = sorted(ds.train, key=lambda s: len(s["input_ids"]) + len(s["labels"]), reverse=True)
+    faults.maybe_die("probe", 0, rt)  # BIGFIT_FAULT=probe:0:0:raise: a probe that fails, not by OOM
     stepped, failed, slowest = False, False, 0.0
     while (micro := search.next()) is not None:
         t0 = time.perf_counter()
