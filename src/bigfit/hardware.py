@@ -18,8 +18,9 @@ UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
 # ~1 TFLOP/s of training (forward + backward, bf16 autocast) on those cores: T5-large's decoder mapped to
 # the host took ~1.1 s a step for ~1.2 TFLOP of model FLOPs (benchmarks/RESULTS.md, device maps).
 # host_op_us: the host's microseconds per forward operator of an eager training step, its backward
-# included (planning/hostcost.py): T5-large's ~12,000 traced forward operators (bf16 autocast) took the
-# H200 machine's host about 0.3 s per micro-batch; `bigfit plan --calibrate` measures this machine's.
+# included (planning/hostcost.py): T5-large's ~10,300 traced forward operators took the H200 machine's
+# host about 0.3 s per micro-batch (29 us), `bigfit plan --calibrate` 22-24 us there on a small Llama;
+# it measures this machine's.
 DEFAULTS = dict(gpu_tflops=760.0, pcie_gbps=55.0, intra_gbps=300.0, inter_gbps=25.0, cpu_adam_params_per_s=4e9,
                 nvme_gbps=3.0, cpu_tflops=1.0, host_op_us=25.0)  # nvme: a typical PCIe 4 drive, not measured here
 # Beyond these a description is a typo, far past any real machine (and a list of 10**11 GPU sizes would
