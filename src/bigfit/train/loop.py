@@ -1,7 +1,9 @@
 """The one training loop, the same for every strategy and process count."""
 from __future__ import annotations
 
+import contextlib
 import copy
+import gc
 import time
 from pathlib import Path
 
@@ -32,10 +34,29 @@ def train(cfg: TrainConfig) -> dict:
     rt = init_runtime(cfg.timeout_s, group_for_one=job.plan.engine == "fsdp", host_collectives=job.plan.offload_params)
     try:
         rt = with_mesh(rt, job.plan)
-        with claim(job, rt):  # the output directory is this run's (a launcher may have claimed it already)
+        with claim(job, rt), _collector_paused():  # the output directory is this run's (a launcher may have claimed it)
             return _train(job, rt)
     finally:
         shutdown(rt)
+
+
+GC_EVERY = 50  # steps between collections of Python's young generations (torchtitan collects every 50)
+
+
+@contextlib.contextmanager
+def _collector_paused():
+    """Python's automatic garbage collector off while training, as torchtitan does: a full collection
+    walks every object (the dataset's token lists, the model's modules) and stalls every thread for
+    it, the offload engine's host thread too. What exists before the run (the job and its dataset)
+    is frozen out of the collections; the loop collects the young generations every GC_EVERY steps."""
+    gc.collect()
+    gc.freeze()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+        gc.enable()
 
 
 def _assets_writer(job: Job, module):
@@ -114,6 +135,8 @@ def _train(job: Job, rt: Runtime) -> dict:
                 progress.print(f"eval at step {step}: {_eval_text(record)}")
             if scaler and record["overflow"]:
                 progress.print(_overflow_text(step, record, scaler))
+        if step % GC_EVERY == 0:
+            gc.collect(1)  # the young generations only: the model, data and engine are frozen
         faults.maybe_die("step", step, rt)
         if step == cfg.max_steps or (cfg.save_every and step % cfg.save_every == 0):
             applied.flush()
