@@ -85,7 +85,8 @@ def engine_row(variant: str, size: str, mbs: int, seq: int, steps: int) -> dict:
 
 def command_row(variant: str, model: Path, data: Path, mbs: int, seq: int, steps: int, out: Path) -> dict:
     strategy, *flags = variant.split("+")
-    extra = (["--delayed-update"] * ("delayed" in flags) + ["--max-grad-norm", "0"] * ("noclip" in flags or "eager" in flags)
+    extra = (["--delayed-update"] * ("delayed" in flags)
+             + ["--max-grad-norm", "0"] * ("noclip" in flags or "eager" in flags)
              + ["--offload-grads", "device"] * ("devgrads" in flags))
     cmd = [sys.executable, "-m", "bigfit", "train", "--model", str(model), "--data", str(data), "--strategy", strategy,
            "--nproc", "1", "--precision", "bf16", "--batch-size", str(mbs), "--max-source-len", str(seq),

@@ -115,7 +115,8 @@ def _plan_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--target-len", type=_number(int), default=0, help="decoder tokens per sample (encoder-decoders)")
     p.add_argument("--precision", default="bf16", choices=PRECISIONS)
     p.add_argument("--activation-checkpointing", action="store_true")
-    p.add_argument("--compile", action="store_true", help="blocks compiled (bigfit train --compile): fewer kernels to issue")
+    p.add_argument("--compile", action="store_true",
+                   help="blocks compiled (bigfit train --compile): fewer kernels to issue")
     p.add_argument("--chunks", type=_number(int), help="device_map: GPipe micro-batches per forward (default 1); "
                    "pipeline: micro-batches per micro-batch (default: the fewest that give every stage one)")
     p.add_argument("--pipeline-schedule", choices=PIPELINE_SCHEDULES, help="pipeline: default 1f1b")

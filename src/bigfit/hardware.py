@@ -144,8 +144,8 @@ def detect() -> Hardware:
     if not gpus:
         raise BigfitError("no GPU found on this machine; describe the target with --gpus (e.g. --gpus 8x16GB)")
     op_us = calibrated_host_op_us("cuda")
+    source = "calibrated" if op_us else "the H200 machine's; bigfit plan --calibrate measures this one's"
     return Hardware(gpu_bytes=gpus, cpu_ram=host_ram(), cpu_adam_kernel=cpu_adam.kernel() is not None,
                     host_op_us=op_us or DEFAULTS["host_op_us"],
                     notes=(f"detected {os.cpu_count()} CPU cores",
-                           f"host {op_us or DEFAULTS['host_op_us']:.1f} us per operator issued"
-                           + (" (calibrated)" if op_us else " (the H200 machine's; bigfit plan --calibrate measures this one's)")))
+                           f"host {op_us or DEFAULTS['host_op_us']:.1f} us per operator issued ({source})"))

@@ -72,7 +72,8 @@ def plan_command(ns) -> int:
     if ns.calibrate:
         r = calibrate()
         print(f"calibrated: the host issues a forward operator with its backward in {r['host_op_us']:.1f} us "
-              f"on {r['device']} ({r['operators']} operators in {r['step_s'] * 1e3:.1f} ms); kept in {calibration_path()}")
+              f"on {r['device']} ({r['operators']} operators in {r['step_s'] * 1e3:.1f} ms); "
+              f"kept in {calibration_path()}")
     hw = hardware_from_args(ns)
     fixed = {d: getattr(ns, d) for d in DIMS if getattr(ns, d) is not None}  # the composed plans' degrees
     check_degrees(fixed, hw, *split_counts(config))
