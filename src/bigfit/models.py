@@ -114,14 +114,15 @@ def build_model(src: ModelSource, config, seed: int, on_meta: bool = False) -> t
     for config in {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}.values():
         if hasattr(config, "use_cache"):
             config.use_cache = False
-    return model
+    # training mode: from_pretrained returns its model in eval mode, so a fine-tune from weights would
+    # train with its dropout off; the Trainer puts the model in training mode too (evaluation puts it
+    # in eval mode and back, train/evaluate.py)
+    return model.train()
 
 
 def _as_from_pretrained(model: torch.nn.Module, name: str) -> None:
-    """What from_pretrained gives besides the weights, for a model whose weights come later: its
-    mode (eval: dropout off, as rank 0 and the single-process run have it) and the generation
-    config saved beside the weights (from the local files only, as the weights are)."""
-    model.eval()
+    """What from_pretrained gives besides the weights, for a model whose weights come later: the
+    generation config saved beside the weights (from the local files only, as the weights are)."""
     if model.can_generate():
         try:
             model.generation_config = GenerationConfig.from_pretrained(name, local_files_only=True)
