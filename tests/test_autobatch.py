@@ -172,3 +172,19 @@ def test_an_encoder_decoder_config_without_a_decoder_start_is_one_line(tmp_path,
     assert main(["train", "--model", str(tmp_path / "t5"), "--output-dir", str(tmp_path / "out")]) == 2
     assert "its config.json has no decoder_start_token_id" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_an_engine_that_cannot_go_on_after_an_oom_probes_on_in_new_processes(model_dirs, tmp_path, capsys,
+                                                                           monkeypatch):
+    """The offload engine's failed backward leaves its buckets claimed: after an OOM its probe goes on
+    in new processes at once, not after a step that would never finish."""
+    monkeypatch.setenv("BIGFIT_FAULT", "oom-above:5")
+    data = write_pairs(tmp_path / "pairs.jsonl", n=12)
+    code = _train(model_dirs["gpt2"], data, tmp_path / "out", "--strategy", "zero2-offload", "--nproc", "1")
+    printed = capsys.readouterr()
+    assert code == 0, printed.err
+    search = ProbeSearch.from_json(json.loads((tmp_path / "out" / "logs" / "probe" / "search.json").read_text()))
+    assert search.best() == 5
+    failed = sum(1 for _, ran, _ in search.outcomes if not ran)
+    assert search.worker_sets == failed + 1 - (not search.outcomes[-1][1])  # one set after each OOM but a last
+    assert "in new probe processes (the last ones could not go on after an out-of-memory error)" in printed.out

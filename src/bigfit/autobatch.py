@@ -46,7 +46,7 @@ def choose_micro_batch(argv: list[str], cfg: TrainConfig, world: int, speaks: bo
     measured = f"peak {_gb(peak)} measured, {_gb(pred.budget - peak)} left" if peak else "measured by a probe step"
     builds = ("the model built once" if search.worker_sets == 1 else
               f"the model built {search.worker_sets} times: new probe processes after an OOM on several ranks "
-              "or a step that did not finish after one")
+              "or where the engine cannot go on after one")
     print(f"micro-batch auto -> {best}: {said}, probes {outcome_text(search.outcomes)}; confirmed {best} "
           f"({measured}; {builds})")
     return best, _batch(cfg, world, best)
@@ -75,9 +75,9 @@ def _probe(argv: list[str], cfg: TrainConfig, world: int, pred: Prediction) -> P
             save(where, search)
             print(f"probe micro-batch {failed}: out of memory on a rank"
                   + ("; new probe processes go on" if search.next() is not None else ""))
-        elif code == RETRY_EXIT:  # a fresh set's first step has no deadline: this cannot repeat forever
-            print(f"probe micro-batch {search.next()}: the step after an out-of-memory error did not finish; "
-                  "trying it again in new probe processes")
+        elif code == RETRY_EXIT:  # a fresh set's first step never ends it so: this cannot repeat forever
+            print(f"probe micro-batch {search.next()}: in new probe processes (the last ones could not go on "
+                  "after an out-of-memory error)")
         elif code != 0:
             report = where.parent / "error.txt"
             why = report.read_text().strip() if report.is_file() else f"exit status {code}"

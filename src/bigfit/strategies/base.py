@@ -48,6 +48,9 @@ class Engine(Protocol):
     generates: bool  # evaluation may call generate()
     counts: bool  # this rank's losses and texts are counted: False on tensor-parallel peers, which repeat them
     sequence_multiple: int  # batches are padded to a multiple of this length (sequence parallelism: tp)
+    # a step that ran out of memory can be dropped and the next one run in this process (micro-batch
+    # auto's probe, train/probe.py); the offload engine's bucket states cannot, so its probe restarts
+    recovers_from_oom: bool
 
     def attach_optimizer(self, cls: type, **kw) -> None:
         """Build the optimizer over the parameters, where the strategy keeps its states."""
@@ -95,6 +98,7 @@ class Applied:
     generates: bool = True
     counts: bool = True
     sequence_multiple: int = 1
+    recovers_from_oom: bool = True
     norm_ranks: int = 0  # > 0: ranks whose gradients mix DTensors and plain tensors (tensor parallel)
     optimizer: torch.optim.Optimizer | None = None
 

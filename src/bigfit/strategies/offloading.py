@@ -24,6 +24,8 @@ class OffloadApplied(Applied):
     engine, not a torch optimizer, holds the states and steps them."""
     engine: OffloadEngine | None = None
     stages: Applied | None = None  # pipeline stages that run each micro-batch; None: the model whole
+    # a failed backward leaves its buckets claimed: the next step would wait for them forever
+    recovers_from_oom: bool = False
 
     def accumulation_context(self, sync: bool):
         return self.engine.syncing(sync)

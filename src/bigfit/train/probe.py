@@ -49,6 +49,8 @@ def probe(job: Job, engine: Engine, rt: Runtime) -> dict:
         _agreed_save(where, search, rt)
         if rt.is_main:
             print(f"probe micro-batch {micro}: {'ran' if ran else 'out of memory'}", flush=True)
+        if not ran and not engine.recovers_from_oom and search.next() is not None:
+            raise SystemExit(probefile.RETRY_EXIT)  # the next size in new processes, at once
     return {"probes": search.outcomes}
 
 
