@@ -142,7 +142,7 @@ def test_auto_sees_the_nvme_tiers_disk_and_fills_ram_with_states(tmp_path, model
 
 def test_a_smaller_card_is_simulated_by_bigfit_gpu_memory(monkeypatch):
     from bigfit.errors import BigfitError
-    from bigfit.hardware import gpu_cap
+    from bigfit.units import gpu_cap
 
     assert gpu_cap() is None
     monkeypatch.setenv("BIGFIT_GPU_MEMORY", "24GB")

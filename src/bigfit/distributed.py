@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .hardware import gpu_cap
+from .units import gpu_cap
 
 
 @dataclass(frozen=True)

@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import BigfitError
+from .units import gpu_cap, parse_size  # noqa: F401  parse_size: hardware's public name too
 
-UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-         "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 # Defaults for what cannot be detected, from measurements on the lent H200 machine (NOTES-machines.md):
 # pinned PCIe ~55 GB/s each way, bf16 dense matmul ~760 TFLOP/s, fused CPU AdamW ~4 G params/s on 16 cores,
 # ~1 TFLOP/s of training (forward + backward, bf16 autocast) on those cores: T5-large's decoder mapped to
@@ -27,13 +25,6 @@ DEFAULTS = dict(gpu_tflops=760.0, pcie_gbps=55.0, intra_gbps=300.0, inter_gbps=2
 # not fit in RAM: parse_gpus builds one per node).
 MAX_GPUS_PER_NODE = 1024
 MAX_NODES = 100_000
-
-
-def parse_size(text: str, what: str = "size") -> int:
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?I?B?)\s*", text.upper())
-    if not m or m.group(2) not in UNITS:
-        raise BigfitError(f"{what} {text!r} is not a size; write it like 24GB, 512MiB or 1TB")
-    return int(float(m.group(1)) * UNITS[m.group(2)])
 
 
 def parse_gpus(text: str) -> list[int]:
@@ -108,19 +99,6 @@ def calibrated_host_op_us(device: str) -> float | None:
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return value if value > 0 else None
-
-
-def gpu_cap() -> int | None:
-    """BIGFIT_GPU_MEMORY (e.g. 24GB): each GPU is this big for bigfit, detected and allocated alike,
-    to plan and train as on a smaller card (a benchmark's 24 GB card on an H200, a GPU shared with
-    another job). The runtime caps torch's allocator to it (distributed.init_runtime)."""
-    text = os.environ.get("BIGFIT_GPU_MEMORY")
-    if not text:
-        return None
-    cap = parse_size(text, "BIGFIT_GPU_MEMORY")
-    if cap <= 0:
-        raise BigfitError(f"BIGFIT_GPU_MEMORY {text!r} holds nothing; give each GPU's memory, like 24GB")
-    return cap
 
 
 def host_ram() -> int:

@@ -115,9 +115,10 @@ def apply_sharding(model, split: Applied, plan: ParallelPlan, cfg, rt: Runtime,
     if plan.engine == "offload":
         return split  # the offload engine shards rows itself: it is built at the offload step
     if plan.engine == "ddp":
-        to_device(model, rt.device)
         if weights is not None:
-            fill(model, weights, rt.device)  # every replica reads the whole model itself
+            fill(model, weights, rt.device)  # storage, then every replica reads the whole model itself
+        else:
+            to_device(model, rt.device)
         return apply_ddp(model, plan, rt, compute, cfg.ddp_bucket_mb)  # DDP broadcasts rank 0's weights
     to_device(model, rt.device)  # a meta model: storage only, filled next (materialise)
     return Applied(model=model, module=model, strategy=plan.name, autocast=compute)
