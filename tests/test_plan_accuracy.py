@@ -2,8 +2,8 @@
 by benchmarks/plan_vs_measured.py, the same code `bigfit plan` runs): the rows inside the target
 (step time within 20%, peak GPU memory within 10%) must stay inside it, so a change that breaks the
 model's accuracy fails here. docs/planning.md's accuracy table lists every row with its error; the
-rows outside the target are named there with why (T5's measured efficiency below the 48% of peak the
-model assumes; device maps whose host computes blocks; offload rows made by superseded code)."""
+rows outside the target are named there with why (T5 at small batches, bound by a host whose speed
+varied between runs; device maps whose host computes blocks; offload rows made by superseded code)."""
 from __future__ import annotations
 
 import json
@@ -25,7 +25,8 @@ dm4-t53-2gpu-b8-unsplit dm4-t5l-cpu-b8-unsplit dm6-b8-unsplit cap2-devgrads x2a-
 pp2-gpipe-m8 pp2-1f1b-m4 pp2-1f1b-m8 pp2-zero3-m8 k2-delayed k3-delayed k3-zero2-offload k5-delayed k2-acc4-delayed
 k2-zero3-offload-eager k2-zero3-offload 8b-zero2 8b-zero3 p6-delayed p6-delayed-torchpinned ss1-single ss1-zero2
 ss1-zero3 ss1-zero2-offload ss1-zero3-offload ss1-device_map ss2-zero2-offload ss2-single ss3-single ss3-zero3
-ss3-zero2-offload ss3-zero3-offload dm2-t5l-cpu-split-c4 dm4-t5l-cpu-b8-split-c4 dm6c4-b64-tail-c2-compiled""".split()
+ss3-zero2-offload ss3-zero3-offload dm2-t5l-cpu-split-c4 dm4-t5l-cpu-b8-split-c4 dm6c4-b64-tail-c2-compiled
+pp2-zero3-m4""".split()
 
 
 @pytest.fixture(scope="module")

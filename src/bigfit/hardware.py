@@ -20,7 +20,7 @@ from .units import gpu_cap, parse_size  # noqa: F401  parse_size: hardware's pub
 # host about 0.3 s per micro-batch (29 us), `bigfit plan --calibrate` 22-24 us there on a small Llama;
 # it measures this machine's.
 DEFAULTS = dict(gpu_tflops=760.0, pcie_gbps=55.0, intra_gbps=300.0, inter_gbps=25.0, cpu_adam_params_per_s=4e9,
-                nvme_gbps=3.0, cpu_tflops=1.0, host_op_us=25.0)  # nvme: a typical PCIe 4 drive, not measured here
+                nvme_gbps=3.0, cpu_tflops=1.0, host_op_us=25.0, gpu_mem_gbps=4800.0)  # nvme: a typical PCIe 4 drive, not measured here
 # Beyond these a description is a typo, far past any real machine (and a list of 10**11 GPU sizes would
 # not fit in RAM: parse_gpus builds one per node).
 MAX_GPUS_PER_NODE = 1024
@@ -53,6 +53,7 @@ class Hardware:
     cpu_ram: int = 64 * 10**9  # host RAM of one node
     nvme: int = 0  # NVMe bytes of one node usable for offload
     gpu_tflops: float = DEFAULTS["gpu_tflops"]  # dense bf16 peak of one GPU
+    gpu_mem_gbps: float = DEFAULTS["gpu_mem_gbps"]  # one GPU's memory bandwidth (the H200's HBM3e: 4.8 TB/s)
     pcie_gbps: float = DEFAULTS["pcie_gbps"]  # host <-> GPU, each way, per GPU
     intra_gbps: float = DEFAULTS["intra_gbps"]  # GPU <-> GPU inside a node (bus bandwidth)
     inter_gbps: float = DEFAULTS["inter_gbps"]  # between nodes, per node

@@ -72,6 +72,10 @@ def share(prof, tp: int, scale: float, sequence: bool = False):
                    block_matmul_flops=[f * k for f, k in zip(prof.block_matmul_flops, kept)],
                    block_attention_flops=[f / tp for f in prof.block_attention_flops],
                    block_saved=[(a - d * cut) * scale for a, d in zip(prof.block_saved, divided)],
+                   # the operators' bytes as the saved ones: TP divides the same tensors
+                   block_traffic=[t * (a - d * cut) * scale / max(1, a)
+                                  for t, a, d in zip(prof.block_traffic, prof.block_saved, divided)],
+                   other_traffic=prof.other_traffic * scale,
                    block_inputs=[x * scale for x in prof.block_inputs],
                    other_saved=(prof.other_saved - prof.loss_saved * vcut) * scale, loss_saved=prof.loss_saved * logits,
                    logits_bytes=prof.logits_bytes * logits, logits_numel=prof.logits_numel * logits,

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .devicecost import MFU
+
 KEYS = ("params", "grads", "optimizer", "activations", "buffers")
-MFU = 0.48  # fraction of peak a dense training step reached on the H200 (plain PyTorch, 1.5B, bf16)
 RESERVE = 1 << 30  # per GPU: CUDA context and allocator slack the plan never hands out
 # Host-memory bytes a parameter that the offload engine's host step moves, by gradient size: torch's
 # fused AdamW reads master, gradient and moments, writes them back (the gradient too, unscaled), and
@@ -129,12 +130,13 @@ def _peak(common: dict, **moments: dict) -> dict[str, int]:
 
 
 def step_time(strategy: str, prof, hw, c: int, checkpointing: bool, tokens_per_step: int, accum: int,
-              nvme_host: float = 0.0, grad_bytes: int = 4, issue: float = 0.0) -> dict:
+              nvme_host: float = 0.0, grad_bytes: int = 4, issue: float = 0.0, traffic: float = 0.0) -> dict:
     """Seconds per optimizer step of each cost; the step is their overlapped combination. `issue`: the
-    host's seconds to issue the step's kernels (hostcost.py), a floor under the GPU's compute."""
+    host's seconds to issue the step's kernels (hostcost.py), a floor under the GPU's compute;
+    `traffic`: the GPU's seconds of memory-bound operators (devicecost.py), on top of its FLOPs."""
     n, w = prof.params, hw.world_size
     flops = prof.flops_per_token * tokens_per_step * (4 / 3 if checkpointing else 1)
-    compute = flops / (w * hw.gpu_tflops * 1e12 * MFU)
+    compute = flops / (w * hw.gpu_tflops * 1e12 * MFU) + traffic
     link = (hw.inter_gbps / hw.gpus_per_node if hw.nodes > 1 else hw.intra_gbps) * 1e9
     ring = (w - 1) / w
     if w == 1 or strategy == "single":

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from ..config import PIPELINE_STRATEGIES, SPLIT_STRATEGIES, STRATEGIES
 from ..precision import DTYPES
 from ..device_map.auto import profile_for
+from .devicecost import step_traffic
 from .estimate import RESERVE, Estimate, combine, grad_bytes, memory, nvme_bytes, nvme_fill, step_time
 from .hostcost import step_seconds as issue_seconds
 from .job import Job
@@ -82,9 +83,11 @@ def plan(prof, hw, job: Job, strategies=ALL, autocast_prof=None, split_prof=None
         gpu, host = memory(name, traced, hw, c, job.checkpointing, accum, grads_on_device=job.offload_grads == "device",
                            nvme_host=kept, grad_bytes=gb)
         # the issue cost from the plain trace's operators: autocast's casts run inside the dispatcher,
-        # cheaply (single measured faster than zero2 and zero3 in every host-bound H200 row)
+        # cheaply (single measured faster than zero2 and zero3 in every host-bound H200 row); the GPU's
+        # memory traffic from the trace as it runs (autocast's fp32 residual stream and casts move bytes)
         costs = step_time(name, prof, hw, c, job.checkpointing, tokens, accum, nvme_host=kept, grad_bytes=gb,
-                          issue=issue_seconds(prof, hw, job, accum, fsdp=name in FSDP))
+                          issue=issue_seconds(prof, hw, job, accum, fsdp=name in FSDP),
+                          traffic=step_traffic(traced, hw, job, job.batch_size / world))
         step_s = combine(costs, engine=_engine_mode(job) if name.startswith("zero2-offload") else None, accum=accum)
         e = Estimate(name, gpu, host, step_s, costs, nvme_bytes(prof.params, hw, kept) if name.endswith("nvme") else 0)
         why = _fit(e, hw)

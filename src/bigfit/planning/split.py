@@ -15,7 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..device_map.auto import device_parts, plan_budgets, profile_costs, split_plan
-from .estimate import MFU, Estimate, _bytes
+from .devicecost import MFU, traffic_seconds
+from .estimate import Estimate, _bytes
 from .hostcost import HOOK_S, pass_seconds
 
 NAME = "device_map"
@@ -63,8 +64,9 @@ def device_map_row(prof, hw, job) -> SplitRow:
 
 def stage_seconds(prof, hw, job, assignment: list[str], main: str, passes: int) -> dict[str, float]:
     """Each device's compute per step: its blocks' model FLOPs (`block_flops`); the main device adds the
-    non-embedding rest (an untied head) on the output tokens. GPUs at MFU of their peak, but no faster than the host
-    issues their kernels for `passes` micro-batches or chunks a step (hostcost.py); the host at cpu_tflops."""
+    non-embedding rest (an untied head) on the output tokens. GPUs at MFU of their peak plus their blocks'
+    memory-bound operators (devicecost.py), but no faster than the host issues their kernels for `passes`
+    micro-batches or chunks a step (hostcost.py); the host at cpu_tflops."""
     flops = {main: 6.0 * max(0, prof.root_params - prof.embedding_params) * (job.target_len or job.seq_len)}
     for dev, f in zip(assignment, block_flops(prof, job)):
         flops[dev] = flops.get(dev, 0.0) + f
@@ -73,6 +75,7 @@ def stage_seconds(prof, hw, job, assignment: list[str], main: str, passes: int) 
     for d in out:
         if not d.startswith("cpu"):  # the host's own blocks: its compute is its issuing
             mine = [g for g, dev in enumerate(assignment) if dev == d]
+            out[d] += traffic_seconds(prof, hw, job, mine, d == main, job.batch_size)
             out[d] = max(out[d], passes * pass_seconds(prof, hw, job, mine, outside=d == main))
     return out
 

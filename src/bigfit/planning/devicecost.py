@@ -1,0 +1,42 @@
+"""The GPU's own time for a step's work, in two parts that do not overlap within an operator stream:
+the matmuls' and attention's FLOPs at MFU of the peak, and the bytes every other operator reads and
+writes (norms, activations, dropout, residual adds, casts: the trace's `block_traffic`) at the
+memory's effective bandwidth. FLOPs alone rated T5-large at batch 128 (fp32 norms, a residual stream
+in fp32 under autocast, its d_model of 1024) 57% too fast on the H200, where a Llama of the same FLOPs
+fit; the bytes per FLOP tell them apart (profile.py's traffic: T5-large 2.2 GB per TFLOP, an 8B Llama
+0.5). Pure arithmetic on the trace and the machine's description."""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+# Fraction of the dense bf16 peak the matmuls and attention reach, and fraction of the memory's
+# bandwidth the other operators reach, fitted together to the H200 rows whose time is the GPU's
+# (tests/data/h200_measured.json: single, ddp, zero2 and zero3 from 1.5B to 8B Llamas, GPT-2, T5-large
+# at batch 64 and 128; benchmarks/plan_vs_measured.py rates them).
+MFU = 0.6
+MEM_EFFICIENCY = 0.7
+# The forward's bytes once, the backward's about twice: each operator's gradient reads the incoming
+# gradient and what it saved, and writes a gradient for each input.
+PASSES = 3
+# What torch.compile (inductor) leaves of eager's traffic: it fuses the elementwise chains of a block
+# into a few kernels that read each input once (T5-large at batch 128 on the H200 machine: eager 0.58 s,
+# compiled 0.31 s, about the matmuls' time alone).
+COMPILED = 0.2
+
+
+def traffic_seconds(prof, hw, job, blocks: Iterable[int], outside: bool, samples: float) -> float:
+    """Seconds of memory-bound work for `samples` samples through `blocks` (indices into the profile's
+    blocks), forward and backward (its recompute too, with checkpointing), and the parts outside the
+    blocks (embeddings, head, loss) when `outside`. A profile without traffic (built by hand): none."""
+    if not prof.block_traffic:
+        return 0.0
+    traced = prof.tokens / max(1, job.seq_len + job.target_len)  # the samples of the traced micro-batch
+    moved = sum(prof.block_traffic[g] for g in blocks) * (COMPILED if job.compile else 1.0)
+    moved *= (PASSES + 1) / PASSES if job.checkpointing else 1.0
+    moved += prof.other_traffic if outside else 0
+    return PASSES * moved * samples / traced / (hw.gpu_mem_gbps * 1e9 * MEM_EFFICIENCY)
+
+
+def step_traffic(prof, hw, job, samples_per_rank: float) -> float:
+    """The whole model's memory-bound seconds for one rank's samples of a step."""
+    return traffic_seconds(prof, hw, job, range(prof.n_blocks), True, samples_per_rank)
