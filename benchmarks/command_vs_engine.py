@@ -91,7 +91,7 @@ def command_row(variant: str, model: Path, data: Path, mbs: int, seq: int, steps
     cmd = [sys.executable, "-m", "bigfit", "train", "--model", str(model), "--data", str(data), "--strategy", strategy,
            "--nproc", "1", "--precision", "bf16", "--batch-size", str(mbs), "--max-source-len", str(seq),
            "--max-steps", str(steps), "--eval-every", "0", "--eval-samples", "0", "--save-every", "0",
-           "--no-consolidate", "--lr", "1e-4", "--warmup-steps", "0", "--output-dir", str(out), *extra]
+           "--no-checkpoints", "--lr", "1e-4", "--warmup-steps", "0", "--output-dir", str(out), *extra]
     metrics = out / "metrics.jsonl"
     start = time.perf_counter()
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

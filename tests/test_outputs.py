@@ -222,6 +222,22 @@ def test_output_dir_without_room_for_one_checkpoint(tmp_path, model_dirs, capsys
     assert not (tmp_path / "out").exists()
 
 
+def test_no_checkpoints_trains_without_room_for_one_and_writes_none(tmp_path, model_dirs, pairs_file, capsys,
+                                                                      monkeypatch):
+    """--no-checkpoints: a model whose states would not fit on the disk still trains; nothing is saved,
+    so there is no model directory either, and the table says so."""
+    from bigfit.train import rundir
+
+    monkeypatch.setattr(rundir, "free_bytes", lambda path: 10_000)
+    out = tmp_path / "out"
+    assert main(["train", "--model", str(model_dirs["llama"]), "--data", str(pairs_file), "--strategy", "single",
+                 "--max-steps", "2", "--batch-size", "2", "--eval-samples", "0", "--no-checkpoints",
+                 "--output-dir", str(out)]) == 0
+    assert "none (--no-checkpoints)" in " ".join(capsys.readouterr().out.split())
+    assert len(read_jsonl(out / "metrics.jsonl")) == 2
+    assert not (out / "checkpoints").exists() and not (out / "model").exists()
+
+
 def test_a_model_marker_never_reaches_outside_its_directory(tmp_path):
     """--overwrite removes what bigfit-model.json lists: an edited marker cannot name another file."""
     from bigfit.train.rundir import model_files

@@ -71,7 +71,7 @@ def _train_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--deepspeed-config", help="a DeepSpeed JSON config: mapped onto bigfit's settings (flags win)")
     helps = _field_help()
     for f in dataclasses.fields(TrainConfig):
-        if f.name in ("extra", "resume", "consolidate", "eval_on_start", "probe_only"):
+        if f.name in ("extra", "resume", "consolidate", "checkpoints", "eval_on_start", "probe_only"):
             continue
         if field_type(f.name)[0] is bool:
             p.add_argument("--" + f.name.replace("_", "-"), dest=f.name, action="store_true", help=helps.get(f.name))
@@ -86,6 +86,8 @@ def _train_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--probe-only", dest="probe_only", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--no-consolidate", dest="consolidate", action="store_false",
                    help="skip writing OUTPUT/model at the end")
+    p.add_argument("--no-checkpoints", dest="checkpoints", action="store_false",
+                   help="save no checkpoint, the end's neither (so no OUTPUT/model): nothing to resume")
     p.add_argument("--no-eval-on-start", dest="eval_on_start", action="store_false",
                    help="skip the evaluation before the first step")
     return p

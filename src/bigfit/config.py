@@ -98,6 +98,9 @@ class TrainConfig:
     allow_changed: str | None = None  # --resume: comma-separated settings that may differ from the checkpoint's although they change the math
     timeout_s: float = 300.0  # collective timeout: a stuck peer fails the job instead of hanging it
     consolidate: bool = True  # write output_dir/model (Hugging Face format) at the end
+    # False (--no-checkpoints): no checkpoint, not even the end's, hence no model directory either:
+    # throwaway runs and benchmarks, or a model whose states would not fit on the disk
+    checkpoints: bool = True
     probe_only: bool = False  # internal: one step on the longest samples, then exit (micro-batch auto's probe)
     extra: dict = field(default_factory=dict)  # resolved values (grad accumulation), filled by resolve
 

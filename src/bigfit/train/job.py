@@ -61,7 +61,8 @@ def describe(job: Job, n_params: int, device, notes: list[str]) -> list[tuple[st
         ("schedule", f"{c.max_steps} steps, {c.optimizer} lr {c.lr:g} ({c.warmup_type} warm-up {c.warmup_steps}, "
                      f"{c.lr_schedule} after), weight decay {c.weight_decay:g}, clip {c.max_grad_norm:g}, seed {c.seed}"),
         ("eval", f"every {c.eval_every or 'end'}: loss" + _eval_extras(job)),
-        ("checkpoints", f"every {c.save_every or 'end'} steps in {Path(c.output_dir) / 'checkpoints'}"
+        ("checkpoints", (f"every {c.save_every or 'end'} steps in {Path(c.output_dir) / 'checkpoints'}" if c.checkpoints
+                         else "none (--no-checkpoints): nothing to resume from, no model directory")
                         + (f"; resuming from {job.resume_from}" if job.resume_from else "")),
     ]
 

@@ -138,7 +138,7 @@ def _train(job: Job, rt: Runtime) -> dict:
         if step % GC_EVERY == 0:
             gc.collect(1)  # the young generations only: the model, data and engine are frozen
         faults.maybe_die("step", step, rt)
-        if step == cfg.max_steps or (cfg.save_every and step % cfg.save_every == 0):
+        if cfg.checkpoints and (step == cfg.max_steps or (cfg.save_every and step % cfg.save_every == 0)):
             applied.flush()
             trainer = {"step": step, "world_size": rt.world_size, "config": cfg.to_dict(),
                        "loss_scaler": scaler.state_dict() if scaler else None, "run_id": run.get("run_id"),

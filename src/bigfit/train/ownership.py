@@ -157,6 +157,8 @@ def _check_space(job, out: Path) -> list[str]:
     """Refuse when one checkpoint (and the model directory) cannot fit; warn when all the planned
     ones cannot. Sizes from the parameter count of a weightless copy of the model."""
     cfg = job.cfg
+    if not cfg.checkpoints:
+        return []
     n = count_parameters(build_model(job.source, job.model_config, cfg.seed, on_meta=True))
     ckpt, model = BYTES_PER_PARAM * n, (4 * n if cfg.consolidate else 0)
     free = rundir.free_bytes(out)
