@@ -41,6 +41,7 @@ def validate(cfg: TrainConfig) -> None:
                           f"delayed), not {cfg.strategy}")
     _validate_offload(cfg)
     _validate_compile(cfg)
+    _validate_lora(cfg)
     if cfg.strategy in ("single", *SPLIT_STRATEGIES) and (cfg.nproc or 1) > 1:
         raise BigfitError(f"strategy {cfg.strategy!r} runs one process (which drives every device), but --nproc is "
                           f"{cfg.nproc}; use --nproc 1, or ddp / zero3 for several processes")
@@ -51,6 +52,18 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.chunks is not None and (isinstance(cfg.chunks, bool) or not isinstance(cfg.chunks, int) or cfg.chunks < 1):
         raise BigfitError(f"--chunks must be a positive integer, got {cfg.chunks!r}")
     _validate_pipeline(cfg)
+
+
+def _validate_lora(cfg: TrainConfig) -> None:
+    lora = [f"--{n.replace('_', '-')}" for n in ("lora_r", "lora_alpha", "lora_dropout", "lora_targets")
+            if getattr(cfg, n) != getattr(TrainConfig, n)]
+    if not cfg.lora:
+        if lora:
+            raise BigfitError(f"{', '.join(lora)} set without --lora: add --lora to train adapters, or drop them")
+        return
+    if cfg.lora_r < 1 or cfg.lora_alpha <= 0 or not 0 <= cfg.lora_dropout < 1 or not cfg.lora_targets.strip():
+        raise BigfitError(f"--lora needs --lora-r >= 1, --lora-alpha > 0, 0 <= --lora-dropout < 1 and some "
+                          f"--lora-targets; got {cfg.lora_r}, {cfg.lora_alpha}, {cfg.lora_dropout}, {cfg.lora_targets!r}")
 
 
 def _validate_types(cfg: TrainConfig) -> None:

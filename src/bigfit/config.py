@@ -98,6 +98,12 @@ class TrainConfig:
     allow_changed: str | None = None  # --resume: comma-separated settings that may differ from the checkpoint's although they change the math
     timeout_s: float = 300.0  # collective timeout: a stuck peer fails the job instead of hanging it
     consolidate: bool = True  # write output_dir/model (Hugging Face format) at the end
+    # parameter-efficient fine-tuning (bigfit/lora.py): LoRA adapters through peft, the base frozen
+    lora: bool = False  # train LoRA adapters beside the frozen base weights (peft), with any strategy
+    lora_r: int = 16  # --lora: the adapters' rank
+    lora_alpha: float = 32.0  # --lora: the adapters' scale is alpha / r
+    lora_dropout: float = 0.05  # --lora: dropout on the adapters' input
+    lora_targets: str = "all-linear"  # --lora: linear layers that get adapters: all-linear, or names (q_proj,v_proj)
     # False (--no-checkpoints): no checkpoint, not even the end's, hence no model directory either:
     # throwaway runs and benchmarks, or a model whose states would not fit on the disk
     checkpoints: bool = True

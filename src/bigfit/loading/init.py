@@ -20,6 +20,7 @@ import zlib
 import torch
 from transformers import PreTrainedModel
 
+from ..lora import ADAPTER, is_lora_layer
 from ..models import block_lists
 
 try:  # transformers 5: init functions that skip tensors marked initialised, and a guard for torch's
@@ -36,9 +37,12 @@ def unit_seed(seed: int, unit: str) -> int:
 class SeededInit:
     """Values of a meta-device `skeleton`'s tensors, made one unit at a time on `device` and kept
     until a tensor of another unit is asked for (units come in order, so each is made once).
-    `params` False: buffers only (a checkpoint gave the parameters), parameters left untouched."""
+    `params` False: buffers only (a checkpoint gave the parameters), parameters left untouched; a set
+    of names: those parameters too (LoRA adapters beside a checkpoint's base weights). LoRA layers
+    (peft's) get peft's own init after HF's: lora_A Kaiming-uniform from the unit's generator,
+    lora_B zeros, so a fresh adapter leaves the model's output as the base's."""
 
-    def __init__(self, skeleton: torch.nn.Module, seed: int, device, params: bool = True):
+    def __init__(self, skeleton: torch.nn.Module, seed: int, device, params: bool | set[str] = True):
         self.skeleton, self.seed, self.device, self.params = skeleton, seed, torch.device(device), params
         self.blocks = [f"{stack}.{i}" for stack, mods in block_lists(skeleton) for i in range(len(mods))]
         self._unit, self._values = None, {}
@@ -73,20 +77,24 @@ class SeededInit:
             with _seeded(unit_seed(self.seed, unit), self.device), _guard():
                 for _, mod, owner in order:
                     owner._init_weights(mod)
+                    if is_lora_layer(mod):  # after its lora_A / lora_B, which HF's init drew as linears
+                        mod.reset_lora_parameters(ADAPTER, True)
         finally:
             for mod, kind, attr, t in swapped:
                 getattr(mod, kind)[attr] = t
         return {name: made[id(t)].detach() for name, _, _, _, t in _tensors(order, True) if id(t) in made}
 
 
-def _tensors(order, params: bool):
+def _tensors(order, params: bool | set[str]):
     """(name, module, "_parameters" or "_buffers", attribute, tensor) of the unit's modules' own
-    tensors (only buffers unless `params`)."""
+    tensors: the buffers, and the parameters `params` asks for (all, none, or those named)."""
     for path, mod, _ in order:
-        for kind in ("_parameters", "_buffers") if params else ("_buffers",):
+        for kind in ("_parameters", "_buffers"):
             for attr, t in getattr(mod, kind).items():
-                if t is not None:
-                    yield (f"{path}.{attr}" if path else attr), mod, kind, attr, t
+                name = f"{path}.{attr}" if path else attr
+                wanted = kind == "_buffers" or params is True or (params is not False and name in params)
+                if t is not None and wanted:
+                    yield name, mod, kind, attr, t
 
 
 def _temporary(t: torch.Tensor, device) -> torch.Tensor:

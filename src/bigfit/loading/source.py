@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from ..lora import base_name, is_adapter
 from .files import Checkpoint, match
 from .init import SeededInit
 
@@ -21,14 +22,20 @@ class Weights:
         self.groups = names_by_tensor(skeleton)
         self.first = {name: first for first, names in self.groups.items() for name in names}
         self.ckpt = ckpt
-        if ckpt is not None:
-            tensors = dict(skeleton.named_parameters(remove_duplicate=False))
-            shapes = {first: _shape(skeleton, first) for first in self.groups}
-            prefix = getattr(skeleton, "base_model_prefix", "") or ""
-            self.keys = match(ckpt, self.groups, shapes, set(tensors), prefix)
-        else:
-            self.keys = {}
-        self.init = SeededInit(skeleton, seed, device, params=ckpt is None)
+        self.keys = self._match(skeleton, ckpt) if ckpt is not None else {}
+        params = {n for n, _ in skeleton.named_parameters(remove_duplicate=False)}
+        # the init makes what the checkpoint lacks: every tensor without one, LoRA adapters beside one
+        self.init = SeededInit(skeleton, seed, device, params=ckpt is None or params - set(self.keys))
+
+    def _match(self, skeleton: torch.nn.Module, ckpt: Checkpoint) -> dict[str, str]:
+        """name -> checkpoint key. A LoRA-injected model asks for its base weights by the base model's
+        names (lora.base_name); its adapters are not the checkpoint's."""
+        params = {n for n, _ in skeleton.named_parameters(remove_duplicate=False)}
+        shapes = {first: _shape(skeleton, first) for first in self.groups}
+        lookup = {first: [base_name(n) for n in names] for first, names in self.groups.items() if not is_adapter(first)}
+        real = {base_name(n): n for names in self.groups.values() for n in names}
+        found = match(ckpt, lookup, shapes, params, getattr(skeleton, "base_model_prefix", "") or "")
+        return {real[name]: key for name, key in found.items()}
 
     def describe(self) -> str:
         if self.ckpt is None:

@@ -187,6 +187,8 @@ class PipelineApplied(Applied):
         """Sum each tied parameter's gradient over the ranks holding a copy of it; average every
         gradient over the data-parallel replicas (the loop's factor counted them: a mean, as DDP's)."""
         for p, group, _ in self.tied_params():
+            if not p.requires_grad:  # a frozen (LoRA base) embedding has no gradient to combine
+                continue
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             dist.all_reduce(local(p.grad), group=group)  # the copies are sharded alike (FSDP2 over the stages)

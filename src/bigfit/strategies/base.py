@@ -22,6 +22,11 @@ from ..parallel.norms import clip_by, global_norm
 from ..tensor import param_groups, whole_logits
 
 
+def trainable(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters an optimizer steps: all of them, or a LoRA run's adapters (the base frozen)."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
 @contextlib.contextmanager
 def syncing(owner, sync: bool):
     """`owner.sync` is `sync` inside (False for accumulation micro-batches, whose gradients wait for
@@ -104,8 +109,9 @@ class Applied:
 
     # -- the optimizer -------------------------------------------------------------------------
     def attach_optimizer(self, cls: type, **kw) -> None:
-        # one group per kind of tensor: fused kernels refuse plain tensors beside DTensors (tensor parallel)
-        self.optimizer = cls(param_groups(self.model.parameters()), **kw)
+        # one group per kind of tensor: fused kernels refuse plain tensors beside DTensors (tensor parallel);
+        # frozen parameters (a LoRA base) are no optimizer's: no state, nothing in its checkpoint
+        self.optimizer = cls(param_groups(trainable(self.model)), **kw)
 
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:  # before backward: an engine may step during it

@@ -34,7 +34,7 @@ from ..distributed import Runtime
 from ..models import block_lists
 from ..parallel.mesh import fsdp_mesh
 from ..parallel.plan import ParallelPlan
-from .base import Applied
+from .base import Applied, trainable
 
 
 class FSDPApplied(Applied):
@@ -98,7 +98,7 @@ class ZeroOneStates:
     states_group = None  # the data-parallel process group; set on the instance
 
     def attach_optimizer(self, cls, **kw):
-        self.optimizer = ShardedStateOptimizer(self.model.parameters(), optimizer_class=cls,
+        self.optimizer = ShardedStateOptimizer(trainable(self.model), optimizer_class=cls,
                                                process_group=self.states_group, **kw)
 
     def checkpoint_state(self, loading: bool = False) -> dict:

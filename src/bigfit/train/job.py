@@ -11,7 +11,8 @@ from ..config import TrainConfig
 from ..parallel.plan import ParallelPlan
 from ..resolution import plan_of, resolve
 from ..data import Dataset, build_dataset, digits_task, read_examples
-from ..models import ModelSource, is_seq2seq, load_config, load_tokenizer, locate
+from ..lora import LoraSettings, check_targets
+from ..models import ModelSource, build_model, is_seq2seq, load_config, load_tokenizer, locate
 from . import ckptdir
 
 EMBEDDED_TRAIN_SAMPLES = 4000
@@ -27,6 +28,7 @@ class Job:
     dataset: Dataset
     resume_from: Path | None
     plan: ParallelPlan  # how the model is spread over the processes (parallel/plan.py)
+    lora: LoraSettings | None = None  # LoRA adapters on a frozen base (lora.py); None: full fine-tuning
 
 
 def prepare(cfg: TrainConfig, world_size: int) -> Job:
@@ -43,11 +45,15 @@ def prepare(cfg: TrainConfig, world_size: int) -> Job:
     dataset = build_dataset(examples, tokenizer, seq2seq, max_source_len=cfg.max_source_len,
                             max_target_len=cfg.max_target_len, eval_samples=cfg.eval_samples,
                             seed=cfg.seed, min_train=cfg.batch_size)
-    return Job(cfg, source, model_config, tokenizer, seq2seq, dataset, resume_from, plan_of(cfg))
+    lora = LoraSettings.from_config(cfg)
+    if lora:  # its targets against the model's linear layers, on a weightless copy: one line before any work
+        check_targets(build_model(source, model_config, cfg.seed, on_meta=True), lora)
+    return Job(cfg, source, model_config, tokenizer, seq2seq, dataset, resume_from, plan_of(cfg), lora)
 
 
-def describe(job: Job, n_params: int, device, notes: list[str]) -> list[tuple[str, object]]:
-    """The resolved configuration, as rows for the start-of-run table."""
+def describe(job: Job, n_params: int, device, notes: list[str], trained: int | None = None) -> list[tuple[str, object]]:
+    """The resolved configuration, as rows for the start-of-run table. `trained`: the parameters the
+    optimizer steps (LoRA's adapters), when not all."""
     c, x = job.cfg, job.cfg.extra
     model = c.model or "embedded tiny T5 (3 encoder + 2 decoder blocks, tied embeddings)"
     data = c.data or "embedded task: number words -> digits"
@@ -60,6 +66,8 @@ def describe(job: Job, n_params: int, device, notes: list[str]) -> list[tuple[st
                   f"x micro-batch {c.micro_batch_size}" + _shared(job)),
         ("schedule", f"{c.max_steps} steps, {c.optimizer} lr {c.lr:g} ({c.warmup_type} warm-up {c.warmup_steps}, "
                      f"{c.lr_schedule} after), weight decay {c.weight_decay:g}, clip {c.max_grad_norm:g}, seed {c.seed}"),
+        *([("lora", f"r {c.lora_r}, alpha {c.lora_alpha:g}, dropout {c.lora_dropout:g} on {c.lora_targets}: "
+                    f"{trained / 1e6:.2f}M trained ({trained / n_params:.2%}), the base frozen")] if job.lora else []),
         ("eval", f"every {c.eval_every or 'end'}: loss" + _eval_extras(job)),
         ("checkpoints", (f"every {c.save_every or 'end'} steps in {Path(c.output_dir) / 'checkpoints'}" if c.checkpoints
                          else "none (--no-checkpoints): nothing to resume from, no model directory")

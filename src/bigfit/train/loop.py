@@ -12,6 +12,7 @@ from ..config import TrainConfig
 from ..data import Batcher
 from ..distributed import Runtime, init_runtime, shutdown, world_size
 from ..loading import init_whole, loads_per_rank, seeded_whole
+from ..lora import inject, trainable_parameters
 from ..models import build_model, count_parameters
 from ..parallel.apply import apply
 from ..parallel.mesh import with_mesh
@@ -77,9 +78,11 @@ def _train(job: Job, rt: Runtime) -> dict:
     whole = seeded_whole(job.source, job.plan)  # a device map: rank 0's model, the per-rank strategies' init
     model = build_model(job.source, job.model_config, cfg.seed,
                         on_meta=not rt.is_main or loads_per_rank(job.source, job.plan) or whole)
+    if job.lora:  # adapters first, on the unmodified model: every transform after sees them (lora.py)
+        inject(model, job.lora)
     if whole and rt.is_main:
         init_whole(model, cfg.seed, rt.device)
-    n_params = count_parameters(model)
+    n_params, trained = count_parameters(model), trainable_parameters(model)
     applied = apply(model, job.plan, cfg, rt)
     build_optimizer(applied, cfg)
     scaler = LossScaler.from_config(cfg) if cfg.precision == "fp16" else None
@@ -93,7 +96,7 @@ def _train(job: Job, rt: Runtime) -> dict:
             scaler.load_state_dict(trainer["loss_scaler"])
     if rt.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
-        console.print(table("bigfit train", describe(job, n_params, rt.device, applied.notes)))
+        console.print(table("bigfit train", describe(job, n_params, rt.device, applied.notes, trained)))
         if warning := fp16_warning(job.model_config.model_type, cfg.precision):
             console.print(f"[yellow]{warning}[/yellow]")
     resumed_at = step if job.resume_from else None

@@ -1,0 +1,135 @@
+"""LoRA (peft adapters on a frozen base, bigfit/lora.py) under every strategy against single-process
+LoRA, through the real training loop on T5 (tied embeddings, unequal depth), GPT-2 (Conv1D) and a
+Llama-style model, fp32: equal losses each step and equal adapters after 4 steps (2 gloo ranks:
+ddp, zero1, zero2, zero3, zero2-offload, zero3-offload, a 2-stage pipeline; one process: a device
+map in 2 chunks); base weights bit-identical to the seeded init after training; the optimizer holds
+state for the adapters only; a resumed run continues exactly; bad settings are one line each.
+
+Tolerances: about 10x the worst difference measured on torch 2.13, CPU (printed with -s).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import FAMILIES, read_jsonl
+from dist import run_ranks, threads_per_rank, torch_threads
+
+DISTRIBUTED = ("ddp", "zero1", "zero2", "zero3", "zero2-offload", "zero3-offload", "pipeline")
+LOSS_TOL, PARAM_TOL = 1e-6, 1e-5  # worst seen: 6.7e-8 (llama device_map), 6.3e-7 (llama pipeline)
+
+
+def job(model_dir, data, out, strategy: str, **kw):
+    from bigfit.config import TrainConfig
+
+    split = dict(chunks=2, pipeline_schedule="1f1b") if strategy == "pipeline" else {}
+    if strategy == "device_map":
+        split = dict(device_map="auto", chunks=2)
+    values = dict(model=str(model_dir), data=str(data), output_dir=str(out), strategy=strategy, precision="fp32",
+                  max_steps=4, batch_size=8, micro_batch_size=2 if strategy != "pipeline" else 4, warmup_steps=0,
+                  eval_every=0, eval_on_start=False, save_every=0, eval_samples=0, consolidate=False, lr=3e-3,
+                  lora=True, lora_r=4, lora_alpha=8.0, lora_dropout=0.0, **split)
+    return TrainConfig(**{**values, **kw})
+
+
+def run(model_dirs, data, root, strategies) -> None:
+    from bigfit.train.loop import train
+
+    for strategy in strategies:
+        for family in FAMILIES:
+            train(job(model_dirs[family], data, root / f"{family}-{strategy}", strategy))
+
+
+@pytest.fixture(scope="module")
+def runs(model_dirs, pairs_file, tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora")
+
+    def references():
+        with torch_threads(threads_per_rank(2)):
+            run(model_dirs, pairs_file, root, ("single", "device_map"))
+
+    run_ranks(run, 2, model_dirs, pairs_file, root, DISTRIBUTED, meanwhile=references)
+    return root
+
+
+def final_state(run_dir) -> dict:
+    """The last checkpoint's model and optimizer state, read on this process (DCP -> torch.save)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    ckpt = sorted((run_dir / "checkpoints").glob("step-*"))[-1]
+    dcp_to_torch_save(ckpt, run_dir / "final.pt")
+    return torch.load(run_dir / "final.pt", weights_only=False)
+
+
+def seeded_base(model_dir) -> dict[str, torch.Tensor]:
+    """The injected model's initial values, as every strategy's seeded init makes them (CPU)."""
+    from bigfit.config import TrainConfig
+    from bigfit.loading import init_whole
+    from bigfit.lora import LoraSettings, inject
+    from bigfit.models import build_model, load_config, locate
+
+    src = locate(str(model_dir))
+    model = build_model(src, load_config(src), 0, on_meta=True)
+    inject(model, LoraSettings.from_config(TrainConfig(lora=True, lora_r=4, lora_alpha=8.0, lora_dropout=0.0)))
+    init_whole(model, 0, "cpu")
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("strategy", (*DISTRIBUTED, "device_map"))
+@pytest.mark.parametrize("family", FAMILIES)
+def test_lora_matches_single_process_lora(runs, family, strategy):
+    ref, got = runs / f"{family}-single", runs / f"{family}-{strategy}"
+    ref_losses = [r["loss"] for r in read_jsonl(ref / "metrics.jsonl")]
+    got_losses = [r["loss"] for r in read_jsonl(got / "metrics.jsonl")]
+    assert len(ref_losses) == 4 and ref_losses[-1] < ref_losses[0]  # it trained
+    a, b = final_state(ref)["model"], final_state(got)["model"]
+    adapters = [k for k in a if ".lora_" in k]
+    assert adapters and set(a) == set(b)
+    loss_diff = max(abs(x - y) / x for x, y in zip(ref_losses, got_losses))
+    worst = max((a[k] - b[k]).abs().max().item() for k in adapters)
+    print(f"{family} lora {strategy}: max loss rel diff {loss_diff:.1e}, max adapter diff {worst:.1e}")
+    assert loss_diff <= LOSS_TOL, f"losses {got_losses} vs {ref_losses}"
+    assert worst <= PARAM_TOL, f"largest adapter difference {worst:.2e}"
+    assert any(a[k].abs().max() > 0 for k in adapters if ".lora_B." in k)  # B starts at zero: it moved
+
+
+@pytest.mark.parametrize("strategy", ("single", "zero3", "zero2-offload", "pipeline"))
+@pytest.mark.parametrize("family", FAMILIES)
+def test_base_weights_stay_as_initialised_and_only_adapters_have_optimizer_state(runs, model_dirs, family, strategy):
+    state = final_state(runs / f"{family}-{strategy}")
+    init = seeded_base(model_dirs[family])
+    base = [k for k in init if ".lora_" not in k and k in state["model"]]
+    assert base
+    for k in base:
+        assert torch.equal(state["model"][k], init[k]), k
+    if strategy != "zero2-offload":  # the offload engine keeps its moments under its own names
+        optim = state["optim"]  # nested, or flattened as "state.<name>.<field>" (pipeline stages)
+        names = list(optim["state"]) if "state" in optim else [k for k in optim if k.startswith("state.")]
+        assert names and all(".lora_" in k for k in names)
+
+
+def test_lora_resume_continues_exactly(model_dirs, pairs_file, tmp_path):
+    from bigfit.train.loop import train
+
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    constant = dict(lr_schedule="constant")  # a constant rate: stopping at 2 of 4 steps changes no step's rate
+    train(job(model_dirs["gpt2"], pairs_file, whole, "single", **constant))
+    train(job(model_dirs["gpt2"], pairs_file, part, "single", max_steps=2, **constant))
+    train(job(model_dirs["gpt2"], pairs_file, part, "single", resume="latest", **constant))
+    assert [r["loss"] for r in read_jsonl(part / "metrics.jsonl")] == [r["loss"] for r in read_jsonl(whole / "metrics.jsonl")]
+    a, b = final_state(whole)["model"], final_state(part)["model"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--lora-r", "8"], "--lora-r set without --lora"),
+    (["--lora", "--lora-r", "0"], "--lora needs --lora-r >= 1"),
+    (["--lora", "--lora-targets", "q_proj,nope"], "nope matches no linear layer of this model; its linear layers are"),
+])
+def test_bad_lora_settings_are_one_line_before_any_work(model_dirs, tmp_path, capsys, argv, message):
+    from bigfit.cli import main
+
+    assert main(["train", "--model", str(model_dirs["llama"]), "--output-dir", str(tmp_path / "out"), *argv]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert message in err and len(capsys.readouterr().err.strip().splitlines()) <= 1
+    assert not (tmp_path / "out").exists()
