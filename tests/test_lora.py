@@ -133,3 +133,31 @@ def test_bad_lora_settings_are_one_line_before_any_work(model_dirs, tmp_path, ca
     err = " ".join(capsys.readouterr().err.split())
     assert message in err and len(capsys.readouterr().err.strip().splitlines()) <= 1
     assert not (tmp_path / "out").exists()
+
+
+def _train_one(cfg) -> None:
+    from bigfit.train.loop import train
+
+    train(cfg)
+
+
+def test_lora_on_saved_weights_reads_the_base_by_its_own_names(pairs_file, tmp_path):
+    """Per-rank loading of a safetensors base under the adapters: each rank reads its shards of
+    `...q_proj.weight` for `...q_proj.base_layer.weight`; zero3 on 2 ranks matches one process and
+    the base after training is the file's, bit for bit."""
+    from safetensors.torch import load_file
+
+    from tiny import twin_models
+
+    base, _ = twin_models("llama")
+    base.save_pretrained(tmp_path / "base")
+    saved = load_file(tmp_path / "base" / "model.safetensors")
+    ref, got = tmp_path / "single", tmp_path / "zero3"
+    _train_one(job(tmp_path / "base", pairs_file, ref, "single"))
+    run_ranks(_train_one, 2, job(tmp_path / "base", pairs_file, got, "zero3"))
+    losses = [[r["loss"] for r in read_jsonl(d / "metrics.jsonl")] for d in (ref, got)]
+    assert losses[1] == pytest.approx(losses[0], rel=LOSS_TOL)
+    state = final_state(got)["model"]
+    by_base_name = {k.replace(".base_layer.", "."): k for k in state}
+    for name, t in saved.items():
+        assert torch.equal(state[by_base_name[name]], t), name

@@ -7,6 +7,8 @@ import gc
 import time
 from pathlib import Path
 
+import torch
+
 from .. import faults
 from ..config import TrainConfig
 from ..data import Batcher
@@ -127,6 +129,8 @@ def _train(job: Job, rt: Runtime) -> dict:
                             scaler=scaler, total_tokens=tokens)
         step += 1
         record = {"step": step, **record, "tokens_per_s": record["tokens"] / (time.perf_counter() - t0)}
+        if rt.device.type == "cuda":  # this rank's peak since the start (torchtitan logs the same)
+            record["peak_gpu_gb"] = round(torch.cuda.max_memory_allocated(rt.device) / 1e9, 2)
         if step == cfg.max_steps or (cfg.eval_every and step % cfg.eval_every == 0):
             last_eval = run_eval()
             record.update(last_eval)

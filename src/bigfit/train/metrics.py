@@ -16,7 +16,7 @@ console = Console(highlight=False)
 
 
 class MetricsLog:
-    """A JSONL log: OUTPUT/metrics.jsonl (one record per step: loss, lr, grad norm, tokens/s, and the
+    """A JSONL log: OUTPUT/metrics.jsonl (one record per step: loss, lr, grad norm, tokens/s, peak GPU memory on CUDA, and the
     evaluation at steps that have one) or OUTPUT/eval.jsonl (every evaluation, step 0's too). On resume from step s, records after s are dropped first (they belong to
     the interrupted run and are about to be logged again)."""
 
