@@ -161,3 +161,27 @@ def test_lora_on_saved_weights_reads_the_base_by_its_own_names(pairs_file, tmp_p
     by_base_name = {k.replace(".base_layer.", "."): k for k in state}
     for name, t in saved.items():
         assert torch.equal(state[by_base_name[name]], t), name
+
+
+def test_a_frozen_base_under_autocast_is_stored_in_bf16_and_trains_as_the_fsdp2_reference(model_dirs, pairs_file,
+                                                                                          tmp_path):
+    """single in bf16 (autocast): the base in bf16 (as a peft user loads it), adapters in fp32; its
+    losses follow FSDP2's bf16 mixed precision (zero3 on one process) within the mechanisms' tolerance."""
+    from bigfit.distributed import init_runtime
+    from bigfit.lora import LoraSettings, inject
+    from bigfit.parallel.apply import apply
+    from bigfit.resolution import plan_of, resolve
+    from bigfit.train.loop import train
+    from tiny import twin_models
+
+    model, _ = twin_models("llama")
+    cfg = resolve(job(model_dirs["llama"], pairs_file, tmp_path / "x", "single", precision="bf16"), 1)
+    inject(model, LoraSettings.from_config(cfg))
+    engine = apply(model, plan_of(cfg), cfg, init_runtime())
+    dtypes = {n: p.dtype for n, p in engine.module.named_parameters()}
+    assert all(d == (torch.float32 if ".lora_" in n else torch.bfloat16) for n, d in dtypes.items())
+    runs = {s: tmp_path / s for s in ("single", "zero3")}
+    for s, out in runs.items():
+        train(job(model_dirs["llama"], pairs_file, out, s, precision="bf16", max_steps=2))
+    a, b = ([r["loss"] for r in read_jsonl(out / "metrics.jsonl")] for out in runs.values())
+    assert b == pytest.approx(a, rel=1e-2)  # autocast against FSDP2's casts: test_parity's MECHANISM_TOL
