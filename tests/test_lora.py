@@ -185,3 +185,20 @@ def test_a_frozen_base_under_autocast_is_stored_in_bf16_and_trains_as_the_fsdp2_
         train(job(model_dirs["llama"], pairs_file, out, s, precision="bf16", max_steps=2))
     a, b = ([r["loss"] for r in read_jsonl(out / "metrics.jsonl")] for out in runs.values())
     assert b == pytest.approx(a, rel=1e-2)  # autocast against FSDP2's casts: test_parity's MECHANISM_TOL
+
+
+def test_a_lora_run_ends_with_its_adapter_directory_and_overwrite_replaces_it(model_dirs, pairs_file, tmp_path):
+    from bigfit.train import rundir
+    from bigfit.train.loop import train
+
+    out = tmp_path / "out"
+    cfg = job(model_dirs["gpt2"], pairs_file, out, "single", max_steps=2, consolidate=True)
+    summary = train(cfg)
+    assert summary["adapter_dir"] == out / "adapter" and not (out / "model").exists()
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in (out / "adapter").iterdir()}
+    contents = rundir.inspect(out)
+    assert "adapter/" in contents.describe() and out / "adapter" / "adapter_model.safetensors" in contents.model
+    (out / "adapter" / "notes.txt").write_text("mine")  # a user's file: kept through --overwrite
+    train(job(model_dirs["gpt2"], pairs_file, out, "single", max_steps=2, consolidate=True, overwrite=True))
+    assert (out / "adapter" / "notes.txt").read_text() == "mine"
+    assert (out / "adapter" / "adapter_model.safetensors").is_file()

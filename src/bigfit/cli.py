@@ -145,12 +145,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser,
                                 metavar="{train,plan,consolidate}")  # what "required" errors name
     commands = {"train": _train_parser(sub), "plan": _plan_parser(sub)}
-    c = commands["consolidate"] = sub.add_parser("consolidate",
-                                                 help="sharded checkpoint -> one Hugging Face model directory")
+    c = commands["consolidate"] = sub.add_parser(
+        "consolidate", help="sharded checkpoint -> one Hugging Face model directory (a --lora one: a peft adapter)",
+        description="Write a checkpoint as a Hugging Face model directory (safetensors, config, tokenizer). A "
+                    "--lora checkpoint becomes a peft adapter directory (adapter_config.json, "
+                    "adapter_model.safetensors: PeftModel.from_pretrained(base, OUT)), or with --merge a model.")
     c.add_argument("checkpoint", help="a checkpoint directory (OUTPUT/checkpoints/step-N)")
-    c.add_argument("out", help="the model directory to write (new, or empty)")
+    c.add_argument("out", help="the directory to write (new, or empty)")
+    c.add_argument("--merge", action="store_true",
+                   help="--lora checkpoints: write a full model with the adapters folded into the base weights "
+                        "(W + B A alpha/r), which transformers loads without peft")
     c.add_argument("--overwrite", action="store_true",
-                   help="replace a model directory bigfit wrote there earlier (its model files only)")
+                   help="replace a model or adapter directory bigfit wrote there earlier (only its files)")
     ns, unknown = parser.parse_known_args(argv)
     if unknown:
         parser.error(_unrecognized(unknown, ns.command, commands[ns.command]))
@@ -209,7 +215,10 @@ def main(argv: list[str] | None = None) -> int:
             return plan_command(ns)
         from .train.consolidate import consolidate
 
-        print(f"wrote {consolidate(ns.checkpoint, ns.out, overwrite=ns.overwrite)}")
+        out = consolidate(ns.checkpoint, ns.out, overwrite=ns.overwrite, merge=ns.merge)
+        adapter = not ns.merge and os.path.isfile(os.path.join(out, "adapter_config.json"))
+        print(f"wrote {out}" + (" (a peft adapter: PeftModel.from_pretrained(base, it); --merge writes a model "
+                                "with the adapters folded in)" if adapter else ""))
         return 0
     except BigfitError as e:
         if os.environ.get("RANK", "0") == "0":  # under torchrun every rank finds the same mistake

@@ -97,7 +97,7 @@ class TrainConfig:
     resume: str | None = None  # "latest" (newest complete checkpoint in output_dir) or a checkpoint dir
     allow_changed: str | None = None  # --resume: comma-separated settings that may differ from the checkpoint's although they change the math
     timeout_s: float = 300.0  # collective timeout: a stuck peer fails the job instead of hanging it
-    consolidate: bool = True  # write output_dir/model (Hugging Face format) at the end
+    consolidate: bool = True  # write output_dir/model (Hugging Face format) at the end; with --lora, output_dir/adapter (peft)
     # parameter-efficient fine-tuning (bigfit/lora.py): LoRA adapters through peft, the base frozen
     lora: bool = False  # train LoRA adapters beside the frozen base weights (peft), with any strategy
     lora_r: int = 16  # --lora: the adapters' rank

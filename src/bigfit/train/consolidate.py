@@ -1,4 +1,6 @@
-"""`bigfit consolidate`: a sharded DCP checkpoint -> one Hugging Face model directory.
+"""`bigfit consolidate`: a sharded DCP checkpoint -> one Hugging Face model directory, or, for a
+`--lora` checkpoint, a peft adapter directory (or with `merge` a model with the adapters folded in:
+train/adapter.py).
 
 Streaming: tensors are read from the checkpoint a shard's worth at a time (DCP loads just the keys
 asked for, from every rank's files) and written as safetensors shards with an index, so this
@@ -26,20 +28,76 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..errors import BigfitError
-from .ckptdir import NAME, verify
+from .adapter import A, LoraCheckpoint
+from .ckptdir import NAME, trainer_state, verify
 from .rundir import MODEL_MARKER, check_location, model_files
 
 ASSETS_EXCLUDE = {"trainer.json", "COMPLETE", ".metadata"}
+MODEL_ONLY = {"config.json", "generation_config.json"}  # in an adapter directory they would pose as a model
 
 
-def _canonical_names(ckpt: Path, keys: set[str]) -> list[str]:
-    """Checkpoint keys minus aliases of tied parameters, found on a weightless (meta) copy of the model."""
+def consolidate(ckpt: str | Path, out: str | Path, max_shard_bytes: int = 2 << 30, overwrite: bool = False,
+                legacy: bool = False, merge: bool = False) -> Path:
+    """Write checkpoint `ckpt` as a Hugging Face model directory `out`; a `--lora` checkpoint as a
+    peft adapter directory, or with `merge` as a model with its adapters folded into the base
+    weights. `out` appears whole or not at all (written as a hidden sibling, then renamed); an
+    existing `out` must be empty, or a directory bigfit wrote with `overwrite` given (`legacy`: or
+    one written before model directories had a marker), and then only the files bigfit wrote there
+    are replaced: others are kept."""
+    given, ckpt, out = Path(out), Path(ckpt), Path(os.path.abspath(Path(out).expanduser()))
+    if not (ckpt.is_dir() and NAME.match(ckpt.name)):
+        raise BigfitError(f"{str(ckpt)!r} is not a complete bigfit checkpoint (a step-N directory with a "
+                          "COMPLETE marker, under OUTPUT/checkpoints)")
+    verify(ckpt, "consolidate that one: bigfit consolidate {} OUT")
+    meta = _tensor_meta(ckpt)
+    lora = _lora(ckpt, meta, merge)
+    adapter = lora is not None and not merge
+    replaced = _target(out, overwrite, legacy, "adapter" if adapter else "model")
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)  # a crashed consolidation of this pid's
+    try:
+        tmp.mkdir(parents=True)
+        if adapter:
+            _write_adapter(ckpt, tmp, meta, lora)
+        else:
+            _write(ckpt, tmp, meta, max_shard_bytes, lora)
+        _install(tmp, out, replaced)
+    except OSError as e:
+        raise BigfitError(f"consolidate could not write {str(out)!r}: {e.strerror or e} ({e.filename or out})") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return given
+
+
+def _tensor_meta(ckpt: Path) -> dict[str, TensorStorageMetadata]:
+    """The model's tensors in the checkpoint (names without the "model." prefix): shapes and dtypes."""
+    return {k[len("model."):]: v for k, v in FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata.items()
+            if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
+
+
+def _meta_model(ckpt: Path) -> torch.nn.Module:
+    """The checkpoint's base model on the meta device (its config.json; no weights)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
     config = AutoConfig.from_pretrained(ckpt)
     auto = AutoModelForSeq2SeqLM if getattr(config, "is_encoder_decoder", False) else AutoModelForCausalLM
     with torch.device("meta"):
-        model = auto.from_config(config)
+        return auto.from_config(config)
+
+
+def _lora(ckpt: Path, meta: dict, merge: bool) -> LoraCheckpoint | None:
+    """The checkpoint's adapters, or None for a full fine-tuning one. Told by its keys (what was
+    trained), its settings (r, alpha) by trainer.json."""
+    if not any(n.endswith(A) for n in meta):
+        if merge:
+            raise BigfitError(f"--merge is for LoRA checkpoints (trained with --lora); {str(ckpt)!r} is a full "
+                              "fine-tuning checkpoint: consolidate it without --merge")
+        return None
+    return LoraCheckpoint(trainer_state(ckpt)["config"], set(meta), _meta_model(ckpt))
+
+
+def _canonical_names(model: torch.nn.Module, keys: set[str]) -> list[str]:
+    """`keys` minus aliases of tied parameters, in the order of the (meta) model's own tensors."""
     first: dict[int, str] = {}
     order = []
     for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
@@ -49,50 +107,23 @@ def _canonical_names(ckpt: Path, keys: set[str]) -> list[str]:
     return [n for n in order if n in keys] + sorted(keys - set(order) - aliases)
 
 
-def _plan_shards(meta: dict, names: list[str], max_bytes: int) -> list[list[str]]:
+def _plan_shards(sizes: dict[str, int], names: list[str], max_bytes: int) -> list[list[str]]:
     shards, cur, size = [], [], 0
     for n in names:
-        t = meta[n]
-        nbytes = t.size.numel() * t.properties.dtype.itemsize
-        if cur and size + nbytes > max_bytes:
+        if cur and size + sizes[n] > max_bytes:
             shards.append(cur)
             cur, size = [], 0
         cur.append(n)
-        size += nbytes
+        size += sizes[n]
     return shards + ([cur] if cur else [])
 
 
-def consolidate(ckpt: str | Path, out: str | Path, max_shard_bytes: int = 2 << 30, overwrite: bool = False,
-                legacy: bool = False) -> Path:
-    """Write checkpoint `ckpt` as a Hugging Face model directory `out`. `out` appears whole or not at
-    all (written as a hidden sibling, then renamed); an existing `out` must be empty, or a model
-    directory bigfit wrote with `overwrite` given (`legacy`: or one written before model directories
-    had a marker), and then only the files bigfit wrote there are replaced: others are kept."""
-    given, ckpt, out = Path(out), Path(ckpt), Path(os.path.abspath(Path(out).expanduser()))
-    if not (ckpt.is_dir() and NAME.match(ckpt.name)):
-        raise BigfitError(f"{str(ckpt)!r} is not a complete bigfit checkpoint (a step-N directory with a "
-                          "COMPLETE marker, under OUTPUT/checkpoints)")
-    verify(ckpt, "consolidate that one: bigfit consolidate {} OUT")
-    replaced = _target(out, overwrite, legacy)
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)  # a crashed consolidation of this pid's
-    try:
-        tmp.mkdir(parents=True)
-        _write(ckpt, tmp, max_shard_bytes)
-        _install(tmp, out, replaced)
-    except OSError as e:
-        raise BigfitError(f"consolidate could not write {str(out)!r}: {e.strerror or e} ({e.filename or out})") from None
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return given
-
-
-def _target(out: Path, overwrite: bool, legacy: bool) -> list[Path] | None:
-    """None: `out` is new; else the files in it that the new model replaces (none: it is empty)."""
-    check_location(out, "consolidate: the model directory")
+def _target(out: Path, overwrite: bool, legacy: bool, kind: str = "model") -> list[Path] | None:
+    """None: `out` is new; else the files in it that the new directory replaces (none: it is empty)."""
+    check_location(out, f"consolidate: the {kind} directory")
     if out == Path.cwd() or out in Path.cwd().parents:
         raise BigfitError(f"consolidate: {str(out)!r} is the current directory (or holds it); give a new directory, "
-                          "e.g. ./model")
+                          f"e.g. ./{kind}")
     if not out.exists():
         return None
     entries = list(out.iterdir())
@@ -101,36 +132,63 @@ def _target(out: Path, overwrite: bool, legacy: bool) -> list[Path] | None:
         raise BigfitError(f"consolidate: {str(out)!r} holds files bigfit did not write (e.g. {entries[0].name!r}); "
                           "give a new or empty directory")
     if files and not overwrite:
-        raise BigfitError(f"consolidate: {str(out)!r} holds a model bigfit wrote earlier; replace it with "
-                          "--overwrite (only its model files: others are kept), or give a new directory")
+        raise BigfitError(f"consolidate: {str(out)!r} holds a model or adapter bigfit wrote earlier; replace it "
+                          "with --overwrite (only the files bigfit wrote: others are kept), or give a new directory")
     return files or []
 
 
-def _write(ckpt: Path, tmp: Path, max_shard_bytes: int) -> None:
-    """The safetensors shards (and index), the checkpoint's config and tokenizer, and the marker."""
-    meta = {k[len("model."):]: v for k, v in FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata.items()
-            if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
-    names = _canonical_names(ckpt, set(meta))
-    shards = _plan_shards(meta, names, max_shard_bytes)
+def _read(ckpt: Path, meta: dict, names: list[str]) -> dict[str, torch.Tensor]:
+    """Just these model tensors from the checkpoint, whole, from every rank's files."""
+    tensors = {n: torch.empty(meta[n].size, dtype=meta[n].properties.dtype) for n in names}
+    with warnings.catch_warnings():  # "no process group: loading in one process" is the point here
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load({f"model.{n}": t for n, t in tensors.items()}, checkpoint_id=str(ckpt), no_dist=True)
+    return tensors
+
+
+def _write(ckpt: Path, tmp: Path, meta: dict, max_shard_bytes: int, lora: LoraCheckpoint | None) -> None:
+    """The safetensors shards (and index), the checkpoint's config and tokenizer, and the marker;
+    with `lora`, under the base model's names with the adapters merged."""
+    sources = lora.sources() if lora else {n: [n] for n in meta}  # output name -> checkpoint names
+    names = _canonical_names(lora.base if lora else _meta_model(ckpt), set(sources))
+    if lora and (tied := sorted(lora.targeted() - set(names))):  # its delta would be dropped with the alias
+        raise BigfitError(f"--merge: the adapter on {tied[0]!r} trains a weight tied to another, which a merged "
+                          "model stores once; consolidate without --merge and load the adapter with peft")
+    sizes = {n: meta[sources[n][0]].size.numel() * meta[sources[n][0]].properties.dtype.itemsize for n in names}
+    shards = _plan_shards(sizes, names, max_shard_bytes)
     index = {}
     for i, shard in enumerate(shards, 1):
         fname = "model.safetensors" if len(shards) == 1 else f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        tensors = {n: torch.empty(meta[n].size, dtype=meta[n].properties.dtype) for n in shard}
-        with warnings.catch_warnings():  # "no process group: loading in one process" is the point here
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.load({f"model.{n}": t for n, t in tensors.items()}, checkpoint_id=str(ckpt), no_dist=True)
+        got = _read(ckpt, meta, [s for n in shard for s in sources[n]])
+        tensors = {n: lora.merged(n, sources[n], got) if lora else got[n] for n in shard}
         save_file(tensors, tmp / fname, metadata={"format": "pt"})
         index.update({n: fname for n in shard})
-        del tensors
+        del tensors, got
     if len(shards) > 1:
-        total = sum(meta[n].size.numel() * meta[n].properties.dtype.itemsize for n in names)
         (tmp / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {"total_size": total}, "weight_map": index}, indent=1))
-    for f in ckpt.iterdir():  # config.json, generation_config.json, tokenizer files
-        if f.is_file() and f.name not in ASSETS_EXCLUDE and f.suffix != ".distcp" and not f.name.startswith("rank-"):
+            json.dumps({"metadata": {"total_size": sum(sizes.values())}, "weight_map": index}, indent=1))
+    _finish(ckpt, tmp, "model")
+
+
+def _write_adapter(ckpt: Path, tmp: Path, meta: dict, lora: LoraCheckpoint) -> None:
+    """What PeftModel.save_pretrained writes (adapter_config.json, adapter_model.safetensors), the
+    tokenizer, and the marker."""
+    config = lora.peft_config()  # first: without peft, fail before reading anything
+    tensors = lora.adapter_tensors(lambda names: _read(ckpt, meta, names))
+    save_file(tensors, tmp / "adapter_model.safetensors", metadata={"format": "pt"})
+    config.save_pretrained(str(tmp))
+    _finish(ckpt, tmp, "adapter")
+
+
+def _finish(ckpt: Path, tmp: Path, kind: str) -> None:
+    """The checkpoint's assets (config.json, generation_config.json for a model; tokenizer files),
+    then the marker listing every file written."""
+    for f in ckpt.iterdir():
+        if (f.is_file() and f.name not in ASSETS_EXCLUDE and f.suffix != ".distcp" and not f.name.startswith("rank-")
+                and not (kind == "adapter" and f.name in MODEL_ONLY)):
             shutil.copy2(f, tmp / f.name)
     written = sorted(p.name for p in tmp.iterdir())
-    (tmp / MODEL_MARKER).write_text(json.dumps({"files": written, "checkpoint": str(ckpt.absolute()),
+    (tmp / MODEL_MARKER).write_text(json.dumps({"files": written, "kind": kind, "checkpoint": str(ckpt.absolute()),
                                                 "written": time.time()}, indent=1))
 
 

@@ -159,8 +159,12 @@ def _train(job: Job, rt: Runtime) -> dict:
         metrics.close()
         evals.close()
         if cfg.consolidate and last_ckpt is not None:
-            # this run's own model directory (the claim made sure): replaced, files bigfit did not write kept
-            summary["model_dir"] = consolidate(last_ckpt, out_dir / "model", overwrite=True, legacy=True)
+            # this run's own model directory (the claim made sure): replaced, files bigfit did not write kept;
+            # a LoRA run's is its adapter (bigfit consolidate --merge makes the merged model)
+            if job.lora:
+                summary["adapter_dir"] = consolidate(last_ckpt, out_dir / "adapter", overwrite=True, legacy=True)
+            else:
+                summary["model_dir"] = consolidate(last_ckpt, out_dir / "model", overwrite=True, legacy=True)
         _print_summary(summary)
     return summary
 
@@ -200,4 +204,6 @@ def _print_summary(s: dict) -> None:
         rows.append(("last checkpoint", s["checkpoint"]))
     if s.get("model_dir"):
         rows.append(("model (Hugging Face)", s["model_dir"]))
+    if s.get("adapter_dir"):
+        rows.append(("LoRA adapter (peft)", s["adapter_dir"]))
     console.print(table("done", rows))

@@ -160,12 +160,14 @@ def _check_space(job, out: Path) -> list[str]:
     if not cfg.checkpoints:
         return []
     n = count_parameters(build_model(job.source, job.model_config, cfg.seed, on_meta=True))
-    ckpt, model = BYTES_PER_PARAM * n, (4 * n if cfg.consolidate else 0)
+    # a LoRA run's checkpoint: the frozen base (4 bytes at most) and the adapters' few states; its adapter: megabytes
+    per = 4 if cfg.lora else BYTES_PER_PARAM
+    ckpt, model = per * n, (4 * n if cfg.consolidate and not cfg.lora else 0)
     free = rundir.free_bytes(out)
     gb = lambda b: f"{b / 1e9:.2f} GB"  # noqa: E731
     if free < ckpt + model:
         raise BigfitError(f"--output-dir {str(out)!r} has {gb(free)} free, but one checkpoint of this model takes "
-                          f"{gb(ckpt)} ({BYTES_PER_PARAM} bytes a parameter)" + (f" and its model directory {gb(model)}"
+                          f"{gb(ckpt)} ({per} bytes a parameter)" + (f" and its model directory {gb(model)}"
                           if model else "") + "; free some space or choose another --output-dir")
     saves = cfg.max_steps // cfg.save_every + 1 if cfg.save_every else 1
     kept = min(saves, cfg.keep_checkpoints + 1) if cfg.keep_checkpoints else saves

@@ -8,6 +8,7 @@ A run's files in OUTPUT:
     metrics.jsonl, eval.jsonl
     checkpoints/step-N/   complete checkpoints; .step-N.partial: interrupted saves
     model/                the consolidated Hugging Face directory, with bigfit-model.json listing its files
+    adapter/              a --lora run's instead: its peft adapter directory, with the same marker
     logs/, nvme/          worker logs; zero2-offload-nvme's state files (the default --nvme-dir)
     .bigfit-lock          held while the run runs (lock.py)
 """
@@ -42,7 +43,7 @@ class Contents:
     checkpoints: list[Path] = field(default_factory=list)  # step-N directories, newest first
     partial: list[Path] = field(default_factory=list)  # interrupted saves
     logs: list[Path] = field(default_factory=list)  # metrics.jsonl, eval.jsonl
-    model: list[Path] = field(default_factory=list)  # the files of OUTPUT/model that bigfit wrote
+    model: list[Path] = field(default_factory=list)  # the files of OUTPUT/model and OUTPUT/adapter bigfit wrote
     other: list[Path] = field(default_factory=list)  # run.json, worker logs, NVMe state files
 
     @property
@@ -55,7 +56,7 @@ class Contents:
         parts = []
         if self.checkpoints:
             parts.append(f"{len(self.checkpoints)} checkpoint(s), newest {self.checkpoints[0].name}")
-        parts += [p.name for p in self.logs] + (["model/"] if self.model else [])
+        parts += [p.name for p in self.logs] + sorted({f"{p.parent.name}/" for p in self.model})
         started = f"the run {self.run['run_id']}" if self.run else "a bigfit run"
         return f"{started} ({', '.join(parts) or 'interrupted saves'})"
 
@@ -88,7 +89,7 @@ def inspect(root: Path) -> Contents:
     c.checkpoints = steps(root / "checkpoints")
     c.partial = [p for p in (root / "checkpoints").glob(".step-*.partial") if p.is_dir()]
     c.logs = [root / n for n in LOGS if (root / n).is_file()]
-    c.model = model_files(root / "model", legacy=True) or []
+    c.model = (model_files(root / "model", legacy=True) or []) + (model_files(root / "adapter") or [])
     c.other += [p for pat in ("logs/rank-*.log", "logs/probe/rank-*.log", "nvme/rank-*/bucket-*.bin")
                 for p in root.glob(pat)]
     return c
@@ -101,7 +102,8 @@ def remove_run(c: Contents) -> None:
         shutil.rmtree(d)
     for f in c.logs + c.model + c.other:
         f.unlink(missing_ok=True)
-    made = {f.parent for f in c.other} | {c.root / d for d in ("checkpoints", "model", "logs/probe", "logs", "nvme")}
+    made = {f.parent for f in c.other} | {c.root / d for d in ("checkpoints", "model", "adapter", "logs/probe", "logs",
+                                                               "nvme")}
     for d in sorted(made - {c.root}, key=lambda d: len(d.parts), reverse=True):  # the deepest first
         with contextlib.suppress(OSError):
             d.rmdir()  # only when nothing else is left in it
