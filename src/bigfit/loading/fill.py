@@ -7,6 +7,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from ..quantize import is_quantized
 from ..strategies.materialise import to_empty
 from .source import Weights
 
@@ -42,6 +43,8 @@ def fill(model: torch.nn.Module, weights: Weights, device) -> None:
         to_empty(model, device)
     # unit by unit, so the init makes each once (T5 and Llama name the rest's tensors between blocks)
     for name, t in sorted(unique_tensors(model), key=lambda nt: weights.order(nt[0])):
+        if is_quantized(t):  # a QLoRA base layer: read and quantized already (quantize.py)
+            continue
         local = t.to_local() if isinstance(t, DTensor) else t
         local.copy_(weights.read(name, local_box(t), local.dtype, local.device))
 

@@ -1,11 +1,13 @@
 """`apply`: the plan's transforms on an unmodified model, in their one order (torchtitan's):
 
-    split -> tensor parallel -> activation checkpointing -> compile -> sharding -> materialise -> offload
+    4-bit base -> split -> tensor parallel -> activation checkpointing -> compile -> sharding -> materialise -> offload
 
 The model comes on the meta device on every rank (bigfit.loading): each transform cuts shapes, not
 weights, and each rank then fills only what it stores, from its slices of the safetensors weights
 or by the seeded init. On the rank-0 path (`.bin` weights, hub names not cached, device maps, a
 model handed in with real weights) rank 0 brings the whole model and the others receive their parts.
+- 4-bit base (QLoRA, single or ddp): each LoRA base layer read in bf16 and quantized on the device
+  (quantize.py), before anything allocates the rest of the model.
 - split: a device map (one process drives every device) or pipeline stages (this rank keeps its
   stages' blocks and fills them, or gets them from rank 0, and runs them through torch's
   schedules); first, because every later transform works on the blocks this rank keeps.
@@ -33,9 +35,11 @@ import torch
 
 from ..device_map.strategy import apply_device_map
 from ..distributed import Runtime
+from ..errors import BigfitError
 from ..loading import Weights, WholeParams, fill, weights_for
 from ..pipeline.strategy import apply_pipeline
 from ..precision import DTYPES, compute_dtype
+from ..quantize import quantize_base
 from ..strategies.base import Applied
 from ..strategies.checkpointing import apply_activation_checkpointing
 from ..strategies.compiling import apply_compile
@@ -54,19 +58,33 @@ def apply(model: torch.nn.Module, plan: ParallelPlan, cfg, rt: Runtime) -> Appli
     `Engine`)."""
     weights = weights_for(model, cfg, plan, rt)  # checks the files against the model, before any storage
     full = model.state_dict() if weights is None and rt.is_main and _materialises(plan, rt) else {}  # references
+    quantized = apply_4bit(model, cfg, rt, weights)
     split = apply_split(model, plan, cfg, rt, weights)
     notes = apply_tp(split.module, plan, rt)
     notes += apply_per_block(split.module, plan, cfg)
     engine = apply_sharding(model, split, plan, cfg, rt, weights)
     engine = apply_materialise(engine, full, plan, rt, weights)
     engine = apply_offloading(engine, plan, cfg, rt, weights)
-    engine.notes[:0] = notes + ([weights.describe()] if weights else [])
+    engine.notes[:0] = notes + ([weights.describe()] if weights else []) + quantized
+    engine.frozen_in_checkpoints = not cfg.load_in_4bit  # a 4-bit base is made again from its source
     if plan.sequence_parallel:  # torch 2.11 gathers uneven sequence splits into views its backward cannot use
         engine.sequence_multiple = plan.tp
     if plan.tp > 1:
         engine.counts = rt.mesh.get_local_rank("tp") == 0  # tensor-parallel peers repeat its losses and texts
         engine.norm_ranks = engine.norm_ranks or rt.world_size  # pipelines set their own
     return engine
+
+
+def apply_4bit(model, cfg, rt: Runtime, weights: Weights | None) -> list[str]:
+    """QLoRA: each LoRA base layer read and quantized to 4 bits on the device (quantize.py), before
+    anything allocates the rest; on the per-rank path only (its weights come from `weights`)."""
+    if not cfg.load_in_4bit:
+        return []
+    if weights is None:
+        raise BigfitError(f"--load-in-4bit reads the base from safetensors files or a config; --model "
+                          f"{cfg.model!r} has neither (convert its .bin weights with save_pretrained, "
+                          "safe_serialization=True)")
+    return [f"QLoRA: {quantize_base(model, weights, rt.device)} base layers in 4 bits (NF4, double quantisation)"]
 
 
 def _materialises(plan: ParallelPlan, rt: Runtime) -> bool:

@@ -105,6 +105,7 @@ class Applied:
     sequence_multiple: int = 1
     recovers_from_oom: bool = True
     norm_ranks: int = 0  # > 0: ranks whose gradients mix DTensors and plain tensors (tensor parallel)
+    frozen_in_checkpoints: bool = True  # False: checkpoints hold the trained parameters only (a QLoRA run)
     optimizer: torch.optim.Optimizer | None = None
 
     # -- the optimizer -------------------------------------------------------------------------
@@ -188,11 +189,17 @@ class Applied:
 
     def checkpoint_state(self, loading: bool = False) -> dict:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self.state_options())
+        if not self.frozen_in_checkpoints:  # bnb's 4-bit layers add their quantisation state as extra keys
+            trained = {n for n, p in self.module.named_parameters() if p.requires_grad}
+            model_sd = {k: v for k, v in model_sd.items() if k in trained}
         return {"model": model_sd, "optim": optim_sd}
 
     def after_load(self, state: dict) -> None:
+        options = self.state_options()
+        if not self.frozen_in_checkpoints:
+            options = StateDictOptions(strict=False)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                       options=self.state_options())
+                       options=options)
 
     def memory_tensors(self) -> dict[str, Iterable]:
         params = list(self.model.parameters())

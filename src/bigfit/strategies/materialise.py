@@ -8,6 +8,7 @@ from torch.distributed import broadcast
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from ..distributed import Runtime
+from ..quantize import is_quantized
 from .placement import owners
 
 
@@ -22,11 +23,24 @@ def to_device(model: torch.nn.Module, device) -> None:
 def to_empty(model: torch.nn.Module, device) -> None:
     """`to_empty`, keeping tied parameters tied (it gives each module its own new parameter)."""
     held = owners(model)
-    model.to_empty(device=device)
+    if any(is_quantized(p) for p in model.parameters()):
+        _meta_to_empty(model, device)
+    else:
+        model.to_empty(device=device)  # FSDP2's sharded parameters follow through its _apply hooks
     for refs in held.values():
         first = refs[0][0]._parameters[refs[0][1]]
         for mod, name in refs[1:]:
             mod._parameters[name] = first
+
+
+def _meta_to_empty(model: torch.nn.Module, device) -> None:
+    """Storage for the meta tensors only: a QLoRA base's 4-bit layers are real already (quantize.py)."""
+    for mod in model.modules():
+        for kind in ("_parameters", "_buffers"):
+            for name, t in getattr(mod, kind).items():
+                if t is not None and t.is_meta:
+                    new = torch.empty_like(t, device=device)
+                    getattr(mod, kind)[name] = torch.nn.Parameter(new, t.requires_grad) if kind == "_parameters" else new
 
 
 def materialise_from_rank0(model: torch.nn.Module, full: dict, rt: Runtime, device) -> None:

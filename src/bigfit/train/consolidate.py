@@ -93,7 +93,12 @@ def _lora(ckpt: Path, meta: dict, merge: bool) -> LoraCheckpoint | None:
             raise BigfitError(f"--merge is for LoRA checkpoints (trained with --lora); {str(ckpt)!r} is a full "
                               "fine-tuning checkpoint: consolidate it without --merge")
         return None
-    return LoraCheckpoint(trainer_state(ckpt)["config"], set(meta), _meta_model(ckpt))
+    settings = trainer_state(ckpt)["config"]
+    if merge and settings.get("load_in_4bit"):
+        raise BigfitError(f"{str(ckpt)!r} is a --load-in-4bit (QLoRA) checkpoint: it holds the adapters only, not "
+                          "the base; write the adapter (no --merge) and merge it onto the base with peft: "
+                          "PeftModel.from_pretrained(base, ADAPTER).merge_and_unload()")
+    return LoraCheckpoint(settings, set(meta), _meta_model(ckpt))
 
 
 def _canonical_names(model: torch.nn.Module, keys: set[str]) -> list[str]:

@@ -1,0 +1,80 @@
+"""QLoRA (--lora --load-in-4bit, quantize.py): the refusals on this CPU machine, one line each;
+and the mechanics on bitsandbytes' CPU path with the CUDA check passed by hand (the command itself
+refuses without CUDA, as bitsandbytes' 4-bit training is a CUDA feature): every LoRA base layer
+quantized from the seeded init to exactly bitsandbytes' own NF4 of it, adapters in fp32 training, checkpoints
+holding the adapters only and loading back."""
+from __future__ import annotations
+
+import warnings
+from unittest import mock
+
+import pytest
+import torch
+
+bnb = pytest.importorskip("bitsandbytes")
+
+
+def settings(model_dir, **kw):
+    from bigfit.config import TrainConfig
+
+    values = dict(model=str(model_dir), strategy="single", precision="bf16", lora=True, lora_r=4, lora_dropout=0.0,
+                  load_in_4bit=True, batch_size=4, micro_batch_size=4, max_steps=3)
+    return TrainConfig(**{**values, **kw})
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(lora=False, lora_r=16, lora_dropout=0.05), "--load-in-4bit quantizes a frozen base under LoRA adapters"),
+    (dict(strategy="zero3"), "--load-in-4bit runs with --strategy single or ddp"),
+    (dict(precision="fp32"), "--load-in-4bit computes in bf16"),
+    (dict(), "--load-in-4bit needs a CUDA GPU"),
+])
+def test_qlora_refusals_are_one_line(model_dirs, kw, message):
+    from bigfit.checks import validate
+    from bigfit.errors import BigfitError
+
+    with pytest.raises(BigfitError, match=message.replace("-", r"\-")):
+        validate(settings(model_dirs["llama"], **kw))
+
+
+def test_the_4bit_base_is_the_seeded_init_rounded_and_only_adapters_train_and_checkpoint(model_dirs):
+    from bigfit.distributed import init_runtime
+    from bigfit.lora import LoraSettings, inject
+    from bigfit.models import build_model, load_config, locate
+    from bigfit.parallel.apply import apply
+    from bigfit.resolution import plan_of, resolve
+    from bigfit.strategies import build_optimizer
+    from bigfit.train.step import train_step
+    from test_lora import seeded_base
+
+    with mock.patch("torch.cuda.is_available", return_value=True):  # the command's check, passed by hand
+        cfg = resolve(settings(model_dirs["llama"]), 1)
+    src = locate(cfg.model)
+    model = build_model(src, load_config(src), 0, on_meta=True)
+    inject(model, LoraSettings.from_config(cfg))
+    rt = init_runtime()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine = apply(model, plan_of(cfg), cfg, rt)
+    build_optimizer(engine, cfg)
+    assert any("14 base layers in 4 bits" in n for n in engine.notes)  # 2 blocks x (4 attention + 3 MLP)
+    init = seeded_base(model_dirs["llama"])
+    layer = model.model.layers[0].self_attn.q_proj.base_layer
+    assert isinstance(layer, bnb.nn.Linear4bit) and layer.weight.dtype == torch.uint8
+    dequant = bnb.functional.dequantize_4bit(layer.weight.data, layer.weight.quant_state)
+    # bitsandbytes' own NF4 (double quantisation) of the seeded init in bf16: the layer holds exactly that
+    want = init["model.layers.0.self_attn.q_proj.base_layer.weight"].to(torch.bfloat16)
+    q, st = bnb.functional.quantize_4bit(want, quant_type="nf4", compress_statistics=True)
+    assert torch.equal(dequant, bnb.functional.dequantize_4bit(q, st)) and not torch.equal(dequant, want)
+    batch = [[{"input_ids": list(range(2, 30)), "labels": list(range(2, 30))} for _ in range(4)]]
+    losses = [train_step(engine, batch, pad_id=0, seq2seq=False, rt=rt, lr=1e-2, max_grad_norm=1.0)["loss"]
+              for _ in range(3)]
+    assert losses[-1] < losses[0]
+    state = engine.checkpoint_state()
+    assert state["model"] and all(".lora_" in k for k in state["model"])  # the 4-bit base is made again
+    saved = {k: v.clone() for k, v in state["model"].items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.zero_()
+    engine.after_load({"model": saved, "optim": state["optim"]})
+    assert all(torch.equal(dict(model.named_parameters())[k], v) for k, v in saved.items())
