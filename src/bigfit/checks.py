@@ -5,7 +5,6 @@ from __future__ import annotations
 from .config import (OPTIMIZERS, PIPELINE_SCHEDULES, PIPELINE_STRATEGIES, PRECISIONS, REDUCE_DTYPES, SCHEDULES,
                      SPLIT_STRATEGIES, STRATEGIES, WARMUPS, TrainConfig)
 from .errors import BigfitError, one_of
-from .quantize import check as check_4bit
 from .settings import holds, setting_names, type_problem
 from .userfiles import check_encoding
 
@@ -56,9 +55,12 @@ def validate(cfg: TrainConfig) -> None:
 
 
 def _validate_lora(cfg: TrainConfig) -> None:
-    import torch
+    if cfg.load_in_4bit:  # torch only then: every bigfit command validates, and torch takes a second to import
+        import torch
 
-    check_4bit(cfg, torch.cuda.is_available())
+        from .quantize import check as check_4bit
+
+        check_4bit(cfg, torch.cuda.is_available())
     lora = [f"--{n.replace('_', '-')}" for n in ("lora_r", "lora_alpha", "lora_dropout", "lora_targets")
             if getattr(cfg, n) != getattr(TrainConfig, n)]
     if not cfg.lora:

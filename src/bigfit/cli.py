@@ -18,6 +18,7 @@ from .deepspeed_config import load_deepspeed_config
 from .settings import HOW, NOUNS, as_type, field_type, load_config_file, normalise, setting_value
 from .errors import BigfitError
 from .launch import launched_settings
+from .planning.flags import add_lora_flags
 
 
 class _Parser(argparse.ArgumentParser):
@@ -134,6 +135,7 @@ def _plan_parser(sub) -> argparse.ArgumentParser:
     for dim, what in (("tp", "tensor-parallel"), ("pp", "pipeline"), ("dp-shard", "sharded data-parallel"),
                       ("dp-replicate", "replicated data-parallel")):
         p.add_argument(f"--{dim}", type=_number(int), help=f"composed plans: only those with this {what} degree")
+    add_lora_flags(p, _number)
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     p.add_argument("--plot", help="write per-GPU memory bars to this PNG")
     return p

@@ -18,6 +18,7 @@ import torch
 from ..errors import BigfitError
 from ..hardware import parse_size
 from ..models import block_lists
+from ..planning.adapters import frozen_costs
 from ..planning.estimate import RESERVE
 from ..planning.job import Job
 from ..planning.profile import profile_model
@@ -81,7 +82,8 @@ def costs(model: torch.nn.Module, found, job) -> Costs:
 def profile_for(config, job):
     """The model traced as one process trains it: the whole micro-batch (no data-parallel split)."""
 
-    return profile_model(config, job.micro(1), job.seq_len, job.target_len or job.seq_len, job.precision)
+    return profile_model(config, job.micro(1), job.seq_len, job.target_len or job.seq_len, job.precision,
+                         lora=job.lora)
 
 
 def state_bytes(n: int, c: int) -> dict[str, int]:
@@ -101,8 +103,8 @@ def profile_costs(prof, job, params=None, root=None, sizes=None) -> Costs:
     main = {**state_bytes(root, c), "activations": prof.other_saved}
     main["buffers"] += prof.logits_bytes // c * (4 + c) if c < 4 else prof.logits_bytes  # the logits' gradient
     bounds = [sum(sizes[:i + 1]) for i in range(len(sizes) - 1)]
-    return Costs(parts=parts, main_parts=main, boundaries=bounds,
-                 per_device=max(prof.block_saved, default=0) if job.checkpointing else 0)
+    return frozen_costs(Costs(parts=parts, main_parts=main, boundaries=bounds,
+                              per_device=max(prof.block_saved, default=0) if job.checkpointing else 0), prof)
 
 
 def assign(stacks, cost: Costs, budgets: list[tuple[str, int]], main=None) -> tuple[dict, list[str], str]:

@@ -14,6 +14,7 @@ import torch
 
 from ..errors import BigfitError
 from ..hardware import Hardware, host_ram
+from ..lora import LoraSettings
 from ..planning.job import Job
 from ..precision import compute_dtype
 from ..strategies.base import Applied
@@ -80,7 +81,7 @@ def machine_budgets() -> dict[str, int]:
 def _job(cfg):
     return Job(batch_size=cfg.batch_size, seq_len=cfg.max_source_len, target_len=cfg.max_target_len,
                micro_batch=cfg.micro_batch_size, precision=cfg.precision or "fp32",
-               checkpointing=cfg.activation_checkpointing)
+               checkpointing=cfg.activation_checkpointing, lora=LoraSettings.from_config(cfg))
 
 
 def _resolve(model, cfg, main) -> object:

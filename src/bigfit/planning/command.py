@@ -13,9 +13,11 @@ from ..errors import BigfitError
 from ..calibration import calibrate, disk
 from ..hardware import (DEFAULTS, MAX_NODES, Hardware, calibrated_host_op_us, calibration_path, detect, host_ram,
                         parse_gpus, parse_size)
+from ..lora import LoraSettings
 from ..models import load_config, locate
 from ..parallel.plan import DIMS, plan_for
 from .estimate import RESERVE
+from .flags import LORA_FLAGS
 from .layouts import SHOWN, check_degrees, flag
 from .report import device_map_text, layout_table, pipeline_text, plan_table, plot_plan, rejected_text
 from .search import Job, plan_for_config
@@ -81,7 +83,7 @@ def plan_command(ns) -> int:
               else 0, micro_batch=ns.micro_batch_size, precision=ns.precision, checkpointing=ns.activation_checkpointing,
               chunks=ns.chunks, pipeline_schedule=ns.pipeline_schedule, stages_per_rank=ns.stages_per_rank,
               delayed_update=ns.delayed_update, offload_grads=ns.offload_grads, nvme_host_gb=ns.nvme_host_gb,
-              sequence_parallel=ns.sequence_parallel, compile=ns.compile)
+              sequence_parallel=ns.sequence_parallel, compile=ns.compile, lora=lora_from_args(ns))
     p = plan_for_config(config, hw, job, layouts=fixed)
     if fixed and not p.layouts and p.layout_rejected:  # the degrees asked for rule out every composed plan
         r = p.layout_rejected[0]
@@ -95,6 +97,22 @@ def plan_command(ns) -> int:
         if not ns.json:
             print(f"wrote {ns.plot}")
     return 0
+
+
+def lora_from_args(ns) -> LoraSettings | None:
+    """The plan's LoRA settings (None: full fine-tuning), checked as `bigfit train` checks them. A
+    namespace without the flags (a parser that lacks them) plans full fine-tuning."""
+    given = {f: getattr(ns, f) for f in LORA_FLAGS if getattr(ns, f, None) is not None}
+    if not getattr(ns, "lora", False):
+        if given:
+            raise BigfitError(f"{', '.join('--' + f.replace('_', '-') for f in given)} set without --lora: add --lora "
+                              "to plan adapters, or drop them")
+        return None
+    s = LoraSettings(**{f.removeprefix("lora_"): v for f, v in given.items()})
+    if s.r < 1 or s.alpha <= 0 or not 0 <= s.dropout < 1 or not s.targets.strip():
+        raise BigfitError(f"--lora needs --lora-r >= 1, --lora-alpha > 0, 0 <= --lora-dropout < 1 and some "
+                          f"--lora-targets; got {s.r}, {s.alpha:g}, {s.dropout:g}, {s.targets!r}")
+    return s
 
 
 def _show(console, p, fixed: dict) -> None:
@@ -142,7 +160,7 @@ def _job(cfg, config, batch: int, micro: int | None) -> Job:
                delayed_update=cfg.delayed_update, offload_grads=cfg.offload_grads, nvme_host_gb=cfg.nvme_host_gb,
                clipping=cfg.max_grad_norm > 0, chunks=cfg.chunks,
                pipeline_schedule=cfg.pipeline_schedule, stages_per_rank=cfg.stages_per_rank,
-               sequence_parallel=cfg.sequence_parallel, compile=cfg.compile)
+               sequence_parallel=cfg.sequence_parallel, compile=cfg.compile, lora=LoraSettings.from_config(cfg))
 
 
 def auto_strategy(cfg, world: int, one_process: bool = True) -> tuple[str, str]:

@@ -16,7 +16,8 @@ Pure, from the data-parallel ModelProfile (traced at job.micro(world)), scaled t
 Times: compute per rank (its tokens, its share of the FLOPs) stretched by the bubble, TP's
 all-reduces (blocking, on the node's link), the data-parallel traffic (overlapped with compute),
 the pipeline's sends and the host steps of zero3-offload and of the offload engine over pipeline
-stages (docs/planning.md, "Composed plans").
+stages (docs/planning.md, "Composed plans"). With LoRA, gradients, optimizer states and their
+traffic count the trainable parameters alone (adapters.py); gathers and parameters every one.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from dataclasses import dataclass, replace
 
 from ..pipeline.cut import PipelineLayout
 from ..precision import DTYPES
+from .adapters import outside_frozen_share, scaled_frozen
 from .estimate import FSDP_HOST_ADAM, HOST_STEP_BYTES, KEYS, Estimate, _bytes, grad_bytes, memory
 from .split import stage_seconds
 from .stages import holders, rank_bytes, received
@@ -81,7 +83,7 @@ def share(prof, tp: int, scale: float, sequence: bool = False):
                    logits_bytes=prof.logits_bytes * logits, logits_numel=prof.logits_numel * logits,
                    tokens=prof.tokens * scale, tp_reduce=[tuple(r) for r in reduce],
                    outside=[(n * (1 - vcut) if rows == prof.vocab_rows else n, at, rows)
-                            for n, at, rows in prof.outside])
+                            for n, at, rows in prof.outside], **scaled_frozen(prof, blocks, params))
 
 
 def estimate(name: str, plan, prof, hw, job, micro: int, pipe: Pipe | None = None) -> Estimate:
@@ -127,9 +129,11 @@ def _positions(plan, rank, job, c: int, pipe: Pipe) -> dict[str, int]:
         elif plan.zero >= 1:
             parts["optimizer"] /= dps
         if plan.zero >= 2:
-            unit = max(rank.block_params[g] for s in pipe.layout.stages_of(r) for g in range(*pipe.runs[s]))
+            mine = [g for s in pipe.layout.stages_of(r) for g in range(*pipe.runs[s])]
+            unit = max(rank.block_params[g] for g in mine)
+            grads = max(rank.block_params[g] - rank.blocks_frozen()[g] for g in mine)  # its trainable ones
             parts["params"], parts["grads"] = parts["params"] / dps, parts["grads"] / dps
-            gathered = c * n if plan.zero == 2 else (2 * c + 4) * unit
+            gathered = c * n if plan.zero == 2 else 2 * c * unit + 4 * grads
             parts["buffers"] += gathered - (c * n if c < 4 else 0)
         out.append(_bytes(**parts))
     return max(out, key=lambda b: b["total"])
@@ -140,16 +144,18 @@ def _offloaded_host(plan, rank, hw, job, pipe: Pipe) -> dict[str, int]:
     over dp_shard: the offload engine's fp32 master rows and moments (12 bytes a parameter) and
     gradient rows; zero3-offload's fp32 shards, gradients and moments (16 bytes a parameter)."""
     rows = _offloaded_rows(plan, rank, pipe) * hw.gpus_per_node
+    trained = _offloaded_rows(plan, rank, pipe, trainable=True) * hw.gpus_per_node
     if plan.offload_params:
-        return _bytes(params=4 * rows, grads=4 * rows, optimizer=8 * rows)
+        return _bytes(params=4 * rows, grads=4 * trained, optimizer=8 * trained)
     if plan.engine != "offload":
         return _bytes()
-    return _bytes(optimizer=12 * rows, grads=grad_bytes(job.precision, hw.cpu_adam_kernel) * rows)
+    return _bytes(optimizer=12 * trained, grads=grad_bytes(job.precision, hw.cpu_adam_kernel) * trained)
 
 
-def _offloaded_rows(plan, rank, pipe: Pipe) -> float:
-    """The parameters whose states one rank keeps on the host: the fullest position's over dp_shard."""
-    return max(_position_params(rank, pipe)) / plan.dp_shard
+def _offloaded_rows(plan, rank, pipe: Pipe, trainable: bool = False) -> float:
+    """The parameters whose states one rank keeps on the host: the fullest position's over dp_shard
+    (`trainable`: of those, the ones with gradients and optimizer states)."""
+    return max(_position_params(rank, pipe, trainable)) / plan.dp_shard
 
 
 def link(hw, inner: int) -> float:
@@ -181,10 +187,11 @@ def _costs(plan, rank, hw, job, c: int, micro: int, accum: int, pipe: Pipe | Non
         costs["tied all-reduce"] = sum(2 * 4 * n * (k - 1) / k for n, k in tied) / p2p  # fp32 gradients
     if plan.offload_params:  # zero3-offload: shards up for each chunk's forward and backward, gradients down, host step
         n = _offloaded_rows(plan, rank, pipe) if pipe else rank.params / plan.dp_shard
-        costs["pcie"] = (accum * m * 2 * 4 * n + 4 * n) / (hw.pcie_gbps * 1e9)
-        costs["cpu_optimizer"] = n * hw.gpus_per_node / (hw.cpu_adam_params_per_s * FSDP_HOST_ADAM)
+        t = _offloaded_rows(plan, rank, pipe, True) if pipe else rank.trainable_params / plan.dp_shard
+        costs["pcie"] = (accum * m * 2 * 4 * n + 4 * t) / (hw.pcie_gbps * 1e9)
+        costs["cpu_optimizer"] = t * hw.gpus_per_node / (hw.cpu_adam_params_per_s * FSDP_HOST_ADAM)
     if plan.engine == "offload" and pipe:  # after the schedule: gradient rows down, the host step, masters up
-        n, g = _offloaded_rows(plan, rank, pipe), grad_bytes(job.precision, hw.cpu_adam_kernel)
+        n, g = _offloaded_rows(plan, rank, pipe, True), grad_bytes(job.precision, hw.cpu_adam_kernel)
         costs["pcie"] = (g + 4) * n / (hw.pcie_gbps * 1e9)
         costs["cpu_optimizer"] = n * hw.gpus_per_node / hw.cpu_adam_params_per_s * HOST_STEP_BYTES[g] / HOST_STEP_BYTES[4]
     label = f"compute (pipeline bubble {idle / (m + idle):.0%})" if pipe else "compute"
@@ -211,27 +218,31 @@ def _dp_seconds(plan, rank, hw, c: int, accum: int, pipe: Pipe | None) -> dict[s
     of the gradient shard across dp_replicate; hidden under compute as far as it goes. DDP (+ ZeRO-1's
     broadcast): one all-reduce of fp32 gradients, under backward, or after the schedule in a pipeline."""
     n = rank.params if pipe is None else max(_position_params(rank, pipe))
+    t = rank.trainable_params if pipe is None else max(_position_params(rank, pipe, True))  # gradients, updates
     dps, dpr, out = plan.dp_shard, plan.dp_replicate, {"communication": 0.0}
     if plan.engine == "fsdp":
         m = pipe.layout.chunks if pipe else 1
         gathers = (2 if plan.zero == 3 else 1) * m
-        out["communication"] = accum * (gathers * c * n + m * 4 * n) * (dps - 1) / dps / link(hw, plan.tp * dps)
+        out["communication"] = accum * (gathers * c * n + m * 4 * t) * (dps - 1) / dps / link(hw, plan.tp * dps)
         if dpr > 1:
-            shard = 4 * n / dps
+            shard = 4 * t / dps
             out["communication"] += accum * m * 2 * shard * (dpr - 1) / dpr / link(hw, plan.tp * dps * dpr)
     elif plan.engine == "offload":  # once per step: fp32 gradient rows reduce-scattered, parameters gathered
-        out["gradient reduce-scatter"] = (4 + c) * n * (dps - 1) / dps / link(hw, plan.tp * dps)
+        out["gradient reduce-scatter"] = (4 + c) * t * (dps - 1) / dps / link(hw, plan.tp * dps)
     elif plan.dp > 1:
-        moved = (2 * 4 * n + (4 * n if plan.zero == 1 else 0)) * (plan.dp - 1) / plan.dp / link(hw, plan.tp * plan.dp)
+        moved = (2 * 4 * t + (4 * t if plan.zero == 1 else 0)) * (plan.dp - 1) / plan.dp / link(hw, plan.tp * plan.dp)
         out["gradient all-reduce" if pipe else "communication"] = moved
     return out
 
 
-def _position_params(rank, pipe: Pipe) -> list[float]:
-    """Each position's parameters (per TP rank): its stages' blocks and the outside ones it holds."""
+def _position_params(rank, pipe: Pipe, trainable: bool = False) -> list[float]:
+    """Each position's parameters (per TP rank): its stages' blocks and the outside ones it holds;
+    `trainable`: only those that train (LoRA: the adapters)."""
     layout, runs = pipe.layout, pipe.runs
-    out = [sum(rank.block_params[g] for s in layout.stages_of(r) for g in range(*runs[s])) for r in range(layout.world)]
+    blocks = [n - f for n, f in zip(rank.block_params, rank.blocks_frozen())] if trainable else rank.block_params
+    kept = 1 - outside_frozen_share(rank) if trainable else 1
+    out = [sum(blocks[g] for s in layout.stages_of(r) for g in range(*runs[s])) for r in range(layout.world)]
     for n, ranks in holders(rank, layout, runs):
         for r in ranks:
-            out[r] += n
+            out[r] += n * kept
     return out

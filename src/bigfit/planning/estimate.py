@@ -3,6 +3,9 @@ each term names the engine behaviour it stands for (see strategies/sharding.py f
 
 Notation: N parameters, W GPUs in all, g per node, c bytes of the compute dtype (2 for bf16/fp16,
 4 for fp32), U the largest block's parameters (one FSDP unit), R the parameters outside blocks.
+With LoRA (adapters.py) T of the N train, t of U and r of R: gradients, optimizer states, gradient
+buckets and the traffic of gradients and updated parameters count those; parameters, gathers and
+activations count everything. Without LoRA T = N, t = U, r = R.
 """
 from __future__ import annotations
 
@@ -76,30 +79,35 @@ def memory(strategy: str, prof, hw, c: int, checkpointing: bool, accum: int = 1,
     compute and bigfit's host Adam kernel, cpu_adam.py), else 4. `shards`: the data-parallel ranks the
     states are divided over, when not every GPU (composed layouts: dp_shard; layouts.py)."""
     n, w, u, r, v = prof.params, shards or hw.world_size, prof.largest_unit_params, prof.root_params, prof.head_params
+    t, ut, rt, vt = prof.trainable_params, prof.largest_trainable_unit, prof.root_trainable, prof.trainable_head
     act, loss_act = prof.activations(checkpointing), prof.activations(checkpointing) - prof.loss_saved
     lc, l32 = prof.logits_bytes, (prof.logits_numel or prof.logits_bytes // c) * 4
     held = 1 if accum > 1 else 0
     init = 4 * n
     if strategy in ("single", "ddp", "zero1"):  # autocast: fp32 weights, compute-dtype copies saved for backward
-        optim = 8 * n / w if strategy == "zero1" and w > 1 else 8 * n
-        fixed = 4 * n if strategy != "single" and w > 1 else 0  # DDP's gradient buckets, allocated throughout
-        copies = c * (prof.matmul_params or n) if c < 4 else 0
-        head_grad = (4 + c) * v if c < 4 else 4 * v  # in the compute dtype, then accumulated in fp32
-        return _peak(dict(params=4 * n, grads=4 * n * held, optimizer=optim),
+        optim = 8 * t / w if strategy == "zero1" and w > 1 else 8 * t
+        fixed = 4 * t if strategy != "single" and w > 1 else 0  # DDP's gradient buckets, allocated throughout
+        # a frozen (LoRA) base is stored in the compute dtype (parallel/apply.py store_frozen): nothing
+        # to cast but the adapters, all of them linear layers
+        copies = c * min(prof.matmul_params or n, t) if c < 4 else 0
+        head_grad = (4 + c) * vt if c < 4 else 4 * vt  # in the compute dtype, then accumulated in fp32
+        return _peak(dict(params=4 * t + c * (n - t), grads=4 * t * held, optimizer=optim),
                      loss=dict(activations=act, buffers=fixed + copies + 2 * l32),
                      head=dict(activations=loss_act, buffers=fixed + copies + lc + head_grad),
-                     update=dict(grads=4 * n, buffers=fixed)), _bytes(buffers=init)
-    shard = 4 * n / w  # fp32 master shard, FSDP2 pads each parameter to a multiple of W (ignored)
+                     update=dict(grads=4 * t, buffers=fixed)), _bytes(buffers=init)
+    shard, tshard = 4 * n / w, 4 * t / w  # fp32 master shards, FSDP2 pads each parameter to a multiple of W (ignored)
     g = hw.gpus_per_node
     if strategy.startswith("zero2-offload"):  # the offload engine (strategies/offload.py)
-        bucket = (c + 4 + 4 / w) * max(u, v)  # a bucket's gradients, packed in fp32, reduce-scattered
-        rows = grad_bytes * n / w  # this rank's reduced gradient rows, as they wait for the host step
-        waiting = dict(update=dict(grads=4 * n * held + rows, buffers=bucket)) if grads_on_device else {}
-        gpu = _peak(dict(params=c * n, grads=4 * n * held),  # compute-dtype parameters; fp32 accumulators
+        bucket = (c + 4 + 4 / w) * max(ut, vt)  # a bucket's gradients, packed in fp32, reduce-scattered
+        rows = grad_bytes * t / w  # this rank's reduced gradient rows, as they wait for the host step
+        waiting = dict(update=dict(grads=4 * t * held + rows, buffers=bucket)) if grads_on_device else {}
+        # compute-dtype parameters (frozen ones too: placement.place_frozen); fp32 accumulators
+        gpu = _peak(dict(params=c * n, grads=4 * t * held),
                     loss=dict(activations=act, buffers=2 * l32), head=dict(activations=loss_act, buffers=lc + bucket),
                     **waiting)
-        slots = (3 * max(u, v) / w if grads_on_device else n / w) * grad_bytes * g  # or three slots of the largest bucket
-        optim = min(nvme_host, 3 * shard * g) if strategy.endswith("nvme") else 3 * shard * g
+        # the gradients' rows, or three slots of the largest bucket
+        slots = (3 * max(ut, vt) / w if grads_on_device else t / w) * grad_bytes * g
+        optim = min(nvme_host, 3 * tshard * g) if strategy.endswith("nvme") else 3 * tshard * g
         # rank 0's fp32 copy is not on top of the states: placing the model swaps each parameter's
         # host data for the device copy (placement._put) before the moments are allocated (attach)
         return gpu, _bytes(grads=slots, optimizer=optim, buffers=max(0.0, init - slots - optim))
@@ -112,16 +120,16 @@ def memory(strategy: str, prof, hw, c: int, checkpointing: bool, accum: int = 1,
         forward, head = 0, max(2 * c * r, c * r + c * v + 2 * c * u)
     # the root group's reduce-scatter, at the end of backward: its unsharded gradients copied into the
     # fp32 input, then the output (this rank's gradient shard); the previous unit's input is kept till then
-    reduce = 4 * r + max(c * r, 4 * r / w)
+    reduce = 4 * rt + max(c * rt, 4 * rt / w)
     if backend == "gloo":  # gloo copies the input, and its averaging the output
-        reduce = max(reduce, 8 * r + 8 * r / w)
+        reduce = max(reduce, 8 * rt + 8 * rt / w)
     if strategy == "zero3-offload":  # shards, gradients and optimizer states in host RAM
-        host = _bytes(params=shard * g, grads=shard * g, optimizer=2 * shard * g, buffers=init)
+        host = _bytes(params=shard * g, grads=tshard * g, optimizer=2 * tshard * g, buffers=init)
         return _peak({}, loss=dict(activations=act, buffers=2 * l32), head=dict(activations=loss_act, buffers=lc + head),
-                     update=dict(buffers=4 * u + reduce)), host
-    return _peak(dict(params=shard, grads=shard * held, optimizer=2 * shard),
+                     update=dict(buffers=4 * ut + reduce)), host
+    return _peak(dict(params=shard, grads=tshard * held, optimizer=2 * tshard),
                  loss=dict(activations=act, buffers=forward + 2 * l32), head=dict(activations=loss_act, buffers=lc + head),
-                 update=dict(grads=shard, buffers=4 * u + reduce - 4 * r / w)), _bytes(buffers=init)
+                 update=dict(grads=tshard, buffers=4 * ut + reduce - 4 * rt / w)), _bytes(buffers=init)
 
 
 def _peak(common: dict, **moments: dict) -> dict[str, int]:
@@ -134,33 +142,34 @@ def step_time(strategy: str, prof, hw, c: int, checkpointing: bool, tokens_per_s
     """Seconds per optimizer step of each cost; the step is their overlapped combination. `issue`: the
     host's seconds to issue the step's kernels (hostcost.py), a floor under the GPU's compute;
     `traffic`: the GPU's seconds of memory-bound operators (devicecost.py), on top of its FLOPs."""
-    n, w = prof.params, hw.world_size
+    n, t, w = prof.params, prof.trainable_params, hw.world_size
     flops = prof.flops_per_token * tokens_per_step * (4 / 3 if checkpointing else 1)
     compute = flops / (w * hw.gpu_tflops * 1e12 * MFU) + traffic
     link = (hw.inter_gbps / hw.gpus_per_node if hw.nodes > 1 else hw.intra_gbps) * 1e9
     ring = (w - 1) / w
+    # gradients and updated parameters move for the trainable parameters alone; all-gathers move every one
     if w == 1 or strategy == "single":
         comm = 0.0
     elif strategy in ("ddp", "zero1"):  # one all-reduce of fp32 gradients (+ zero1's parameter broadcast)
-        comm = (2 * 4 * n + (4 * n if strategy == "zero1" else 0)) * ring / link
+        comm = (2 * 4 * t + (4 * t if strategy == "zero1" else 0)) * ring / link
     elif strategy.startswith("zero2-offload"):  # the engine: once per step, after local accumulation
-        comm = (4 * n + c * n) * ring / link
+        comm = (4 * t + c * t) * ring / link
     else:  # per micro-batch: gather parameters (twice for zero3), reduce-scatter fp32 gradients
         gathers = 1 if strategy.startswith("zero2") else 2
-        comm = accum * (gathers * c * n + 4 * n) * ring / link
+        comm = accum * (gathers * c * n + 4 * t) * ring / link
     pcie = cpu = disk = 0.0
     if "offload" in strategy:
-        moved = (grad_bytes + 4) * n / w  # gradient rows down, fp32 master rows up (zero2-offload: once per step)
+        moved = (grad_bytes + 4) * t / w  # gradient rows down, fp32 master rows up (zero2-offload: once per step)
         if strategy == "zero3-offload":
-            moved = accum * 2 * 4 * n / w + 4 * n / w  # shards up for forward and backward, gradients down
+            moved = accum * 2 * 4 * n / w + 4 * t / w  # shards up for forward and backward, gradients down
         pcie = moved / (hw.pcie_gbps * 1e9)
-        cpu = n / w * hw.gpus_per_node / hw.cpu_adam_params_per_s  # the node's ranks share its cores
+        cpu = t / w * hw.gpus_per_node / hw.cpu_adam_params_per_s  # the node's ranks share its cores
         if strategy.startswith("zero2-offload"):  # memory-bound: bytes a parameter, against torch's 40 (its rate)
             cpu *= HOST_STEP_BYTES[grad_bytes] / HOST_STEP_BYTES[4]
         else:  # torch's AdamW over FSDP2's host shards, at its measured share of the fused step's rate
             cpu /= FSDP_HOST_ADAM
     if strategy.endswith("nvme"):  # read and write back 12 bytes per parameter, the node's ranks together
-        disk = 2 * nvme_bytes(n, hw, nvme_host) / (hw.nvme_gbps * 1e9)
+        disk = 2 * nvme_bytes(t, hw, nvme_host) / (hw.nvme_gbps * 1e9)
     return {"compute": compute, "host issue": issue, "communication": comm, "pcie": pcie, "cpu_optimizer": cpu,
             "nvme": disk}
 
@@ -174,14 +183,15 @@ def nvme_fill(prof, hw, grads_on_device: bool, grad_bytes: int) -> float:
     """One node's bytes of optimizer states zero2-offload-nvme keeps in RAM when the planner chooses
     (`--strategy auto` with no --nvme-host-gb): what 90% of the RAM leaves beside the gradients'
     slots (memory()'s) and the process, at most every state."""
-    n, w, g = prof.params, hw.world_size, hw.gpus_per_node
-    slots = (3 * max(prof.largest_unit_params, prof.head_params) / w if grads_on_device else n / w) * grad_bytes * g
-    return max(0.0, min(12 * n / w * g, 0.9 * hw.cpu_ram - slots - PROCESS_BYTES))
+    t, w, g = prof.trainable_params, hw.world_size, hw.gpus_per_node
+    bucket = max(prof.largest_trainable_unit, prof.trainable_head)
+    slots = (3 * bucket / w if grads_on_device else t / w) * grad_bytes * g
+    return max(0.0, min(12 * t / w * g, 0.9 * hw.cpu_ram - slots - PROCESS_BYTES))
 
 
-def nvme_bytes(n: int, hw, nvme_host: float = 0.0) -> float:
-    """One node's optimizer files under zero2-offload-nvme: fp32 master weights and two moments,
-    less the `nvme_host` bytes kept in RAM."""
+def nvme_bytes(n: float, hw, nvme_host: float = 0.0) -> float:
+    """One node's optimizer files under zero2-offload-nvme for n trainable parameters: fp32 master
+    weights and two moments, less the `nvme_host` bytes kept in RAM."""
     return max(0.0, 12 * n / hw.world_size * hw.gpus_per_node - nvme_host)
 
 

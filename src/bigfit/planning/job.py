@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..lora import LoraSettings
+
 
 @dataclass(frozen=True)
 class Job:
@@ -22,6 +24,7 @@ class Job:
     stages_per_rank: int | None = None  # pipeline: stages per process; None: 2 if interleaved, else 1
     sequence_parallel: bool = False  # composed plans with tp > 1 and no pipeline split the sequence
     compile: bool = False  # blocks compiled (torch.compile): the host issues far fewer kernels (hostcost.py)
+    lora: LoraSettings | None = None  # LoRA adapters beside the frozen base (adapters.py); None: full fine-tuning
 
     def micro(self, world: int) -> int:
         """The micro-batch per process: given, or the whole per-process share (no accumulation)."""

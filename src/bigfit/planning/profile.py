@@ -19,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..errors import BigfitError
 from ..models import block_lists, is_seq2seq
 from ..precision import DTYPES
+from .adapters import flop_weight, frozen_counts, module_flop_weight, with_adapters
 from .tp_trace import TensorSplit, sequence_error, split_counts
 
 
@@ -70,6 +71,44 @@ class ModelProfile:
     block_matmul_flops: list[float] = field(default_factory=list)
     block_attention_flops: list[float] = field(default_factory=list)
     attention_per_token: float = 0.0  # the attention's part of flops_per_token
+    # LoRA (adapters.py): the parameters that do not train (the frozen base), each block's, and whether
+    # the head's weight is one; none without LoRA. Gradients, optimizer states and their traffic skip them.
+    frozen_params: float = 0
+    block_frozen: list[float] = field(default_factory=list)
+    head_frozen: bool = False
+
+    @property
+    def trainable_params(self) -> float:
+        """What the optimizer steps: LoRA's adapters, or every parameter."""
+        return self.params - self.frozen_params
+
+    @property
+    def root_frozen(self) -> float:
+        return self.frozen_params - sum(self.block_frozen)
+
+    @property
+    def root_trainable(self) -> float:
+        return self.root_params - self.root_frozen
+
+    @property
+    def largest_trainable_unit(self) -> float:
+        """The largest block's trainable parameters: its gradients in one reduce-scatter or bucket."""
+        if not self.frozen_params:
+            return self.largest_unit_params
+        return max((n - f for n, f in zip(self.block_params, self.block_frozen)), default=0)
+
+    @property
+    def trainable_head(self) -> float:
+        return 0 if self.head_frozen else self.head_params
+
+    def blocks_frozen(self) -> list[float]:
+        return self.block_frozen or [0] * len(self.block_params)
+
+    def outside_flops_per_token(self) -> float:
+        """Model FLOPs a token of the non-embedding parameters outside the blocks (an untied head,
+        norms); frozen ones (LoRA's) skip their weight gradient."""
+        outside = max(0, self.root_params - self.embedding_params)
+        return flop_weight(outside, min(outside, self.root_frozen))
 
     def activations(self, checkpointing: bool) -> int:
         if not checkpointing:
@@ -82,31 +121,33 @@ def _storage_key(t: torch.Tensor):
     return t.untyped_storage()._cdata
 
 
-_traced: dict = {}  # (the config as JSON, the arguments) -> ModelProfile: one trace costs seconds
+_traced: dict = {}  # (the config as JSON, the arguments, the LoRA settings) -> ModelProfile: one trace costs seconds
 _TRACED_KEPT = 32
 
 
 def profile_model(config, micro_batch: int, seq_len: int, target_len: int, precision: str,
-                  device: str = "cuda", autocast: bool = False) -> ModelProfile:
+                  device: str = "cuda", autocast: bool = False, lora=None) -> ModelProfile:
     """The trace of one micro-batch's forward and backward (`_profile`), once per process for each
-    config and shape: the planner, `--strategy auto` and `--batch-size auto` ask for the same ones."""
-    key = (config.to_json_string(), micro_batch, seq_len, target_len, precision, device, autocast)
+    config and shape: the planner, `--strategy auto` and `--batch-size auto` ask for the same ones.
+    `lora`: a lora.LoraSettings whose adapters are injected before the trace (the base frozen)."""
+    key = (config.to_json_string(), micro_batch, seq_len, target_len, precision, device, autocast, lora)
     if key not in _traced:
         if len(_traced) >= _TRACED_KEPT:
             _traced.clear()
-        _traced[key] = _profile(config, micro_batch, seq_len, target_len, precision, device, autocast)
+        _traced[key] = _profile(config, micro_batch, seq_len, target_len, precision, device, autocast, lora)
     return _traced[key]
 
 
 def _profile(config, micro_batch: int, seq_len: int, target_len: int, precision: str, device: str,
-             autocast: bool) -> ModelProfile:
+             autocast: bool, lora=None) -> ModelProfile:
     """`device`: the device type the job runs on. Its attention saves different tensors: CUDA's fused
     SDPA kernels save their output and log-sum-exp; on the CPU, SDPA takes its math path whenever
     attention dropout is on (GPT-2) and saves every head's probabilities and dropout mask. The trace
     runs on CPU fake tensors, so for CUDA it swaps SDPA for a stand-in that saves what the kernels do.
-    `autocast` (single, ddp, zero1 under bf16/fp16 on CUDA): fp32 weights, and CUDA autocast's casts
-    applied by `_CudaAutocast`; what it keeps in fp32 (GPT-2's residual stream, norms) is saved at
-    4 bytes. Weight casts are left out: the estimate counts them once (`matmul_params`)."""
+    `autocast` (single, ddp, zero1 under bf16/fp16 on CUDA): fp32 weights (with `lora`, a base in the
+    compute dtype and fp32 adapters), and CUDA autocast's casts applied by `_CudaAutocast`; what it
+    keeps in fp32 (GPT-2's residual stream, norms) is saved at 4 bytes. Weight casts are left out: the
+    estimate counts them once (`matmul_params`)."""
     from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
     seq2seq = is_seq2seq(config)
@@ -116,7 +157,11 @@ def _profile(config, micro_batch: int, seq_len: int, target_len: int, precision:
     mixed = autocast and device == "cuda" and dtype != torch.float32
     with FakeTensorMode(allow_non_fake_inputs=True), fused:
         auto = AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM
-        model = auto.from_config(config, dtype=torch.float32 if mixed else dtype)
+        # under autocast a frozen LoRA base is stored in the compute dtype, its adapters in fp32
+        # (parallel/apply.py store_frozen): the residual stream then runs in the compute dtype too
+        model = auto.from_config(config, dtype=torch.float32 if mixed and lora is None else dtype)
+        if lora is not None:
+            with_adapters(model, lora, torch.float32 if mixed else dtype, cuda=device == "cuda")
         model.train()
         casts = _CudaAutocast(dtype, model) if mixed else None
         with casts or contextlib.nullcontext():
@@ -247,8 +292,11 @@ def _trace(model, seq2seq: bool, b: int, t: int, tt: int, skip=None) -> ModelPro
     emb = model.get_input_embeddings().weight.numel()
     hidden = _hidden(model.config)
     tokens = b * (t + (tt if seq2seq else 0))
-    matmul, attention = _block_flops(stacks, block_params, hidden, t, tt if seq2seq else 0)
-    head = 6 * (n - emb - sum(block_params)) * (tt if seq2seq else t)  # the parts outside blocks: on the output side
+    frozen = frozen_counts(model, blocks)
+    root_frozen = frozen.get("frozen_params", 0) - sum(frozen.get("block_frozen", ()))
+    matmul, attention = _block_flops(stacks, hidden, t, tt if seq2seq else 0)
+    outside = n - emb - sum(block_params)  # the parts outside blocks: on the output side
+    head = flop_weight(outside, min(outside, root_frozen)) * (tt if seq2seq else t)
     flops = (sum(matmul) + sum(attention) + head) / (t + (tt if seq2seq else 0))
     return ModelProfile(params=n, embedding_params=emb, largest_unit_params=max(block_params, default=0),
                         root_params=n - sum(block_params), n_blocks=len(blocks), block_saved=per_block,
@@ -263,7 +311,7 @@ def _trace(model, seq2seq: bool, b: int, t: int, tt: int, skip=None) -> ModelPro
                         block_traffic=ops.block_bytes, other_traffic=ops.other_bytes,
                         block_matmul_flops=matmul, block_attention_flops=attention,
                         attention_per_token=sum(attention) / (t + (tt if seq2seq else 0)),
-                        **_tp_counts(model.config, split))
+                        **_tp_counts(model.config, split), **frozen)
 
 
 class _OpCounter(TorchDispatchMode):
@@ -312,21 +360,21 @@ _METADATA = re.compile(r"^(sym_|size|stride|dim|numel|is_|_local_scalar_dense|de
 _CROSS_KV = re.compile(r"(EncDecAttention\.[kv]|encoder_attn\.[kv]_proj)$")  # T5's and BART's cross-attention
 
 
-def _block_flops(stacks, block_params: list[int], hidden: int, t: int, tt: int) -> tuple[list[float], list[float]]:
+def _block_flops(stacks, hidden: int, t: int, tt: int) -> tuple[list[float], list[float]]:
     """Each block's model FLOPs per sample, forward and backward: 6 x its parameters x the tokens it
-    computes, plus 12 x hidden x the query-key pairs of its attention (the usual convention). An
-    encoder-decoder's encoder blocks compute the source's t tokens, its decoder blocks the target's tt,
-    their cross-attention's keys and values the source's t again."""
-    matmul, attention, g = [], [], 0
+    computes (4 for a frozen one: adapters.flop_weight), plus 12 x hidden x the query-key pairs of its
+    attention (the usual convention). An encoder-decoder's encoder blocks compute the source's t tokens,
+    its decoder blocks the target's tt, their cross-attention's keys and values the source's t again
+    (with LoRA, the peft layer's base and adapters both)."""
+    matmul, attention = [], []
     for i, (_, stack) in enumerate(stacks):
         decoder = tt and i > 0
         for blk in stack:
-            kv = sum(p.numel() for name, m in blk.named_modules() if _CROSS_KV.search(name)
-                     for p in m.parameters(recurse=False)) if decoder else 0
+            kv = module_flop_weight(p for name, m in blk.named_modules() if _CROSS_KV.search(name)
+                                    for p in m.parameters()) if decoder else 0.0
             mine = tt if decoder else t
-            matmul.append(6.0 * ((block_params[g] - kv) * mine + kv * t))
+            matmul.append((module_flop_weight(blk.parameters()) - kv) * mine + kv * t)
             attention.append(12.0 * hidden * (tt * tt + tt * t if decoder else t * t))
-            g += 1
     return matmul, attention
 
 

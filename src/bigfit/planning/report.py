@@ -34,6 +34,9 @@ def plan_table(p) -> Table:
         _add(t, c, c.estimate.name == p.recommended)
     t.caption = ("per-GPU memory in GB (10^9 bytes; device_map and pipeline: their fullest GPU, every device "
                  "below); host: one node's RAM for offloaded state")
+    if p.job.lora:  # gradients and optimizer states are the adapters': say how many parameters those are
+        t.caption += (f"; LoRA: {p.trainable_params / 1e6:,.2f}M of {p.params / 1e6:,.1f}M parameters train "
+                      "(grads and optim are theirs)")
     return t
 
 

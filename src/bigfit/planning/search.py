@@ -3,11 +3,12 @@ and the fastest one that does. `plan` is pure given a ModelProfile (profile.py b
 memory); `plan_for_config` does both."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from ..config import PIPELINE_STRATEGIES, SPLIT_STRATEGIES, STRATEGIES
-from ..precision import DTYPES
 from ..device_map.auto import profile_for
+from ..precision import DTYPES
+from .adapters import describe as describe_lora
 from .devicecost import step_traffic
 from .estimate import RESERVE, Estimate, combine, grad_bytes, memory, nvme_bytes, nvme_fill, step_time
 from .hostcost import step_seconds as issue_seconds
@@ -39,11 +40,15 @@ class Plan:
     layout_rejected: list[Rejected] = field(default_factory=list)
     layout_pick: LayoutCandidate | None = None
     layout_reason: str = ""
+    params: float = 0  # the model's parameters, and those the optimizer steps (LoRA: its adapters alone)
+    trainable_params: float = 0
 
     def to_json(self) -> dict:
+        job = {**vars(self.job), "lora": asdict(self.job.lora) if self.job.lora else None}
         out = {"strategies": [c.to_json() for c in self.candidates], "recommended": self.recommended,
-               "reason": self.reason, "hardware": self.hardware, "job": vars(self.job), "notes": self.notes,
-               "device_map": self.device_map, "pipeline": self.pipeline}
+               "reason": self.reason, "hardware": self.hardware, "job": job, "notes": self.notes,
+               "device_map": self.device_map, "pipeline": self.pipeline, "params": self.params,
+               "trainable_params": self.trainable_params}
         if self.layouts is not None:
             out["composed"] = [c.to_json() for c in self.layouts]
             out["composed_rejected"] = [vars(r) for r in self.layout_rejected]
@@ -89,14 +94,15 @@ def plan(prof, hw, job: Job, strategies=ALL, autocast_prof=None, split_prof=None
                           issue=issue_seconds(prof, hw, job, accum, fsdp=name in FSDP),
                           traffic=step_traffic(traced, hw, job, job.batch_size / world))
         step_s = combine(costs, engine=_engine_mode(job) if name.startswith("zero2-offload") else None, accum=accum)
-        e = Estimate(name, gpu, host, step_s, costs, nvme_bytes(prof.params, hw, kept) if name.endswith("nvme") else 0)
+        e = Estimate(name, gpu, host, step_s, costs,
+                     nvme_bytes(prof.trainable_params, hw, kept) if name.endswith("nvme") else 0)
         why = _fit(e, hw)
         out.append(Candidate(e, why is None, why, tokens / e.step_time_s))
     ok = sorted((c for c in out if not c.why_not), key=_rank)
     best = ok[0].estimate.name if ok else None
     why = _reason(ok[0], out, world) if ok else _advice(out, job, hw) if out else "no named strategy was rated"
-    result = Plan(out, best, why, hw.describe(), job,
-                  device_map=sections.get("device_map"), pipeline=sections.get("pipeline"))
+    result = Plan(out, best, why, hw.describe(), job, device_map=sections.get("device_map"),
+                  pipeline=sections.get("pipeline"), params=prof.params, trainable_params=prof.trainable_params)
     if layouts is not None:
         result.layouts, result.layout_rejected = layout_rows(prof, hw, job, layouts)
         result.layout_pick, result.layout_reason = choose(out, result.layouts)
@@ -174,12 +180,14 @@ def plan_for_config(model_config, hw, job: Job, strategies=ALL, layouts: dict | 
     # micro-batch, CUDA's attention; with one GPU it is the data-parallel trace itself
     if whole and not (job.micro(1) == micro and hw.device == "cuda" and data_parallel):
         split = profile_for(model_config, job)
-    prof = profile_model(*lengths) if data_parallel else split
+    prof = profile_model(*lengths, lora=job.lora) if data_parallel else split
     mixed = job.precision != "fp32" and hw.device == "cuda" and any(s in AUTOCAST for s in strategies)
-    result = plan(prof, hw, job, strategies, profile_model(*lengths, autocast=True) if mixed else None, split,
-                  layouts)
+    result = plan(prof, hw, job, strategies, profile_model(*lengths, autocast=True, lora=job.lora) if mixed else None,
+                  split, layouts)
     traced = ([f"micro-batch {micro}"] * data_parallel
               + [f"micro-batch {job.micro(1)} for {' and '.join(whole)} (whole micro-batch)"] * bool(split))
     result.notes.append(f"model: {prof.params / 1e6:.1f}M parameters, {prof.n_blocks} blocks; activations traced at "
                         + " and ".join(traced or [f"micro-batch {micro}"]))
+    if job.lora:
+        result.notes.append(describe_lora(job.lora, prof.params, prof.trainable_params))
     return result

@@ -8,7 +8,8 @@ non-block parameters, what is saved outside blocks and the logits' gradient). Th
 is the GPU holding the most; it fits when every device fits its budget (the plan's `device_map`
 section has every device). Time (docs/planning.md): the devices take turns, so a step is the sum of
 each device's compute, plus the copies at each change of device, plus the host's AdamW for
-parameters mapped to `cpu`; with GPipe chunks the slowest stage sets the pace.
+parameters mapped to `cpu`; with GPipe chunks the slowest stage sets the pace. With LoRA a frozen
+parameter has no gradient and no moments (adapters.frozen_costs) and the host steps its adapters alone.
 """
 from __future__ import annotations
 
@@ -67,7 +68,7 @@ def stage_seconds(prof, hw, job, assignment: list[str], main: str, passes: int) 
     non-embedding rest (an untied head) on the output tokens. GPUs at MFU of their peak plus their blocks'
     memory-bound operators (devicecost.py), but no faster than the host issues their kernels for `passes`
     micro-batches or chunks a step (hostcost.py); the host at cpu_tflops."""
-    flops = {main: 6.0 * max(0, prof.root_params - prof.embedding_params) * (job.target_len or job.seq_len)}
+    flops = {main: prof.outside_flops_per_token() * (job.target_len or job.seq_len)}
     for dev, f in zip(assignment, block_flops(prof, job)):
         flops[dev] = flops.get(dev, 0.0) + f
     samples = job.batch_size * (4 / 3 if job.checkpointing else 1)
@@ -121,10 +122,12 @@ def _copies(prof, hw, job, assignment: list[str], main: str) -> float:
     return seconds
 
 
-def _host_params(prof, assignment: list[str], main: str) -> int:
-    """Parameters the host's AdamW steps: those of blocks (and the non-block parts) mapped to the host."""
-    on_host = sum(n for d, n in zip(assignment, prof.block_params) if d.startswith("cpu"))
-    return on_host + (prof.root_params if main.startswith("cpu") else 0)
+def _host_params(prof, assignment: list[str], main: str) -> float:
+    """Parameters the host's AdamW steps: the trainable ones of blocks (and of the non-block parts)
+    mapped to the host."""
+    trainable = [n - f for n, f in zip(prof.block_params, prof.blocks_frozen())]
+    on_host = sum(n for d, n in zip(assignment, trainable) if d.startswith("cpu"))
+    return on_host + (prof.root_trainable if main.startswith("cpu") else 0)
 
 
 def _host(prof, cpu_parts: dict | None) -> dict[str, int]:

@@ -10,7 +10,8 @@ outside the blocks where the cut puts them (a copy on each rank that holds a tie
 activations of the chunks its schedule keeps in flight, the receive buffers torch allocates per
 chunk, and on the last stage the loss's fp32 logits. Time: the slowest rank's compute stretched by
 the bubble, plus its point-to-point receives, the tied gradients' all-reduce and the optimizer step
-of the fullest rank.
+of the fullest rank. With LoRA frozen parameters have no gradient and no moments (adapters.py): no
+optimizer step and no all-reduce of a frozen tied embedding.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from ..device_map.balance import size
 from ..errors import BigfitError
 from ..pipeline.cut import PipelineLayout, balance, check_depth
 from ..precision import DTYPES
+from .adapters import frozen_costs, outside_frozen_share, without_frozen
 from .estimate import KEYS, RESERVE, Estimate, _bytes
 from .split import stage_seconds
 
@@ -102,7 +104,8 @@ def in_flight(layout: PipelineLayout, rank: int) -> list[int]:
 def rank_bytes(prof, job, layout, runs) -> list[dict[str, int]]:
     """Each rank's bytes by kind (estimate.KEYS) when its schedule holds the most chunks: a sum of
     everything it holds then, gradients included (they exist from the first backward on)."""
-    cost, c, m, last = profile_costs(prof, job), DTYPES[job.precision].itemsize, layout.chunks, layout.stages - 1
+    cost = frozen_costs(profile_costs(prof, job), prof)  # a frozen parameter: no gradient, no moments
+    c, m, last = DTYPES[job.precision].itemsize, layout.chunks, layout.stages - 1
     ranks = [dict.fromkeys(KEYS, 0.0) for _ in range(layout.world)]
     per_chunk = []  # each stage's activations of one chunk; the last stage's head and loss too
     for s, (a, b) in enumerate(runs):
@@ -111,9 +114,10 @@ def rank_bytes(prof, job, layout, runs) -> list[dict[str, int]]:
         per_chunk.append((sum(p["activations"] for p in cost.parts[a:b]) + (prof.other_saved if s == last else 0)) / m)
     for r, nbytes in enumerate(received(prof, layout, runs)):  # one buffer per chunk: the whole micro-batch
         ranks[r]["buffers"] += nbytes
+    frozen = outside_frozen_share(prof)
     for n, held in holders(prof, layout, runs):
         for r in held:
-            _add(ranks[r], state_bytes(n, c))
+            _add(ranks[r], without_frozen(state_bytes(n, c), n * frozen))
     for r, held in enumerate(ranks):
         stages = layout.stages_of(r)
         held["activations"] = sum(k * per_chunk[s] for k, s in zip(in_flight(layout, r), stages))
@@ -160,10 +164,12 @@ def _costs(prof, hw, job, layout, runs, ranks) -> tuple[dict[str, float], float]
     link, accum = hw.intra_gbps * 1e9, max(1, job.batch_size // job.micro(1))
     busy = stage_seconds(prof, hw, job, devices, f"cuda:{layout.rank_of(layout.stages - 1)}", accum * m)
     tied = [(n, len(held)) for n, held in holders(prof, layout, runs) if len(held) > 1]
+    trains = 1 - outside_frozen_share(prof)  # a frozen tied parameter has no gradient to sum
     costs = {"compute": max(busy.values()) * (m + idle) / m,
              "point-to-point": max(received(prof, layout, runs)) * accum / link,
-             "tied all-reduce": sum(2 * 4 * n * (k - 1) / k for n, k in tied) / link,  # fp32 gradients, a ring
-             "optimizer": max(r["params"] for r in ranks) / 4 * ADAM_BYTES / HBM_BYTES_PER_S}
+             "tied all-reduce": sum(2 * 4 * n * trains * (k - 1) / k for n, k in tied) / link,  # fp32 gradients, a ring
+             # AdamW over the trainable parameters: 8 bytes of moments each
+             "optimizer": max(r["optimizer"] for r in ranks) / 8 * ADAM_BYTES / HBM_BYTES_PER_S}
     return costs, idle / (m + idle)
 
 

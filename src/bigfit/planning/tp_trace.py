@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ..errors import BigfitError
+from ..lora import is_lora_layer
 
 
 class TensorSplit:
@@ -87,6 +88,9 @@ def _styles(model: nn.Module) -> dict[str, str]:
     from ..tensor import plans
     from ..tensor.styles import Conv1DColwise, Conv1DRowwise, FusedConv1DColwise
 
+    if any(is_lora_layer(m) for m in model.modules()):  # the plans name the linear layers that peft wraps
+        raise BigfitError("tensor parallelism is not rated with LoRA adapters: tensor/plans.py splits the "
+                          "linear layers peft replaces by adapter layers")
     out = {}
     for name, style in plans.build(model).styles.items():
         if isinstance(style, (ColwiseParallel, Conv1DColwise, FusedConv1DColwise)):
