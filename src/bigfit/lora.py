@@ -11,6 +11,7 @@ names differ from the base model's only by `.base_layer` (base weights) and `.lo
 from __future__ import annotations
 
 import re
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -95,12 +96,10 @@ def base_name(name: str) -> str:
 
 
 def is_lora_layer(module: torch.nn.Module) -> bool:
-    """A peft LoRA layer (the parent of a lora_A / lora_B pair)."""
-    try:
-        from peft.tuners.lora import LoraLayer
-    except ImportError:
-        return False
-    return isinstance(module, LoraLayer)
+    """A peft LoRA layer (the parent of a lora_A / lora_B pair). Without peft imported there is none:
+    the seeded init asks this of every module, and importing peft costs a process seconds."""
+    peft = sys.modules.get("peft")
+    return peft is not None and isinstance(module, peft.tuners.lora.LoraLayer)
 
 
 def trainable_parameters(model: torch.nn.Module) -> int:

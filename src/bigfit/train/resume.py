@@ -14,7 +14,8 @@ from __future__ import annotations
 MATH = ("model", "data", "data_encoding", "batch_size", "seed", "max_source_len", "max_target_len", "eval_samples",
         "max_steps", "optimizer", "lr", "adam_beta1", "adam_beta2", "adam_eps", "weight_decay", "lr_schedule",
         "warmup_steps", "warmup_type", "warmup_min_lr", "min_lr", "max_grad_norm", "precision", "reduce_dtype",
-        "loss_scale", "loss_scale_window", "hysteresis", "min_loss_scale", "delayed_update")
+        "loss_scale", "loss_scale_window", "hysteresis", "min_loss_scale", "delayed_update",
+        "lora", "lora_r", "lora_alpha", "lora_dropout", "lora_targets", "load_in_4bit")  # adapters: another model
 LAYOUT = ("nproc", "micro_batch_size", "strategy", "device_map", "chunks", "pipeline_schedule", "stages_per_rank",
           "pp", "tp", "dp_shard", "dp_replicate", "sequence_parallel", "activation_checkpointing", "compile",
           "compile_backend", "offload_grads", "nvme_host_gb", "nvme_dir", "ddp_bucket_mb")
