@@ -125,6 +125,7 @@ def test_lora_resume_continues_exactly(model_dirs, pairs_file, tmp_path):
     (["--lora-r", "8"], "--lora-r set without --lora"),
     (["--lora", "--lora-r", "0"], "--lora needs --lora-r >= 1"),
     (["--lora", "--lora-targets", "q_proj,nope"], "nope matches no linear layer of this model; its linear layers are"),
+    (["--lora", "--strategy", "zero3", "--tp", "2", "--nproc", "2"], "--lora with --tp 2: adapters under tensor"),
 ])
 def test_bad_lora_settings_are_one_line_before_any_work(model_dirs, tmp_path, capsys, argv, message):
     from bigfit.cli import main

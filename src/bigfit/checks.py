@@ -67,6 +67,9 @@ def _validate_lora(cfg: TrainConfig) -> None:
         if lora:
             raise BigfitError(f"{', '.join(lora)} set without --lora: add --lora to train adapters, or drop them")
         return
+    if (cfg.tp or 1) > 1:  # the TP plans split nn.Linear layers; peft's wrap them with two more matrices
+        raise BigfitError(f"--lora with --tp {cfg.tp}: adapters under tensor parallelism are not supported yet; "
+                          "spread a LoRA run with --dp-shard / zero3, the offload engine or --pp")
     if cfg.lora_r < 1 or cfg.lora_alpha <= 0 or not 0 <= cfg.lora_dropout < 1 or not cfg.lora_targets.strip():
         raise BigfitError(f"--lora needs --lora-r >= 1, --lora-alpha > 0, 0 <= --lora-dropout < 1 and some "
                           f"--lora-targets; got {cfg.lora_r}, {cfg.lora_alpha}, {cfg.lora_dropout}, {cfg.lora_targets!r}")
