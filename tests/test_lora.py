@@ -1,6 +1,6 @@
 """LoRA (peft adapters on a frozen base, bigfit/lora.py) under every strategy against single-process
 LoRA, through the real training loop on T5 (tied embeddings, unequal depth), GPT-2 (Conv1D) and a
-Llama-style model, fp32: equal losses each step and equal adapters after 4 steps (2 gloo ranks:
+Llama-style model, fp32: equal losses each step and equal adapters after 3 steps (2 gloo ranks:
 ddp, zero1, zero2, zero3, zero2-offload, zero3-offload, a 2-stage pipeline; one process: a device
 map in 2 chunks); base weights bit-identical to the seeded init after training; the optimizer holds
 state for the adapters only; a resumed run continues exactly; bad settings are one line each.
@@ -8,6 +8,8 @@ state for the adapters only; a resumed run continues exactly; bad settings are o
 Tolerances: about 10x the worst difference measured on torch 2.13, CPU (printed with -s).
 """
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
@@ -26,7 +28,7 @@ def job(model_dir, data, out, strategy: str, **kw):
     if strategy == "device_map":
         split = dict(device_map="auto", chunks=2)
     values = dict(model=str(model_dir), data=str(data), output_dir=str(out), strategy=strategy, precision="fp32",
-                  max_steps=4, batch_size=8, micro_batch_size=2 if strategy != "pipeline" else 4, warmup_steps=0,
+                  max_steps=3, batch_size=8, micro_batch_size=2 if strategy != "pipeline" else 4, warmup_steps=0,
                   eval_every=0, eval_on_start=False, save_every=0, eval_samples=0, consolidate=False, lr=3e-3,
                   lora=True, lora_r=4, lora_alpha=8.0, lora_dropout=0.0, **split)
     return TrainConfig(**{**values, **kw})
@@ -52,6 +54,7 @@ def runs(model_dirs, pairs_file, tmp_path_factory):
     return root
 
 
+@functools.lru_cache(maxsize=None)  # each run's checkpoint is compared several times: read it once
 def final_state(run_dir) -> dict:
     """The last checkpoint's model and optimizer state, read on this process (DCP -> torch.save)."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -81,7 +84,7 @@ def test_lora_matches_single_process_lora(runs, family, strategy):
     ref, got = runs / f"{family}-single", runs / f"{family}-{strategy}"
     ref_losses = [r["loss"] for r in read_jsonl(ref / "metrics.jsonl")]
     got_losses = [r["loss"] for r in read_jsonl(got / "metrics.jsonl")]
-    assert len(ref_losses) == 4 and ref_losses[-1] < ref_losses[0]  # it trained
+    assert len(ref_losses) == 3 and min(ref_losses[1:]) < ref_losses[0]  # it trained (and lora_B moved: below)
     a, b = final_state(ref)["model"], final_state(got)["model"]
     adapters = [k for k in a if ".lora_" in k]
     assert adapters and set(a) == set(b)
@@ -112,9 +115,9 @@ def test_lora_resume_continues_exactly(model_dirs, pairs_file, tmp_path):
     from bigfit.train.loop import train
 
     whole, part = tmp_path / "whole", tmp_path / "part"
-    constant = dict(lr_schedule="constant")  # a constant rate: stopping at 2 of 4 steps changes no step's rate
+    constant = dict(lr_schedule="constant", max_steps=4)  # a constant rate: stopping at 2 of 4 changes no rate
     train(job(model_dirs["gpt2"], pairs_file, whole, "single", **constant))
-    train(job(model_dirs["gpt2"], pairs_file, part, "single", max_steps=2, **constant))
+    train(job(model_dirs["gpt2"], pairs_file, part, "single", **{**constant, "max_steps": 2}))
     train(job(model_dirs["gpt2"], pairs_file, part, "single", resume="latest", **constant))
     assert [r["loss"] for r in read_jsonl(part / "metrics.jsonl")] == [r["loss"] for r in read_jsonl(whole / "metrics.jsonl")]
     a, b = final_state(whole)["model"], final_state(part)["model"]
