@@ -1,6 +1,6 @@
 """Parity: every data-parallel strategy on 2 gloo ranks against a single-process reference, on T5
-(tied embeddings, unequal depth), GPT-2 (Conv1D) and a Llama-style model (RoPE, GQA), in fp32, bf16
-and fp16, through the real training loop: same global batch, data and seed; 4 steps of 2 micro-batches
+(tied embeddings, unequal depth), GPT-2 (Conv1D) and a Llama-style model (RoPE, GQA), in fp32 and
+bf16 (fp16: one strategy per mixed-precision mechanism), through the real training loop: same global batch, data and seed; 4 steps of 2 micro-batches
 per rank (gradient accumulation), AdamW, clipping.
 
 References. fp32: the `single` strategy. bf16 / fp16: the reference runs the same mixed-precision
@@ -23,7 +23,16 @@ from dist import run_ranks, threads_per_rank, torch_threads
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "zero2-offload", "zero3-offload", "zero2-offload-nvme")
 PRECISIONS = ("fp32", "bf16", "fp16")
 # the NVMe tier only moves zero2-offload's states into files: its mixed precision is zero2-offload's
-CASES = [(s, p) for p in PRECISIONS for s in STRATEGIES if p == "fp32" or s != "zero2-offload-nvme"]
+# fp16 adds loss scaling to a mixed-precision mechanism: one strategy per mechanism (autocast's scaler
+# under DDP, FSDP2's, the offload engine's own); bf16 runs every strategy's mixed path
+FP16 = ("ddp", "zero3", "zero2-offload")
+
+
+def measured(strategy: str, precision: str) -> bool:
+    return precision == "fp32" or (precision == "bf16" and strategy != "zero2-offload-nvme") or strategy in FP16
+
+
+CASES = [(s, p) for p in PRECISIONS for s in STRATEGIES if measured(s, p)]
 # (loss relative, parameter absolute). Runs differ only in the order of fp32 gradient sums. Worst seen:
 # fp32 5e-8 / 2.1e-6; bf16 0 / 7.5e-9; fp16 1.3e-6 / 3.4e-4 (an fp32 master weight that differs in its
 # last bit can round differently into fp16, whose gradients, scaled by 1024, move AdamW's first steps).
@@ -56,7 +65,7 @@ def run_all(model_dirs, data, root, strategies, precisions, suffix=""):
 
     for precision in precisions:
         for strategy in strategies:
-            if strategy == "zero2-offload-nvme" and precision != "fp32":  # not in CASES
+            if strategy in STRATEGIES and not measured(strategy, precision):  # not in CASES
                 continue
             for family in COMPILED if strategy.endswith("+compile") else FAMILIES:
                 out = root / f"{family}-{precision}-{strategy}{suffix}"
