@@ -22,10 +22,10 @@ def small_llama(layers: int = 2):
 
 
 def test_traffic_counts_operator_bytes_but_not_matmuls_views_or_parameters():
-    from bigfit.planning.profile import _OpCounter
+    from bigfit.planning.opcount import OpCounter
 
     weight = torch.nn.Parameter(torch.ones(64, 32))
-    counter = _OpCounter([0], 1, {weight.untyped_storage()._cdata})
+    counter = OpCounter([0], 1, {weight.untyped_storage()._cdata})
     x = torch.ones(8, 32)
     with counter:
         y = x @ weight.t()  # a matmul: its FLOPs count, not its bytes

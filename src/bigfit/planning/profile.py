@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import BigfitError
 from ..models import block_lists, is_seq2seq
 from ..precision import DTYPES
 from .adapters import flop_weight, frozen_counts, module_flop_weight, with_adapters
+from .opcount import OpCounter
 from .tp_trace import TensorSplit, sequence_error, split_counts
 
 
@@ -264,7 +264,7 @@ def _trace(model, seq2seq: bool, b: int, t: int, tt: int, skip=None) -> ModelPro
     handles = [blk.register_forward_pre_hook(pre(i), with_kwargs=True) for i, blk in enumerate(blocks)]
     handles += [blk.register_forward_hook(post, with_kwargs=True) for blk in blocks]
     ids = torch.zeros(b, t, dtype=torch.long)
-    ops = _OpCounter(current, len(blocks), set(params))
+    ops = OpCounter(current, len(blocks), set(params))
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x), ops:
             if seq2seq:
@@ -312,49 +312,6 @@ def _trace(model, seq2seq: bool, b: int, t: int, tt: int, skip=None) -> ModelPro
                         block_matmul_flops=matmul, block_attention_flops=attention,
                         attention_per_token=sum(attention) / (t + (tt if seq2seq else 0)),
                         **_tp_counts(model.config, split), **frozen)
-
-
-class _OpCounter(TorchDispatchMode):
-    """Counts the operators the forward dispatches, per block (`current[0]`, as the trace's hooks set it)
-    and outside: a view or a shape query launches nothing, every other operator is a kernel (or an
-    allocation) the host must issue in eager mode. Beside the count, the bytes every operator but the
-    matmuls and attention reads and writes (its tensor inputs other than parameters, and its outputs):
-    the memory traffic of norms, activations, dropout, residual adds and casts, which bound the GPU's
-    time where FLOPs do not (T5's fp32 norms and its eager attention's scores)."""
-
-    def __init__(self, current: list[int], n_blocks: int, params: set):
-        super().__init__()
-        self.current, self.blocks, self.other = current, [0] * n_blocks, 0
-        self.params, self.block_bytes, self.other_bytes = params, [0] * n_blocks, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func.is_view or _METADATA.search(func.__name__):
-            return out
-        moved = 0 if _COMPUTE.fullmatch(func.__name__.split(".")[0]) else _bytes_of((args, kwargs), self.params) + _bytes_of(out, ())
-        if self.current[0] >= 0:
-            self.blocks[self.current[0]] += 1
-            self.block_bytes[self.current[0]] += moved
-        else:
-            self.other += 1
-            self.other_bytes += moved
-        return out
-
-
-def _bytes_of(tree, params) -> int:
-    if isinstance(tree, torch.Tensor):
-        return 0 if _storage_key(tree) in params else tree.numel() * tree.element_size()
-    if isinstance(tree, (list, tuple)):
-        return sum(_bytes_of(x, params) for x in tree)
-    if isinstance(tree, dict):
-        return sum(_bytes_of(x, params) for x in tree.values())
-    return 0
-
-
-# FLOP-bound operators (their time is the FLOP count's), and the ones that move no bytes of their own
-_COMPUTE = re.compile(r"(mm|addmm|bmm|baddbmm|_scaled_dot_product.*|_flash.*|_efficient.*|convolution|embedding|"
-                      r"empty.*|new_empty.*|_unsafe_view|device)")
-_METADATA = re.compile(r"^(sym_|size|stride|dim|numel|is_|_local_scalar_dense|detach|lift_fresh)")
 
 
 _CROSS_KV = re.compile(r"(EncDecAttention\.[kv]|encoder_attn\.[kv]_proj)$")  # T5's and BART's cross-attention
