@@ -78,3 +78,20 @@ def test_the_4bit_base_is_the_seeded_init_rounded_and_only_adapters_train_and_ch
                 p.zero_()
     engine.after_load({"model": saved, "optim": state["optim"]})
     assert all(torch.equal(dict(model.named_parameters())[k], v) for k, v in saved.items())
+
+
+def test_a_checkpoint_of_adapters_alone_gives_their_adapter_tensors():
+    """A QLoRA checkpoint holds no base weights: its adapter directory needs none."""
+    from transformers import LlamaConfig, AutoModelForCausalLM
+
+    from bigfit.train.adapter import LoraCheckpoint
+    from tiny import tiny_config
+
+    with torch.device("meta"):
+        base = AutoModelForCausalLM.from_config(tiny_config("llama"))
+    assert isinstance(base.config, LlamaConfig)
+    path = "model.layers.0.self_attn.q_proj"
+    ckpt = LoraCheckpoint({"lora_r": 4, "lora_alpha": 8.0, "lora_dropout": 0.0, "model": "x"},
+                          {f"{path}.lora_A.default.weight", f"{path}.lora_B.default.weight"}, base)
+    got = ckpt.adapter_tensors(lambda names: {n: torch.ones(1) for n in names})
+    assert set(got) == {f"base_model.model.{path}.lora_A.weight", f"base_model.model.{path}.lora_B.weight"}

@@ -38,9 +38,10 @@ class LoraCheckpoint:
 
     def __post_init__(self):
         self.paths = sorted(n[: -len(A)] for n in self.names if n.endswith(A))
-        if missing := [p for p in self.paths if p + B not in self.names or p + BASE not in self.names]:
-            raise BigfitError(f"LoRA checkpoint: layer {missing[0]!r} lacks its lora_B or base weight; the "
-                              "checkpoint is not one bigfit wrote")
+        # the base weight is needed to merge only: a QLoRA checkpoint holds the adapters alone
+        if missing := [p for p in self.paths if p + B not in self.names]:
+            raise BigfitError(f"LoRA checkpoint: layer {missing[0]!r} lacks its lora_B; the checkpoint is not "
+                              "one bigfit wrote")
         modules = dict(self.base.named_modules())
         self.conv1d = {p for p in self.paths if type(modules.get(p)).__name__ == "Conv1D"}  # W is in x out
         self.scale = float(self.settings["lora_alpha"]) / int(self.settings["lora_r"])
@@ -78,6 +79,8 @@ class LoraCheckpoint:
     def sources(self) -> dict[str, list[str]]:
         """Each base-model tensor name -> the checkpoint names that make it: its own first, then a
         targeted weight's lora_A and lora_B."""
+        if missing := [p for p in self.paths if p + BASE not in self.names]:
+            raise BigfitError(f"LoRA checkpoint: layer {missing[0]!r} has no base weight to merge the adapter into")
         out = {}
         for n in sorted(self.names):
             if n.endswith((A, B)):
