@@ -139,10 +139,15 @@ def main() -> None:
         row.update({f"command_{k}": v for k, v in c.items()})
         if row.get("engine_step_s") and c.get("step_s"):
             row["command_over_engine"] = round(c["step_s"] / row["engine_step_s"], 3)
-        print(json.dumps(row), flush=True)
-        if a.out:
-            with open(a.out, "a") as f:
-                f.write(json.dumps(row) + "\n")
+        emit(row, a.out)
+
+
+def emit(row: dict, out: str | None) -> None:
+    """A result row on stdout and, when asked, appended to the JSONL file `out` (kept if a later row fails)."""
+    print(json.dumps(row), flush=True)
+    if out:
+        with open(out, "a") as f:
+            f.write(json.dumps(row) + "\n")
 
 
 if __name__ == "__main__":

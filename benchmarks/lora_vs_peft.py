@@ -23,7 +23,7 @@ from pathlib import Path
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
-from command_vs_engine import write_inputs  # noqa: E402
+from command_vs_engine import emit, write_inputs  # noqa: E402
 
 LORA = dict(r=16, alpha=32, dropout=0.05)
 
@@ -105,11 +105,7 @@ def main() -> None:
             for s in a.strategies.split(",")]
     rows.append(peft_row(model, root / "data.txt", a.mbs, a.seq, a.steps))
     for r in rows:
-        r.update(size=a.size, mbs=a.mbs, seq=a.seq)
-        print(json.dumps(r), flush=True)
-        if a.out:
-            with open(a.out, "a") as f:
-                f.write(json.dumps(r) + "\n")
+        emit({**r, "size": a.size, "mbs": a.mbs, "seq": a.seq}, a.out)
 
 
 if __name__ == "__main__":

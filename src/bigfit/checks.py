@@ -5,6 +5,8 @@ from __future__ import annotations
 from .config import (OPTIMIZERS, PIPELINE_SCHEDULES, PIPELINE_STRATEGIES, PRECISIONS, REDUCE_DTYPES, SCHEDULES,
                      SPLIT_STRATEGIES, STRATEGIES, WARMUPS, TrainConfig)
 from .errors import BigfitError, one_of
+from .lora import LoraSettings
+from .planning.flags import LORA_FLAGS
 from .settings import holds, setting_names, type_problem
 from .userfiles import check_encoding
 
@@ -61,18 +63,10 @@ def _validate_lora(cfg: TrainConfig) -> None:
         from .quantize import check as check_4bit
 
         check_4bit(cfg, torch.cuda.is_available())
-    lora = [f"--{n.replace('_', '-')}" for n in ("lora_r", "lora_alpha", "lora_dropout", "lora_targets")
-            if getattr(cfg, n) != getattr(TrainConfig, n)]
-    if not cfg.lora:
-        if lora:
-            raise BigfitError(f"{', '.join(lora)} set without --lora: add --lora to train adapters, or drop them")
-        return
-    if (cfg.tp or 1) > 1:  # the TP plans split nn.Linear layers; peft's wrap them with two more matrices
+    given = {f: getattr(cfg, f) for f in LORA_FLAGS if getattr(cfg, f) != getattr(TrainConfig, f)}
+    if LoraSettings.checked(cfg.lora, given, "train") and (cfg.tp or 1) > 1:  # the TP plans split nn.Linear layers; peft's wrap them with two more matrices
         raise BigfitError(f"--lora with --tp {cfg.tp}: adapters under tensor parallelism are not supported yet; "
                           "spread a LoRA run with --dp-shard / zero3, the offload engine or --pp")
-    if cfg.lora_r < 1 or cfg.lora_alpha <= 0 or not 0 <= cfg.lora_dropout < 1 or not cfg.lora_targets.strip():
-        raise BigfitError(f"--lora needs --lora-r >= 1, --lora-alpha > 0, 0 <= --lora-dropout < 1 and some "
-                          f"--lora-targets; got {cfg.lora_r}, {cfg.lora_alpha}, {cfg.lora_dropout}, {cfg.lora_targets!r}")
 
 
 def _validate_types(cfg: TrainConfig) -> None:

@@ -36,6 +36,22 @@ class LoraSettings:
             return None
         return cls(cfg.lora_r, float(cfg.lora_alpha), cfg.lora_dropout, cfg.lora_targets)
 
+    @classmethod
+    def checked(cls, lora: bool, given: dict, verb: str) -> "LoraSettings | None":
+        """A command's LoRA settings from the `--lora-*` values it was given (field name -> value; the
+        rest default), or None without --lora: one line for values given without --lora (`verb`:
+        what --lora would do with them) or out of range. `bigfit train` and `bigfit plan` both ask."""
+        if not lora:
+            if given:
+                flags = ", ".join("--" + f.replace("_", "-") for f in given)
+                raise BigfitError(f"{flags} set without --lora: add --lora to {verb} adapters, or drop them")
+            return None
+        s = cls(**{f.removeprefix("lora_"): v for f, v in given.items()})
+        if s.r < 1 or s.alpha <= 0 or not 0 <= s.dropout < 1 or not s.targets.strip():
+            raise BigfitError(f"--lora needs --lora-r >= 1, --lora-alpha > 0, 0 <= --lora-dropout < 1 and some "
+                              f"--lora-targets; got {s.r}, {s.alpha:g}, {s.dropout:g}, {s.targets!r}")
+        return s
+
     def target_modules(self) -> str | list[str]:
         if self.targets.strip() == ALL_LINEAR:
             return ALL_LINEAR

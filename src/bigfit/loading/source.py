@@ -22,15 +22,14 @@ class Weights:
         self.groups = names_by_tensor(skeleton)
         self.first = {name: first for first, names in self.groups.items() for name in names}
         self.ckpt = ckpt
-        self.keys = self._match(skeleton, ckpt) if ckpt is not None else {}
         params = {n for n, _ in skeleton.named_parameters(remove_duplicate=False)}
+        self.keys = self._match(skeleton, ckpt, params) if ckpt is not None else {}
         # the init makes what the checkpoint lacks: every tensor without one, LoRA adapters beside one
         self.init = SeededInit(skeleton, seed, device, params=ckpt is None or params - set(self.keys))
 
-    def _match(self, skeleton: torch.nn.Module, ckpt: Checkpoint) -> dict[str, str]:
-        """name -> checkpoint key. A LoRA-injected model asks for its base weights by the base model's
-        names (lora.base_name); its adapters are not the checkpoint's."""
-        params = {n for n, _ in skeleton.named_parameters(remove_duplicate=False)}
+    def _match(self, skeleton: torch.nn.Module, ckpt: Checkpoint, params: set[str]) -> dict[str, str]:
+        """name -> checkpoint key (`params`: the parameters' names). A LoRA-injected model asks for its
+        base weights by the base model's names (lora.base_name); its adapters are not the checkpoint's."""
         shapes = {first: _shape(skeleton, first) for first in self.groups}
         lookup = {first: [base_name(n) for n in names] for first, names in self.groups.items() if not is_adapter(first)}
         real = {base_name(n): n for names in self.groups.values() for n in names}

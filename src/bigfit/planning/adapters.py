@@ -98,8 +98,9 @@ def without_frozen(parts: dict, frozen: float) -> dict:
 
 
 def frozen_costs(cost, prof):
-    """device_map/auto.profile_costs' Costs (every parameter training: 16 bytes) for a profile with
-    frozen parameters: each block's and the main device's without their gradients and moments."""
+    """Costs counted with every parameter training (16 bytes) for a profile with frozen parameters:
+    each block's and the main device's without their gradients and moments. device_map/auto.py's
+    profile_costs applies it, so every caller of that gets the LoRA bytes once."""
     if not prof.frozen_params:
         return cost
     parts = [without_frozen(p, f) for p, f in zip(cost.parts, prof.blocks_frozen())]

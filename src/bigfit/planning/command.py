@@ -103,16 +103,7 @@ def lora_from_args(ns) -> LoraSettings | None:
     """The plan's LoRA settings (None: full fine-tuning), checked as `bigfit train` checks them. A
     namespace without the flags (a parser that lacks them) plans full fine-tuning."""
     given = {f: getattr(ns, f) for f in LORA_FLAGS if getattr(ns, f, None) is not None}
-    if not getattr(ns, "lora", False):
-        if given:
-            raise BigfitError(f"{', '.join('--' + f.replace('_', '-') for f in given)} set without --lora: add --lora "
-                              "to plan adapters, or drop them")
-        return None
-    s = LoraSettings(**{f.removeprefix("lora_"): v for f, v in given.items()})
-    if s.r < 1 or s.alpha <= 0 or not 0 <= s.dropout < 1 or not s.targets.strip():
-        raise BigfitError(f"--lora needs --lora-r >= 1, --lora-alpha > 0, 0 <= --lora-dropout < 1 and some "
-                          f"--lora-targets; got {s.r}, {s.alpha:g}, {s.dropout:g}, {s.targets!r}")
-    return s
+    return LoraSettings.checked(getattr(ns, "lora", False), given, "plan")
 
 
 def _show(console, p, fixed: dict) -> None:

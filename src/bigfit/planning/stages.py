@@ -23,7 +23,7 @@ from ..device_map.balance import size
 from ..errors import BigfitError
 from ..pipeline.cut import PipelineLayout, balance, check_depth
 from ..precision import DTYPES
-from .adapters import frozen_costs, outside_frozen_share, without_frozen
+from .adapters import outside_frozen_share, without_frozen
 from .estimate import KEYS, RESERVE, Estimate, _bytes
 from .split import stage_seconds
 
@@ -104,7 +104,7 @@ def in_flight(layout: PipelineLayout, rank: int) -> list[int]:
 def rank_bytes(prof, job, layout, runs) -> list[dict[str, int]]:
     """Each rank's bytes by kind (estimate.KEYS) when its schedule holds the most chunks: a sum of
     everything it holds then, gradients included (they exist from the first backward on)."""
-    cost = frozen_costs(profile_costs(prof, job), prof)  # a frozen parameter: no gradient, no moments
+    cost = profile_costs(prof, job)  # a frozen parameter: no gradient, no moments (adapters.frozen_costs)
     c, m, last = DTYPES[job.precision].itemsize, layout.chunks, layout.stages - 1
     ranks = [dict.fromkeys(KEYS, 0.0) for _ in range(layout.world)]
     per_chunk = []  # each stage's activations of one chunk; the last stage's head and loss too
