@@ -21,6 +21,11 @@ def test_main_job_end_to_end(tmp_path):
     assert "zero3: dp_shard 2; ZeRO-3 (FSDP2)" in r.stdout and "model (Hugging Face)" in r.stdout
     metrics = read_jsonl(out / "metrics.jsonl")
     assert [m["step"] for m in metrics] == list(range(1, 9)) and all(m["loss"] > 0 for m in metrics)
+    start = metrics[0]["startup_s"]  # the wait for step 1, phase by phase; once
+    assert list(start) == ["command", "worker start", "data", "runtime", "model", "placement", "optimizer",
+                           "eval at start", "first step"] and all(v >= 0 for v in start.values())
+    assert not any("startup_s" in m for m in metrics[1:])
+    assert f"first step {sum(start.values()):.1f} s after the command started: command" in r.stdout
     evals = read_jsonl(out / "eval.jsonl")
     assert [e["step"] for e in evals] == [0, 4, 8] and all("eval_bleu" in e for e in evals)
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000004", "step-00000008"]

@@ -3,7 +3,8 @@ what it stores, from its slices of safetensors weights or by Hugging Face's init
 
 Weights: filled tensors equal from_pretrained's exactly (fp32 and bf16 files; GPT-2 saved without
 its `transformer.` prefix; tied weights one parameter), on one process and, on 2 gloo ranks, as each
-rank's slices under zero3, tensor parallelism, the offload engine and pipeline stages; each rank's
+rank's slices under zero3, tensor parallelism, the offload engine and pipeline stages (and a device
+map's modules on their devices, in one process); each rank's
 reads are counted (the reader wrapped) and held to its share. Config-only models: one process and
 zero3 on 2 ranks start from identical parameters, with HF's distributions. Bad files: one line."""
 from __future__ import annotations
@@ -49,10 +50,9 @@ def filled(model_dir, config, seed: int = 0):
     from bigfit.loading import Weights, fill, loads_per_rank
     from bigfit.loading.files import Checkpoint, safetensors_dir
     from bigfit.models import build_model, locate
-    from bigfit.parallel.plan import plan_for
 
     src = locate(str(model_dir))
-    assert loads_per_rank(src, plan_for("single", 1))
+    assert loads_per_rank(src)
     model = build_model(src, config, seed, on_meta=True)
     directory = safetensors_dir(src)
     weights = Weights(build_model(src, config, seed, on_meta=True), seed, "cpu",
@@ -175,7 +175,7 @@ def load_on_ranks(dirs: dict, strategy: str, tp: int | None, world: int = 2):
                           output_dir=str(path / "out"))
         job = prepare(cfg, world)
         rt = with_mesh(init_runtime(), job.plan)
-        assert loads_per_rank(job.source, job.plan)
+        assert loads_per_rank(job.source)
         read, original = [0], files.Checkpoint.read
 
         def counting(self, key, box):
@@ -251,6 +251,18 @@ def test_offload_engine_and_pipeline_fill_from_the_file(saved):
                 assert max(reads) < size and sum(reads) < 1.5 * size, (family, reads, size)
             else:  # whole parameters on every device: each rank reads the file once, no broadcast
                 assert reads == [size, size], (family, reads, size)
+
+
+def test_device_map_fills_each_module_where_the_map_puts_it(saved):
+    """One process, a device map with chunks: the meta model gets each module's storage on its device
+    and is filled there from the file, each tensor read once (no whole copy made first)."""
+    for dirs in saved:
+        got = load_on_ranks({f: p for f, p in dirs.items() if f != "llama-odd"}, "device_map", None, world=1)
+        for family, size in _sizes(dirs).items():
+            if family in got:
+                assert got[family]["bad"] == [], (family, got[family]["bad"])
+                assert got[family]["read"] == size and got[family]["stored"] == 1, (family, got[family], size)
+                assert any(n.startswith("device map:") for n in got[family]["notes"])
 
 
 # -- config-only models: the seeded init -----------------------------------------------------------

@@ -17,7 +17,7 @@ from .config import PIPELINE_SCHEDULES, PIPELINE_STRATEGIES, PRECISIONS, SPLIT_S
 from .deepspeed_config import load_deepspeed_config
 from .settings import HOW, NOUNS, as_type, field_type, load_config_file, normalise, setting_value
 from .errors import BigfitError
-from .launch import launched_settings
+from .launch import launched_settings, stamp_start
 from .planning.flags import add_lora_flags
 
 
@@ -200,6 +200,7 @@ def _deepspeed(path: str, so_far: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    stamp_start()
     argv = sys.argv[1:] if argv is None else argv
     ns = parse_args(argv)
     # each command's module is imported when it runs: `bigfit --help` and a mistyped flag or setting load

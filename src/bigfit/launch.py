@@ -79,6 +79,16 @@ def _report(exits: dict[int, int], err_dir: Path, log_dir: Path) -> str:
     return f"worker rank {rank} exited with status {code} {where}"
 
 
+STARTED_ENV, LAUNCHED_ENV = "BIGFIT_STARTED_AT", "BIGFIT_LAUNCHED_AT"  # wall clocks: the time to the first step
+
+
+def stamp_start() -> None:
+    """The command's start, for the first step's breakdown (train/metrics.py StartClock). A worker of
+    bigfit's launcher keeps the launcher's stamp; any other process (torchrun's workers) is its own."""
+    if LAUNCHED_ENV not in os.environ:
+        os.environ[STARTED_ENV] = repr(time.time())
+
+
 def launch_local(argv: list[str], nproc: int, log_dir: Path, quiet: bool = False, lock_fd: int | None = None,
                  settings: dict | None = None) -> int:
     """Run `python -m bigfit <argv>` as `nproc` workers on this machine; returns the exit status.
@@ -100,7 +110,8 @@ def launch_local(argv: list[str], nproc: int, log_dir: Path, quiet: bool = False
         for rank in range(nproc):
             env = dict(os.environ, **extra, RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
                        LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                       BIGFIT_ERROR_FILE=str(err_dir / f"rank-{rank}.json"), PYTHONUNBUFFERED="1")
+                       BIGFIT_ERROR_FILE=str(err_dir / f"rank-{rank}.json"), PYTHONUNBUFFERED="1",
+                       **{LAUNCHED_ENV: repr(time.time())})
             # rank 0 talks to the terminal; the others write logs, read only when something fails
             out = None if rank == 0 and not quiet else open(log_dir / f"rank-{rank}.log", "w")
             procs[rank] = subprocess.Popen([sys.executable, "-m", "bigfit", *argv], env=env,

@@ -19,6 +19,7 @@ import torch
 
 from ..errors import BigfitError
 from ..models import block_lists
+from ..strategies.placement import owners
 from .auto import auto_map
 from .maps import DeviceMap, Stack, canonical_device, name_stacks, real_device, resolve_map
 from .moves import move, move_tree, settle, tag_tree
@@ -127,13 +128,23 @@ def _check_ties(model, every: dict[str, str]) -> None:
 
 def _move(model, placed: dict[str, str], main: str) -> None:
     """Blocks and named modules to their devices, then the rest, module by module (never the whole
-    model to one device first: it may not fit there)."""
+    model to one device first: it may not fit there). A meta-device model gets empty storage on each
+    module's device instead, to be filled there (bigfit.loading), with tied parameters kept tied."""
+    held = owners(model)
     for path, dev in placed.items():
-        model.get_submodule(path).to(real_device(dev))
+        model.get_submodule(path)._apply(_to(real_device(dev)))
     inside = {id(m) for p in placed for m in model.get_submodule(p).modules()}
     for mod in model.modules():
         if id(mod) not in inside:
-            mod._apply(lambda t: t.to(real_device(main)), recurse=False)
+            mod._apply(_to(real_device(main)), recurse=False)
+    for refs in held.values():  # `_apply` gives a meta parameter a new Parameter in each module holding it
+        first = refs[0][0]._parameters[refs[0][1]]
+        for mod, name in refs[1:]:
+            mod._parameters[name] = first
+
+
+def _to(device):
+    return lambda t: torch.empty_like(t, device=device) if t.is_meta else t.to(device)
 
 
 def _hook_targets(model, placed: dict[str, str]) -> list[tuple[str, torch.nn.Module]]:

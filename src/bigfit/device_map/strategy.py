@@ -14,6 +14,7 @@ import torch
 
 from ..errors import BigfitError
 from ..hardware import Hardware, host_ram
+from ..loading import Weights, fill
 from ..lora import LoraSettings
 from ..planning.job import Job
 from ..precision import compute_dtype
@@ -115,10 +116,14 @@ def _this_device() -> str:
     return canonical_device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
 
 
-def apply_device_map(model: torch.nn.Module, cfg, rt) -> DeviceMapApplied:
+def apply_device_map(model: torch.nn.Module, cfg, rt, weights: Weights | None = None) -> DeviceMapApplied:
+    """The split step. A meta-device model with `weights` gets each module's storage on its device
+    and is filled there, one tensor at a time: no copy of the whole model is ever on the host."""
     main = canonical_device(rt.device)
     dmap = _resolve(model, cfg, main)
     parallelize(model, dmap.to_json())
+    if weights is not None:
+        fill(model, weights, main)
     types = tuple(sorted({torch.device(d.split(":")[0] if d.startswith("cpu") else d).type for d in dmap.devices()}))
     note = f"device map: {dmap.describe()}" + (f"; {cfg.chunks} chunks (GPipe)" if cfg.chunks > 1 else "")
     return DeviceMapApplied(model=model, module=model, strategy="device_map", autocast=compute_dtype(cfg.precision),

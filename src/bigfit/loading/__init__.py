@@ -5,10 +5,11 @@ holds the whole model and no rank waits for rank 0's broadcasts.
 
 Where it applies (parallel/apply.py): one process, DDP / ZeRO-1 replicas, FSDP2 (zero2, zero3,
 zero3-offload, HSDP), tensor parallelism and FSDP2 x TP, the offload engine (zero2-offload(-nvme):
-whole parameters on the device, this rank's fp32 rows on the host), and pipeline stages (each rank
-its stages only). The rank-0 path (rank 0 builds the whole model on its CPU, the others receive
-their parts) stays for `.bin` checkpoints, hub names not in the local cache, device maps (one
-process places modules on several devices itself) and models handed to `apply` with real weights.
+whole parameters on the device, this rank's fp32 rows on the host), pipeline stages (each rank
+its stages only) and device maps (one process: each module's tensors read or made straight on the
+device the map gives it, so the host holds only the blocks placed there). The rank-0 path (rank 0
+builds the whole model on its CPU, the others receive their parts) stays for `.bin` checkpoints,
+hub names not in the local cache and models handed to `apply` with real weights.
 """
 from __future__ import annotations
 
@@ -23,22 +24,20 @@ from .fill import WholeParams, fill, local_box
 from .source import Weights
 
 __all__ = ["Checkpoint", "Weights", "WholeParams", "check_weights", "fill", "init_whole", "loads_per_rank",
-           "local_box", "seeded_whole", "weights_for"]
+           "local_box", "weights_for"]
 
 
-def loads_per_rank(src: ModelSource, plan) -> bool:
+def loads_per_rank(src: ModelSource) -> bool:
     """Whether every rank builds on the meta device and fills its own storage (the training loop
     builds the model that way when this says so)."""
-    if plan.split == "device_map":
-        return False
     return src.kind in ("default", "config") or safetensors_dir(src) is not None
 
 
-def weights_for(model: torch.nn.Module, cfg, plan, rt) -> Weights | None:
+def weights_for(model: torch.nn.Module, cfg, rt) -> Weights | None:
     """This rank's `Weights` for `model` (the meta-device model before any transform), or None for
     the rank-0 path. Ranks agree (one all-reduce): a model with real weights on any rank means
     those weights are the ones to spread."""
-    ok = all(t.is_meta for t in [*model.parameters(), *model.buffers()]) and loads_per_rank(locate(cfg.model), plan)
+    ok = all(t.is_meta for t in [*model.parameters(), *model.buffers()]) and loads_per_rank(locate(cfg.model))
     if rt.distributed:
         flag = torch.tensor([int(ok)], device=rt.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
@@ -49,15 +48,9 @@ def weights_for(model: torch.nn.Module, cfg, plan, rt) -> Weights | None:
     return Weights(copy.deepcopy(model), cfg.seed, rt.device, Checkpoint(directory) if directory else None)
 
 
-def seeded_whole(src: ModelSource, plan) -> bool:
-    """A config-only model that the rank-0 path builds whole (device maps): it gets the same seeded
-    init as every per-rank strategy (`init_whole`), so a device map starts where `single` does."""
-    return src.kind in ("default", "config") and not loads_per_rank(src, plan)
-
-
 def init_whole(model: torch.nn.Module, seed: int, device) -> None:
     """Fill a meta-device model whole in host RAM with the seeded init made on `device` (the device
-    the per-rank strategies initialise on: their values, bit for bit)."""
+    the per-rank strategies initialise on: their values, bit for bit): a reference to compare with."""
     fill(model, Weights(copy.deepcopy(model), seed, device, None), "cpu")
 
 

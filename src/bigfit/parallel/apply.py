@@ -56,7 +56,7 @@ def apply(model: torch.nn.Module, plan: ParallelPlan, cfg, rt: Runtime) -> Appli
     from cfg.model's files, or the seeded init); otherwise rank 0 brings the real weights and the
     other ranks a meta-device model. Returns the engine the training loop drives (strategies/base.py
     `Engine`)."""
-    weights = weights_for(model, cfg, plan, rt)  # checks the files against the model, before any storage
+    weights = weights_for(model, cfg, rt)  # checks the files against the model, before any storage
     full = model.state_dict() if weights is None and rt.is_main and _materialises(plan, rt) else {}  # references
     quantized = apply_4bit(model, cfg, rt, weights)
     split = apply_split(model, plan, cfg, rt, weights)
@@ -98,7 +98,7 @@ def apply_split(model, plan: ParallelPlan, cfg, rt: Runtime, weights: Weights | 
     """Device map or pipeline stages (filled here: later transforms cut their real tensors);
     otherwise the model whole, as a plain engine to build on."""
     if plan.split == "device_map":
-        return apply_device_map(model, cfg, rt)
+        return apply_device_map(model, cfg, rt, weights)
     if plan.pp > 1:
         return apply_pipeline(model, plan, cfg, rt, weights)
     return Applied(model=model, module=model, strategy=plan.name)

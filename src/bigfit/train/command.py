@@ -150,7 +150,7 @@ def _check_split(job, nproc: int) -> None:
         check_tensor_parallel(job.model_config, job.plan.tp, job.plan.sequence_parallel)
     from ..loading import check_weights, loads_per_rank
 
-    if loads_per_rank(job.source, job.plan):
+    if loads_per_rank(job.source):
         check_weights(job.source, job.model_config)
 
 

@@ -13,7 +13,7 @@ from .. import faults
 from ..config import TrainConfig
 from ..data import Batcher
 from ..distributed import Runtime, init_runtime, shutdown, world_size
-from ..loading import init_whole, loads_per_rank, seeded_whole
+from ..loading import loads_per_rank
 from ..lora import inject, trainable_parameters
 from ..models import build_model, count_parameters
 from ..parallel.apply import apply
@@ -24,21 +24,24 @@ from . import checkpoint, probe, runinfo
 from .consolidate import consolidate
 from .evaluate import evaluate
 from .job import Job, describe, prepare
-from .metrics import MetricsLog, StepProgress, console, table
+from .metrics import MetricsLog, StartClock, StepProgress, console, table
 from .ownership import claim
 from .step import global_targets, lr_at, train_step
 
 
 def train(cfg: TrainConfig) -> dict:
     """Run the job on this process (one rank of it). Returns the final metrics and output paths."""
+    clock = StartClock()
     job = prepare(cfg, world_size())
+    clock.mark("data")
     # FSDP2 needs a mesh even for one rank (to offload or to cast parameters); zero3-offload reduces
     # gradients that live in host RAM, which needs gloo beside NCCL
     rt = init_runtime(cfg.timeout_s, group_for_one=job.plan.engine == "fsdp", host_collectives=job.plan.offload_params)
     try:
         rt = with_mesh(rt, job.plan)
+        clock.mark("runtime")
         with claim(job, rt), _collector_paused():  # the output directory is this run's (a launcher may have claimed it)
-            return _train(job, rt)
+            return _train(job, rt, clock)
     finally:
         shutdown(rt)
 
@@ -73,20 +76,19 @@ def _assets_writer(job: Job, module):
     return write
 
 
-def _train(job: Job, rt: Runtime) -> dict:
+def _train(job: Job, rt: Runtime, clock: StartClock) -> dict:
     cfg, ds = job.cfg, job.dataset
     out_dir = Path(cfg.output_dir)
     ckpt_root = out_dir / "checkpoints"
-    whole = seeded_whole(job.source, job.plan)  # a device map: rank 0's model, the per-rank strategies' init
-    model = build_model(job.source, job.model_config, cfg.seed,
-                        on_meta=not rt.is_main or loads_per_rank(job.source, job.plan) or whole)
+    model = build_model(job.source, job.model_config, cfg.seed, on_meta=not rt.is_main or loads_per_rank(job.source))
     if job.lora:  # adapters first, on the unmodified model: every transform after sees them (lora.py)
         inject(model, job.lora)
-    if whole and rt.is_main:
-        init_whole(model, cfg.seed, rt.device)
     n_params, trained = count_parameters(model), trainable_parameters(model)
+    clock.mark("model")
     applied = apply(model, job.plan, cfg, rt)
+    clock.mark("placement")
     build_optimizer(applied, cfg)
+    clock.mark("optimizer")
     scaler = LossScaler.from_config(cfg) if cfg.precision == "fp16" else None
     if cfg.probe_only:
         return _probe(job, applied, rt)
@@ -96,6 +98,7 @@ def _train(job: Job, rt: Runtime) -> dict:
         step = trainer["step"]
         if scaler and trainer.get("loss_scaler"):
             scaler.load_state_dict(trainer["loss_scaler"])
+        clock.mark("resume")
     if rt.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
         console.print(table("bigfit train", describe(job, n_params, rt.device, applied.notes, trained)))
@@ -114,6 +117,8 @@ def _train(job: Job, rt: Runtime) -> dict:
                         batch_size=cfg.micro_batch_size, num_beams=cfg.num_beams, max_new_tokens=cfg.max_new_tokens)
 
     first_eval = run_eval() if step == 0 and cfg.eval_on_start else {}
+    if first_eval:
+        clock.mark("eval at start")
     if first_eval and rt.is_main:
         evals.write({"step": 0, **first_eval})
         console.print(f"eval at step 0: {_eval_text(first_eval)}")
@@ -131,17 +136,23 @@ def _train(job: Job, rt: Runtime) -> dict:
         record = {"step": step, **record, "tokens_per_s": record["tokens"] / (time.perf_counter() - t0)}
         if rt.device.type == "cuda":  # this rank's peak since the start (torchtitan logs the same)
             record["peak_gpu_gb"] = round(torch.cuda.max_memory_allocated(rt.device) / 1e9, 2)
+        if clock is not None:  # the first step of this process: where the wait for it went
+            clock.mark("first step")
+            record["startup_s"] = clock.record()
         if step == cfg.max_steps or (cfg.eval_every and step % cfg.eval_every == 0):
             last_eval = run_eval()
             record.update(last_eval)
         if rt.is_main:
             metrics.write(record)
             progress.update(step, record["loss"], record["tokens_per_s"])
+            if clock is not None:
+                progress.print(clock.line())
             if "eval_loss" in record:
                 evals.write({"step": step, **last_eval})
                 progress.print(f"eval at step {step}: {_eval_text(record)}")
             if scaler and record["overflow"]:
                 progress.print(_overflow_text(step, record, scaler))
+        clock = None
         if step % GC_EVERY == 0:
             gc.collect(1)  # the young generations only: the model, data and engine are frozen
         faults.maybe_die("step", step, rt)

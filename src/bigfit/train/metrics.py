@@ -3,6 +3,7 @@ throughput, and tables. Only rank 0 writes or prints."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -12,12 +13,14 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from ..launch import LAUNCHED_ENV, STARTED_ENV
+
 console = Console(highlight=False)
 
 
 class MetricsLog:
-    """A JSONL log: OUTPUT/metrics.jsonl (one record per step: loss, lr, grad norm, tokens/s, peak GPU memory on CUDA, and the
-    evaluation at steps that have one) or OUTPUT/eval.jsonl (every evaluation, step 0's too). On resume from step s, records after s are dropped first (they belong to
+    """A JSONL log: OUTPUT/metrics.jsonl (one record per step: loss, lr, grad norm, tokens/s, peak GPU memory on CUDA, the
+    evaluation at steps that have one, and with step 1 StartClock's phases) or OUTPUT/eval.jsonl (every evaluation, step 0's too). On resume from step s, records after s are dropped first (they belong to
     the interrupted run and are about to be logged again)."""
 
     def __init__(self, path: Path, resume_step: int | None):
@@ -37,6 +40,32 @@ class MetricsLog:
 
     def close(self) -> None:
         self._f.close()
+
+
+class StartClock:
+    """Where the time to the first step goes, phase by phase (wall seconds): the command before its
+    workers (checks, micro-batch probes), the worker's start (imports), then each mark the loop makes
+    (data, model, placement, optimizer, first step). Logged with step 1 and printed in one line."""
+
+    def __init__(self):
+        now = time.time()
+        started, launched = float(os.environ.get(STARTED_ENV, now)), os.environ.get(LAUNCHED_ENV)
+        self.phases = ({"command": now - started} if launched is None else
+                       {"command": float(launched) - started, "worker start": now - float(launched)})
+        self.last = now
+
+    def mark(self, phase: str) -> None:
+        now = time.time()
+        self.phases[phase] = now - self.last
+        self.last = now
+
+    def record(self) -> dict[str, float]:
+        return {k: round(v, 2) for k, v in self.phases.items()}
+
+    def line(self) -> str:
+        phases = self.record()  # the figures metrics.jsonl holds
+        parts = ", ".join(f"{k} {v:.1f}" for k, v in phases.items())
+        return f"first step {sum(phases.values()):.1f} s after the command started: {parts}"
 
 
 class StepProgress:
