@@ -106,6 +106,7 @@ def command_row(variant: str, model: Path, data: Path, mbs: int, seq: int, steps
         return {"error": log[-3000:], "exit": p.returncode}
     step_s = statistics.median(r["tokens"] / r["tokens_per_s"] for r in rows[3:]) if len(rows) > 3 else None
     return {"step_s": round(step_s, 4) if step_s else None, "first_step_s": round(first, 1),
+            "startup_s": rows[0].get("startup_s"), "peak_gpu_gb": rows[-1].get("peak_gpu_gb"),
             "wall_s": round(time.perf_counter() - start, 1), "loss": rows[-1]["loss"],
             "host_rss_gib": round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20, 1)}
 
