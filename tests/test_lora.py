@@ -2,8 +2,10 @@
 LoRA, through the real training loop on T5 (tied embeddings, unequal depth), GPT-2 (Conv1D) and a
 Llama-style model, fp32: equal losses each step and equal adapters after 3 steps (2 gloo ranks:
 ddp, zero1, zero2, zero3, zero2-offload, zero3-offload, a 2-stage pipeline; one process: a device
-map in 2 chunks); base weights bit-identical to the seeded init after training; the optimizer holds
-state for the adapters only; a resumed run continues exactly; bad settings are one line each.
+map in 2 chunks); checkpoints hold the adapters and their optimizer states alone, under every
+strategy (the base is made again from its source on every start), `consolidate --merge` makes the
+seeded base again bit for bit, and a run resumed from them continues exactly (single, zero1, zero3,
+zero2-offload, pipeline); the disk check counts the adapters peft adds; bad settings are one line each.
 
 Tolerances: about 10x the worst difference measured on torch 2.13, CPU (printed with -s).
 """
@@ -19,6 +21,9 @@ from dist import run_ranks, threads_per_rank, torch_threads
 
 DISTRIBUTED = ("ddp", "zero1", "zero2", "zero3", "zero2-offload", "zero3-offload", "pipeline")
 LOSS_TOL, PARAM_TOL = 1e-6, 1e-5  # worst seen: 6.7e-8 (llama device_map), 6.3e-7 (llama pipeline)
+# runs saved at step 2 too and continued from there (the family each strategy resumes): each engine's own
+# checkpoint_state / after_load (base.py, ZeRO-1's, the offload engine's, pipeline stages')
+RESUMED = {"single": "gpt2", "zero1": "llama", "zero3": "llama", "zero2-offload": "llama", "pipeline": "t5"}
 
 
 def job(model_dir, data, out, strategy: str, **kw):
@@ -39,7 +44,11 @@ def run(model_dirs, data, root, strategies) -> None:
 
     for strategy in strategies:
         for family in FAMILIES:
-            train(job(model_dirs[family], data, root / f"{family}-{strategy}", strategy))
+            save = 2 if RESUMED.get(strategy) == family else 0  # a FREE setting: the run's math is the same
+            train(job(model_dirs[family], data, root / f"{family}-{strategy}", strategy, save_every=save))
+        if family := RESUMED.get(strategy):  # into a directory of its own: the whole run stays as it was
+            step2 = root / f"{family}-{strategy}" / "checkpoints" / "step-00000002"
+            train(job(model_dirs[family], data, root / f"{family}-{strategy}-resumed", strategy, resume=str(step2)))
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +73,7 @@ def final_state(run_dir) -> dict:
     return torch.load(run_dir / "final.pt", weights_only=False)
 
 
+@functools.lru_cache(maxsize=None)
 def seeded_base(model_dir) -> dict[str, torch.Tensor]:
     """The injected model's initial values, as every strategy's seeded init makes them (CPU)."""
     from bigfit.config import TrainConfig
@@ -96,32 +106,90 @@ def test_lora_matches_single_process_lora(runs, family, strategy):
     assert any(a[k].abs().max() > 0 for k in adapters if ".lora_B." in k)  # B starts at zero: it moved
 
 
-@pytest.mark.parametrize("strategy", ("single", "zero3", "zero2-offload", "pipeline"))
+@pytest.mark.parametrize("strategy", ("single", *DISTRIBUTED, "device_map"))
 @pytest.mark.parametrize("family", FAMILIES)
-def test_base_weights_stay_as_initialised_and_only_adapters_have_optimizer_state(runs, model_dirs, family, strategy):
-    state = final_state(runs / f"{family}-{strategy}")
-    init = seeded_base(model_dirs[family])
-    base = [k for k in init if ".lora_" not in k and k in state["model"]]
-    assert base
-    for k in base:
-        assert torch.equal(state["model"][k], init[k]), k
+def test_checkpoints_hold_the_adapters_alone_and_only_they_have_optimizer_state(runs, model_dirs, family, strategy):
+    from bigfit.train.ckptdir import frozen_of, trainer_state
+
+    run_dir = runs / f"{family}-{strategy}"
+    state = final_state(run_dir)
+    adapters = {k for k in seeded_base(model_dirs[family]) if ".lora_" in k}
+    assert adapters and set(state["model"]) == adapters  # no base weight, no buffer
+    ckpt = sorted((run_dir / "checkpoints").glob("step-*"))[-1]
+    assert frozen_of(trainer_state(ckpt)) == {"in_checkpoint": False, "source": str(model_dirs[family].resolve()),
+                                              "init_device": "cpu"}
     if strategy != "zero2-offload":  # the offload engine keeps its moments under its own names
         optim = state["optim"]  # nested, or flattened as "state.<name>.<field>" (pipeline stages)
         names = list(optim["state"]) if "state" in optim else [k for k in optim if k.startswith("state.")]
         assert names and all(".lora_" in k for k in names)
 
 
-def test_lora_resume_continues_exactly(model_dirs, pairs_file, tmp_path):
-    from bigfit.train.loop import train
+def tensors(tree, prefix="") -> dict[str, torch.Tensor]:
+    """Every tensor of a nested state dict, by its path."""
+    if isinstance(tree, torch.Tensor):
+        return {prefix: tree}
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, list) else ()
+    return {k: v for key, sub in items for k, v in tensors(sub, f"{prefix}.{key}").items()}
 
-    whole, part = tmp_path / "whole", tmp_path / "part"
-    constant = dict(lr_schedule="constant", max_steps=4)  # a constant rate: stopping at 2 of 4 changes no rate
-    train(job(model_dirs["gpt2"], pairs_file, whole, "single", **constant))
-    train(job(model_dirs["gpt2"], pairs_file, part, "single", **{**constant, "max_steps": 2}))
-    train(job(model_dirs["gpt2"], pairs_file, part, "single", resume="latest", **constant))
-    assert [r["loss"] for r in read_jsonl(part / "metrics.jsonl")] == [r["loss"] for r in read_jsonl(whole / "metrics.jsonl")]
-    a, b = final_state(whole)["model"], final_state(part)["model"]
-    assert all(torch.equal(a[k], b[k]) for k in a)
+
+@pytest.mark.parametrize("strategy,family", RESUMED.items())
+def test_lora_resume_from_adapters_alone_continues_exactly(runs, strategy, family):
+    """The resumed run made its base again (the seeded init) and loaded the adapters and moments
+    alone: its third loss and its final adapters and optimizer states are the whole run's, bit for bit."""
+    whole, part = runs / f"{family}-{strategy}", runs / f"{family}-{strategy}-resumed"
+    resumed = read_jsonl(part / "metrics.jsonl")
+    assert [r["step"] for r in resumed] == [3]
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in read_jsonl(whole / "metrics.jsonl")][2:]
+    a, b = tensors(final_state(whole)), tensors(final_state(part))
+    assert any(".lora_" in k for k in a) and any(k.startswith(".optim") for k in a) and set(a) == set(b)
+    assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])][:3]
+
+
+@pytest.mark.parametrize("strategy,family", [("single", "t5"), ("zero3", "llama")])
+def test_merge_makes_the_seeded_base_again(runs, model_dirs, tmp_path, strategy, family):
+    """A config-only model's base is bigfit's seeded init: consolidate --merge makes it again (the
+    run's seed, the adapters injected first) and folds the checkpoint's adapters in, bit for bit."""
+    from safetensors.torch import load_file
+
+    from bigfit.train.consolidate import consolidate
+
+    run_dir = runs / f"{family}-{strategy}"
+    out = consolidate(sorted((run_dir / "checkpoints").glob("step-*"))[-1], tmp_path / "merged", merge=True)
+    merged, init, state = load_file(out / "model.safetensors"), seeded_base(model_dirs[family]), final_state(run_dir)
+    adapted = 0
+    for name, t in merged.items():
+        path = name.removesuffix(".weight")
+        a, b = (state["model"].get(f"{path}.lora_{x}.default.weight") for x in "AB")
+        want = init[name] if a is None else init[f"{path}.base_layer.weight"] + (b @ a) * 2.0  # alpha / r
+        assert torch.equal(t, want), name
+        adapted += a is not None
+    assert adapted == len(state["model"]) // 2
+
+
+@pytest.mark.parametrize("family,targets", [("t5", "all-linear"), ("t5", "q,v"), ("gpt2", "all-linear"),
+                                            ("gpt2", "c_attn"), ("llama", "all-linear"), ("llama", "q_proj,v_proj")])
+def test_the_disk_check_counts_the_adapters_peft_adds(model_dirs, family, targets):
+    from bigfit.lora import LoraSettings, adapter_parameters, inject, trainable_parameters
+    from bigfit.models import build_model, load_config, locate
+
+    src = locate(str(model_dirs[family]))
+    model, settings = build_model(src, load_config(src), 0, on_meta=True), LoraSettings(r=4, targets=targets)
+    counted = adapter_parameters(model, settings)
+    assert counted == trainable_parameters(inject(model, settings)) > 0
+
+
+def test_the_disk_check_refuses_a_full_checkpoint_where_a_lora_one_fits(model_dirs, pairs_file, tmp_path, monkeypatch):
+    from bigfit.errors import BigfitError
+    from bigfit.train import ownership, rundir
+    from bigfit.train.job import prepare
+
+    monkeypatch.setattr(rundir, "free_bytes", lambda path: 100_000)  # the tiny Llama: 518 kB in full, 49 kB of adapters
+    out = tmp_path / "out"
+    assert ownership._check_space(prepare(job(model_dirs["llama"], pairs_file, out, "single"), 1), out) == []
+    full = prepare(job(model_dirs["llama"], pairs_file, out, "single", lora=False, lora_r=16, lora_alpha=32.0,
+                       lora_dropout=0.05), 1)  # the defaults: --lora-* values without --lora are refused
+    with pytest.raises(BigfitError, match="one checkpoint of this model takes"):
+        ownership._check_space(full, out)
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -147,10 +215,12 @@ def _train_one(cfg) -> None:
 
 def test_lora_on_saved_weights_reads_the_base_by_its_own_names(pairs_file, tmp_path):
     """Per-rank loading of a safetensors base under the adapters: each rank reads its shards of
-    `...q_proj.weight` for `...q_proj.base_layer.weight`; zero3 on 2 ranks matches one process and
-    the base after training is the file's, bit for bit."""
+    `...q_proj.weight` for `...q_proj.base_layer.weight`; zero3 on 2 ranks matches one process. Its
+    checkpoint holds the adapters alone: `consolidate --merge` reads the base from the file again,
+    every weight the file's, bit for bit, the targeted ones plus B A alpha / r."""
     from safetensors.torch import load_file
 
+    from bigfit.train.consolidate import consolidate
     from tiny import twin_models
 
     base, _ = twin_models("llama")
@@ -162,9 +232,12 @@ def test_lora_on_saved_weights_reads_the_base_by_its_own_names(pairs_file, tmp_p
     losses = [[r["loss"] for r in read_jsonl(d / "metrics.jsonl")] for d in (ref, got)]
     assert losses[1] == pytest.approx(losses[0], rel=LOSS_TOL)
     state = final_state(got)["model"]
-    by_base_name = {k.replace(".base_layer.", "."): k for k in state}
+    merged = load_file(consolidate(got / "checkpoints" / "step-00000003", tmp_path / "merged", merge=True)
+                       / "model.safetensors")
+    assert set(merged) == set(saved) and all(".lora_" in k for k in state)
     for name, t in saved.items():
-        assert torch.equal(state[by_base_name[name]], t), name
+        a, b = (state.get(f"{name.removesuffix('.weight')}.lora_{x}.default.weight") for x in "AB")
+        assert torch.equal(merged[name], t if a is None else t + (b @ a) * 2.0), name  # alpha / r
 
 
 def test_a_frozen_base_under_autocast_is_stored_in_bf16_and_trains_as_the_fsdp2_reference(model_dirs, pairs_file,

@@ -1,6 +1,7 @@
-"""What a `--lora` run leaves: `bigfit consolidate` writes a peft adapter directory (what
-PeftModel.save_pretrained writes, loaded by PeftModel.from_pretrained) and with --merge a model that
-transformers alone loads; both give the same logits, and the base weights never moved."""
+"""What a `--lora` run leaves: checkpoints of the adapters alone; `bigfit consolidate` writes a peft
+adapter directory (what PeftModel.save_pretrained writes, loaded by PeftModel.from_pretrained) and
+with --merge a model that transformers alone loads, its base read again from the run's --model (or
+--base, where that moved); both give the same logits."""
 from __future__ import annotations
 
 import json
@@ -135,14 +136,33 @@ def checkpoint_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2", "t5"])
-def test_the_checkpoints_base_weights_are_the_base_models_bit_for_bit(lora_outputs, family):
+def test_the_checkpoint_holds_the_adapters_alone(lora_outputs, family):
+    from bigfit.train.ckptdir import trainer_state
+
     o = lora_outputs(family)
-    held = checkpoint_tensors(o.ckpt)
-    paths = adapted_paths(o.adapter)
-    for name, t in load_file(o.base / "model.safetensors").items():
-        path, _, leaf = name.rpartition(".")
-        key = f"{path}.base_layer.{leaf}" if path in paths else name
-        assert held[key].dtype == t.dtype and torch.equal(held[key], t), name
+    held, base = checkpoint_tensors(o.ckpt), load_file(o.base / "model.safetensors")
+    assert set(held) == {f"{p}.lora_{x}.default.weight" for p in adapted_paths(o.adapter) for x in "AB"}
+    nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+    assert nbytes(held.values()) < nbytes(base.values()) / 4  # llama 4%, gpt2 and t5 (all-linear) 9% and 11%
+    assert trainer_state(o.ckpt)["frozen"] == {"in_checkpoint": False, "source": str(o.base.resolve()),
+                                                 "init_device": "cpu"}
+
+
+def test_merge_names_a_base_that_moved_and_reads_it_from_base(lora_outputs, tmp_path, capsys):
+    o = lora_outputs("llama")
+    capsys.readouterr()
+    moved = tmp_path / "moved"
+    o.base.rename(moved)
+    try:
+        assert main(["consolidate", str(o.ckpt), str(tmp_path / "m"), "--merge"]) == 2
+        line = one_line(capsys.readouterr().err)
+        assert str(o.base) in line and "--base DIR" in line and "without --merge" in line
+        assert main(["consolidate", str(o.ckpt), str(tmp_path / "m"), "--merge", "--base", str(moved)]) == 0
+    finally:
+        moved.rename(o.base)
+    assert snapshot(tmp_path / "m")["model.safetensors"] == snapshot(o.merged)["model.safetensors"]
+    assert main(["consolidate", str(o.ckpt), str(tmp_path / "a"), "--base", str(o.base)]) == 2
+    assert "--base" in one_line(capsys.readouterr().err) and not (tmp_path / "a").exists()
 
 
 def test_merge_of_a_full_fine_tuning_checkpoint_is_one_line(finished_run, tmp_path, capsys):

@@ -156,7 +156,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     c.add_argument("out", help="the directory to write (new, or empty)")
     c.add_argument("--merge", action="store_true",
                    help="--lora checkpoints: write a full model with the adapters folded into the base weights "
-                        "(W + B A alpha/r), which transformers loads without peft")
+                        "(W + B A alpha/r), which transformers loads without peft; the base, which LoRA "
+                        "checkpoints do not hold, is made again from the run's --model (read, or its seeded init)")
+    c.add_argument("--base", metavar="DIR", help="with --merge: the base model's directory, where the run's "
+                                                  "--model is no longer")
     c.add_argument("--overwrite", action="store_true",
                    help="replace a model or adapter directory bigfit wrote there earlier (only its files)")
     ns, unknown = parser.parse_known_args(argv)
@@ -218,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
             return plan_command(ns)
         from .train.consolidate import consolidate
 
-        out = consolidate(ns.checkpoint, ns.out, overwrite=ns.overwrite, merge=ns.merge)
+        out = consolidate(ns.checkpoint, ns.out, overwrite=ns.overwrite, merge=ns.merge, base=ns.base)
         adapter = not ns.merge and os.path.isfile(os.path.join(out, "adapter_config.json"))
         print(f"wrote {out}" + (" (a peft adapter: PeftModel.from_pretrained(base, it); --merge writes a model "
                                 "with the adapters folded in)" if adapter else ""))

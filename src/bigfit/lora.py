@@ -120,3 +120,17 @@ def is_lora_layer(module: torch.nn.Module) -> bool:
 
 def trainable_parameters(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in {id(p): p for p in model.parameters() if p.requires_grad}.values())
+
+
+def adapter_parameters(model: torch.nn.Module, settings: LoraSettings) -> int:
+    """The parameters `inject` would add, r x (in + out) a targeted layer, counted without peft (the
+    disk check runs before any process starts; importing peft takes seconds): its rules, every
+    linear layer but the output head, or those whose path is or ends in a target's name."""
+    targets, head = settings.target_modules(), model.get_output_embeddings()
+    n = 0
+    for path, m in model.named_modules():
+        if not (isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D"):
+            continue
+        if (m is not head) if targets == ALL_LINEAR else any(path == t or path.endswith("." + t) for t in targets):
+            n += settings.r * sum(m.weight.shape)  # Linear's (out, in), Conv1D's (in, out)
+    return n

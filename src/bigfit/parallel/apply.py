@@ -66,7 +66,7 @@ def apply(model: torch.nn.Module, plan: ParallelPlan, cfg, rt: Runtime) -> Appli
     engine = apply_materialise(engine, full, plan, rt, weights)
     engine = apply_offloading(engine, plan, cfg, rt, weights)
     engine.notes[:0] = notes + ([weights.describe()] if weights else []) + quantized
-    engine.frozen_in_checkpoints = not cfg.load_in_4bit  # a 4-bit base is made again from its source
+    engine.frozen_in_checkpoints = not cfg.lora  # a LoRA base is made again from its source on every start
     if plan.sequence_parallel:  # torch 2.11 gathers uneven sequence splits into views its backward cannot use
         engine.sequence_multiple = plan.tp
     if plan.tp > 1:

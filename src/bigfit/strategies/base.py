@@ -8,6 +8,7 @@ must provide, and the loop never asks an object what it can do.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -56,6 +57,9 @@ class Engine(Protocol):
     # a step that ran out of memory can be dropped and the next one run in this process (micro-batch
     # auto's probe, train/probe.py); the offload engine's bucket states cannot, so its probe restarts
     recovers_from_oom: bool
+    # False: checkpoints hold the trainable parameters and the optimizer only (a LoRA run: its frozen
+    # base is made again from its source on every start, so it need not be saved)
+    frozen_in_checkpoints: bool
 
     def attach_optimizer(self, cls: type, **kw) -> None:
         """Build the optimizer over the parameters, where the strategy keeps its states."""
@@ -105,7 +109,7 @@ class Applied:
     sequence_multiple: int = 1
     recovers_from_oom: bool = True
     norm_ranks: int = 0  # > 0: ranks whose gradients mix DTensors and plain tensors (tensor parallel)
-    frozen_in_checkpoints: bool = True  # False: checkpoints hold the trained parameters only (a QLoRA run)
+    frozen_in_checkpoints: bool = True  # False: checkpoints hold the trainable parameters only (a LoRA run)
     optimizer: torch.optim.Optimizer | None = None
 
     # -- the optimizer -------------------------------------------------------------------------
@@ -189,17 +193,24 @@ class Applied:
 
     def checkpoint_state(self, loading: bool = False) -> dict:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self.state_options())
-        if not self.frozen_in_checkpoints:  # bnb's 4-bit layers add their quantisation state as extra keys
-            trained = {n for n, p in self.module.named_parameters() if p.requires_grad}
-            model_sd = {k: v for k, v in model_sd.items() if k in trained}
-        return {"model": model_sd, "optim": optim_sd}
+        return {"model": self.saved_model(model_sd), "optim": optim_sd}
 
     def after_load(self, state: dict) -> None:
-        options = self.state_options()
-        if not self.frozen_in_checkpoints:
-            options = StateDictOptions(strict=False)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                       options=options)
+                       options=self.load_options())
+
+    def saved_model(self, model_sd: dict) -> dict:
+        """The model's part of a checkpoint, for every engine: all of `model_sd`, or only the trainable
+        parameters where the frozen ones are not saved (a LoRA base: megabytes saved, not the model's
+        gigabytes; bnb's 4-bit layers' quantisation state, extra keys, goes with them)."""
+        if self.frozen_in_checkpoints:
+            return model_sd
+        trained = {n for n, p in self.module.named_parameters(remove_duplicate=False) if p.requires_grad}
+        return {k: v for k, v in model_sd.items() if k in trained}
+
+    def load_options(self) -> StateDictOptions:
+        """`state_options` for loading: a checkpoint without the frozen parameters loads only what it holds."""
+        return dataclasses.replace(self.state_options(), strict=self.frozen_in_checkpoints)
 
     def memory_tensors(self) -> dict[str, Iterable]:
         params = list(self.model.parameters())

@@ -56,7 +56,8 @@ class OffloadApplied(Applied):
         self.engine.flush()
 
     def checkpoint_state(self, loading: bool = False) -> dict:
-        return self.engine.checkpoint_state(self.module)
+        state = self.engine.checkpoint_state(self.module)
+        return {**state, "model": self.saved_model(state["model"])}
 
     def after_load(self, state: dict) -> None:
         self.engine.reload_params()  # the host masters were loaded in place; the device copies follow

@@ -106,10 +106,10 @@ class ZeroOneStates:
             _init_optimizer_state(self.optimizer)
         names = {id(p): n for n, p in self.module.named_parameters()}
         states = {names[id(p)]: dict(st) for p, st in self.optimizer.owned()}
-        return {"model": get_model_state_dict(self.model), "optim": {"state": states}}
+        return {"model": self.saved_model(get_model_state_dict(self.model)), "optim": {"state": states}}
 
     def after_load(self, state: dict) -> None:
-        set_model_state_dict(self.model, state["model"])  # the states were loaded in place
+        set_model_state_dict(self.model, state["model"], options=self.load_options())  # the states: in place
 
     def memory_tensors(self) -> dict:
         out = super().memory_tensors()

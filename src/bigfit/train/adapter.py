@@ -1,13 +1,16 @@
 """The LoRA part of `bigfit consolidate`: a `--lora` checkpoint -> a peft adapter, or a merged model.
 
-A LoRA run's checkpoint holds the model as lora.py injected it: each targeted layer's base weight
-under `<path>.base_layer.weight` (frozen, the base model's values) beside `<path>.lora_A.default.
-weight` (r x in) and `<path>.lora_B.default.weight` (out x r). Two ways out:
+A LoRA run's model is the one lora.py injected: each targeted layer's base weight under
+`<path>.base_layer.weight` (frozen, the base model's values) beside `<path>.lora_A.default.weight`
+(r x in) and `<path>.lora_B.default.weight` (out x r). Its checkpoints hold the trainable tensors
+(the adapters) alone; checkpoints of earlier versions hold the base too. Two ways out:
 - an adapter directory, what `PeftModel.save_pretrained` writes: adapter_config.json and
   adapter_model.safetensors keyed `base_model.model.<path>.lora_A.weight` (peft drops the adapter
   name on save and puts it back on load). Only the adapters are read: megabytes, not the model.
 - a merged model: each targeted weight becomes W + (B @ A) * alpha / r (transposed for GPT-2's
   Conv1D, which stores W as in x out), under the base model's names, so transformers alone loads it.
+  W and the base's other tensors come from the checkpoint where it holds them, else from the base
+  made again from the run's source (basesource.py): `names` are then both.
 Which layers got adapters is read from the checkpoint's keys, not recomputed from --lora-targets:
 the keys are what was trained.
 """
@@ -33,12 +36,12 @@ class LoraCheckpoint:
     """The adapters of one `--lora` checkpoint, against a weightless (meta) copy of its base model."""
 
     settings: dict  # the run's TrainConfig dict (trainer.json "config")
-    names: set[str]  # the checkpoint's model tensor names (no "model." prefix)
+    names: set[str]  # the run's model tensor names (no "model." prefix): the checkpoint's, and a rebuilt base's
     base: torch.nn.Module  # the base model on the meta device: module paths and types
 
     def __post_init__(self):
         self.paths = sorted(n[: -len(A)] for n in self.names if n.endswith(A))
-        # the base weight is needed to merge only: a QLoRA checkpoint holds the adapters alone
+        # the base weight is needed to merge only: a checkpoint holds the adapters alone
         if missing := [p for p in self.paths if p + B not in self.names]:
             raise BigfitError(f"LoRA checkpoint: layer {missing[0]!r} lacks its lora_B; the checkpoint is not "
                               "one bigfit wrote")

@@ -1,13 +1,15 @@
 """Checkpoints with torch.distributed.checkpoint (DCP), written atomically.
 
 Layout: OUTPUT/checkpoints/step-00000100/ holds the DCP files of the model and optimizer (each rank
-writes its own shards), rank-N.pt (that rank's RNG state), trainer.json (step, config), the model's
-config.json and tokenizer files (so that `bigfit consolidate` needs nothing else), and last of all
-the marker COMPLETE, which holds the manifest: every file's size and CRC-32 (manifest.py), checked
-by `ckptdir.verify` before anything is loaded or consolidated. Everything is written under a hidden
-`.step-N.partial` name first and renamed once every rank has finished, so a crash mid-save never
-leaves a directory that looks complete; a leftover `.partial` is ignored and cleared by the next
-save of that step.
+writes its own shards; a LoRA run's model part is its trainable parameters alone, its frozen base
+made again from its source on every start: strategies/base.py `saved_model`), rank-N.pt (that
+rank's RNG state), trainer.json (step, config, where the frozen base is: ckptdir.frozen_record),
+the model's config.json and tokenizer files (so that `bigfit consolidate` needs nothing else), and
+last of all the marker COMPLETE, which holds the manifest: every file's size and CRC-32
+(manifest.py), checked by `ckptdir.verify` before anything is loaded or consolidated. Everything
+is written under a hidden `.step-N.partial` name first and renamed once every rank has finished,
+so a crash mid-save never leaves a directory that looks complete; a leftover `.partial` is ignored
+and cleared by the next save of that step.
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ from ..errors import BigfitError
 from ..faults import maybe_die
 from ..strategies import Engine
 from . import manifest
-from .ckptdir import MARKER, is_checkpoint, steps, trainer_state
+from .ckptdir import MARKER, frozen_record, is_checkpoint, steps, trainer_state
 
 
 def _sync_dir(path: Path) -> None:
@@ -54,7 +56,9 @@ def save(root: Path, step: int, engine: Engine, rt: Runtime, trainer_state: dict
     torch.save(_rng_state(), tmp / f"rank-{rt.rank}.pt")
     if rt.is_main:
         write_assets(tmp)
-        (tmp / "trainer.json").write_text(json.dumps(trainer_state, indent=1))
+        # consolidate --merge reads there whether the frozen base is here or must be made again
+        frozen = frozen_record(engine.frozen_in_checkpoints, trainer_state["config"].get("model"), rt.device.type)
+        (tmp / "trainer.json").write_text(json.dumps({**trainer_state, "frozen": frozen}, indent=1))
     barrier(rt)
     maybe_die("save", step, rt)
     files = _checksums(tmp, rt)

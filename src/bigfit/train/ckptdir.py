@@ -59,6 +59,24 @@ def trainer_state(path: Path) -> dict:
         raise BigfitError(f"checkpoint {str(path)!r}: its trainer.json cannot be read ({e})") from None
 
 
+def frozen_record(in_checkpoint: bool, model: str | None, device_type: str) -> dict:
+    """trainer.json's "frozen": whether the checkpoint holds its frozen parameters, and if not (a LoRA
+    run's base) where they come from, as every start of the run made them: `model` (its --model, a
+    path made absolute, for a consolidation run elsewhere; None: the default model), the seed in its
+    config, and `device_type`, the device the seeded init ran on (its values depend on it)."""
+    if model and Path(model).expanduser().exists():
+        model = str(Path(model).expanduser().resolve())
+    return {"in_checkpoint": in_checkpoint, "source": model, "init_device": device_type}
+
+
+def frozen_of(trainer: dict) -> dict:
+    """The "frozen" record of a checkpoint's trainer.json. Checkpoints written before it held their
+    frozen base, but a QLoRA run's (adapters only, quantized from a base made on the GPU)."""
+    config = trainer.get("config", {})
+    qlora = bool(config.get("load_in_4bit"))
+    return trainer.get("frozen") or frozen_record(not qlora, config.get("model"), "cuda" if qlora else "cpu")
+
+
 def resolve_resume(arg: str, output_dir: str) -> Path:
     """`--resume latest` or a path: the checkpoint directory to load, or a BigfitError. `latest` is
     the newest step-N directory, intact or not (`verify` says which): never silently an older one."""

@@ -1,6 +1,6 @@
 """`bigfit consolidate`: a sharded DCP checkpoint -> one Hugging Face model directory, or, for a
 `--lora` checkpoint, a peft adapter directory (or with `merge` a model with the adapters folded in:
-train/adapter.py).
+train/adapter.py, into the frozen base the checkpoint does not hold, made again: train/basesource.py).
 
 Streaming: tensors are read from the checkpoint a shard's worth at a time (DCP loads just the keys
 asked for, from every rank's files) and written as safetensors shards with an index, so this
@@ -18,18 +18,15 @@ import json
 import os
 import shutil
 import time
-import warnings
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..errors import BigfitError
 from .adapter import A, LoraCheckpoint
-from .ckptdir import NAME, trainer_state, verify
+from .basesource import Held, RebuiltBase
+from .ckptdir import NAME, frozen_of, trainer_state, verify
 from .rundir import MODEL_MARKER, check_location, model_files
 
 ASSETS_EXCLUDE = {"trainer.json", "COMPLETE", ".metadata"}
@@ -37,20 +34,23 @@ MODEL_ONLY = {"config.json", "generation_config.json"}  # in an adapter director
 
 
 def consolidate(ckpt: str | Path, out: str | Path, max_shard_bytes: int = 2 << 30, overwrite: bool = False,
-                legacy: bool = False, merge: bool = False) -> Path:
+                legacy: bool = False, merge: bool = False, base: str | None = None) -> Path:
     """Write checkpoint `ckpt` as a Hugging Face model directory `out`; a `--lora` checkpoint as a
     peft adapter directory, or with `merge` as a model with its adapters folded into the base
-    weights. `out` appears whole or not at all (written as a hidden sibling, then renamed); an
-    existing `out` must be empty, or a directory bigfit wrote with `overwrite` given (`legacy`: or
-    one written before model directories had a marker), and then only the files bigfit wrote there
-    are replaced: others are kept."""
+    weights (made again from the run's --model, or from `base` where that moved). `out` appears
+    whole or not at all (written as a hidden sibling, then renamed); an existing `out` must be
+    empty, or a directory bigfit wrote with `overwrite` given (`legacy`: or one written before model
+    directories had a marker), and then only the files bigfit wrote there are replaced: others are
+    kept."""
     given, ckpt, out = Path(out), Path(ckpt), Path(os.path.abspath(Path(out).expanduser()))
     if not (ckpt.is_dir() and NAME.match(ckpt.name)):
         raise BigfitError(f"{str(ckpt)!r} is not a complete bigfit checkpoint (a step-N directory with a "
                           "COMPLETE marker, under OUTPUT/checkpoints)")
+    if base is not None and not merge:
+        raise BigfitError(f"--base {base!r} is the base model to merge the adapters into: give it with --merge, "
+                          "or drop it")
     verify(ckpt, "consolidate that one: bigfit consolidate {} OUT")
-    meta = _tensor_meta(ckpt)
-    lora = _lora(ckpt, meta, merge)
+    lora, held = _lora(ckpt, merge, base)
     adapter = lora is not None and not merge
     replaced = _target(out, overwrite, legacy, "adapter" if adapter else "model")
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
@@ -58,9 +58,9 @@ def consolidate(ckpt: str | Path, out: str | Path, max_shard_bytes: int = 2 << 3
     try:
         tmp.mkdir(parents=True)
         if adapter:
-            _write_adapter(ckpt, tmp, meta, lora)
+            _write_adapter(ckpt, tmp, held, lora)
         else:
-            _write(ckpt, tmp, meta, max_shard_bytes, lora)
+            _write(ckpt, tmp, held, max_shard_bytes, lora)
         _install(tmp, out, replaced)
     except OSError as e:
         raise BigfitError(f"consolidate could not write {str(out)!r}: {e.strerror or e} ({e.filename or out})") from None
@@ -69,36 +69,38 @@ def consolidate(ckpt: str | Path, out: str | Path, max_shard_bytes: int = 2 << 3
     return given
 
 
-def _tensor_meta(ckpt: Path) -> dict[str, TensorStorageMetadata]:
-    """The model's tensors in the checkpoint (names without the "model." prefix): shapes and dtypes."""
-    return {k[len("model."):]: v for k, v in FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata.items()
-            if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
+def _config(ckpt: Path):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(ckpt)
 
 
 def _meta_model(ckpt: Path) -> torch.nn.Module:
     """The checkpoint's base model on the meta device (its config.json; no weights)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
-    config = AutoConfig.from_pretrained(ckpt)
+    config = _config(ckpt)
     auto = AutoModelForSeq2SeqLM if getattr(config, "is_encoder_decoder", False) else AutoModelForCausalLM
     with torch.device("meta"):
         return auto.from_config(config)
 
 
-def _lora(ckpt: Path, meta: dict, merge: bool) -> LoraCheckpoint | None:
-    """The checkpoint's adapters, or None for a full fine-tuning one. Told by its keys (what was
-    trained), its settings (r, alpha) by trainer.json."""
-    if not any(n.endswith(A) for n in meta):
+def _lora(ckpt: Path, merge: bool, base: str | None) -> tuple[LoraCheckpoint | None, Held]:
+    """The checkpoint's tensors, and its adapters (None for a full fine-tuning checkpoint). Told by its
+    keys (what was trained), its settings (r, alpha) by trainer.json. To merge, a checkpoint without
+    its frozen base (a LoRA run's; QLoRA's too: its full-precision base) gets that base made again."""
+    held = Held(ckpt)
+    if not any(n.endswith(A) for n in held.names):
         if merge:
             raise BigfitError(f"--merge is for LoRA checkpoints (trained with --lora); {str(ckpt)!r} is a full "
                               "fine-tuning checkpoint: consolidate it without --merge")
-        return None
-    settings = trainer_state(ckpt)["config"]
-    if merge and settings.get("load_in_4bit"):
-        raise BigfitError(f"{str(ckpt)!r} is a --load-in-4bit (QLoRA) checkpoint: it holds the adapters only, not "
-                          "the base; write the adapter (no --merge) and merge it onto the base with peft: "
-                          "PeftModel.from_pretrained(base, ADAPTER).merge_and_unload()")
-    return LoraCheckpoint(settings, set(meta), _meta_model(ckpt))
+        return None, held
+    trainer = trainer_state(ckpt)
+    if merge and not frozen_of(trainer)["in_checkpoint"]:
+        held = Held(ckpt, RebuiltBase(trainer, _config(ckpt), base))
+    elif base is not None:
+        raise BigfitError(f"--base {base!r}: checkpoint {str(ckpt)!r} holds its base weights itself; drop --base")
+    return LoraCheckpoint(trainer["config"], held.names, _meta_model(ckpt)), held
 
 
 def _canonical_names(model: torch.nn.Module, keys: set[str]) -> list[str]:
@@ -142,29 +144,20 @@ def _target(out: Path, overwrite: bool, legacy: bool, kind: str = "model") -> li
     return files or []
 
 
-def _read(ckpt: Path, meta: dict, names: list[str]) -> dict[str, torch.Tensor]:
-    """Just these model tensors from the checkpoint, whole, from every rank's files."""
-    tensors = {n: torch.empty(meta[n].size, dtype=meta[n].properties.dtype) for n in names}
-    with warnings.catch_warnings():  # "no process group: loading in one process" is the point here
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.load({f"model.{n}": t for n, t in tensors.items()}, checkpoint_id=str(ckpt), no_dist=True)
-    return tensors
-
-
-def _write(ckpt: Path, tmp: Path, meta: dict, max_shard_bytes: int, lora: LoraCheckpoint | None) -> None:
+def _write(ckpt: Path, tmp: Path, held: Held, max_shard_bytes: int, lora: LoraCheckpoint | None) -> None:
     """The safetensors shards (and index), the checkpoint's config and tokenizer, and the marker;
     with `lora`, under the base model's names with the adapters merged."""
-    sources = lora.sources() if lora else {n: [n] for n in meta}  # output name -> checkpoint names
+    sources = lora.sources() if lora else {n: [n] for n in held.names}  # output name -> the run's names
     names = _canonical_names(lora.base if lora else _meta_model(ckpt), set(sources))
     if lora and (tied := sorted(lora.targeted() - set(names))):  # its delta would be dropped with the alias
         raise BigfitError(f"--merge: the adapter on {tied[0]!r} trains a weight tied to another, which a merged "
                           "model stores once; consolidate without --merge and load the adapter with peft")
-    sizes = {n: meta[sources[n][0]].size.numel() * meta[sources[n][0]].properties.dtype.itemsize for n in names}
+    sizes = {n: held.nbytes(sources[n][0]) for n in names}
     shards = _plan_shards(sizes, names, max_shard_bytes)
     index = {}
     for i, shard in enumerate(shards, 1):
         fname = "model.safetensors" if len(shards) == 1 else f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        got = _read(ckpt, meta, [s for n in shard for s in sources[n]])
+        got = held.read([s for n in shard for s in sources[n]])
         tensors = {n: lora.merged(n, sources[n], got) if lora else got[n] for n in shard}
         save_file(tensors, tmp / fname, metadata={"format": "pt"})
         index.update({n: fname for n in shard})
@@ -175,11 +168,11 @@ def _write(ckpt: Path, tmp: Path, meta: dict, max_shard_bytes: int, lora: LoraCh
     _finish(ckpt, tmp, "model")
 
 
-def _write_adapter(ckpt: Path, tmp: Path, meta: dict, lora: LoraCheckpoint) -> None:
+def _write_adapter(ckpt: Path, tmp: Path, held: Held, lora: LoraCheckpoint) -> None:
     """What PeftModel.save_pretrained writes (adapter_config.json, adapter_model.safetensors), the
     tokenizer, and the marker."""
     config = lora.peft_config()  # first: without peft, fail before reading anything
-    tensors = lora.adapter_tensors(lambda names: _read(ckpt, meta, names))
+    tensors = lora.adapter_tensors(held.read)
     save_file(tensors, tmp / "adapter_model.safetensors", metadata={"format": "pt"})
     config.save_pretrained(str(tmp))
     _finish(ckpt, tmp, "adapter")

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from ..distributed import Runtime, broadcast_object
 from ..errors import BigfitError
+from ..lora import adapter_parameters
 from ..models import build_model, count_parameters
 from . import ckptdir, resume, rundir, runinfo
 from .lock import RunLock
@@ -155,19 +156,22 @@ def _check_resume(job, out: Path, contents: rundir.Contents, ident: dict, saved:
 
 def _check_space(job, out: Path) -> list[str]:
     """Refuse when one checkpoint (and the model directory) cannot fit; warn when all the planned
-    ones cannot. Sizes from the parameter count of a weightless copy of the model."""
+    ones cannot. Sizes from the (trained) parameter count of a weightless copy of the model."""
     cfg = job.cfg
     if not cfg.checkpoints:
         return []
-    n = count_parameters(build_model(job.source, job.model_config, cfg.seed, on_meta=True))
-    # a LoRA run's checkpoint: the frozen base (4 bytes at most) and the adapters' few states; its adapter: megabytes
-    per = 4 if cfg.lora else BYTES_PER_PARAM
-    ckpt, model = per * n, (4 * n if cfg.consolidate and not cfg.lora else 0)
+    skeleton = build_model(job.source, job.model_config, cfg.seed, on_meta=True)
+    n = count_parameters(skeleton)
+    # a LoRA run's checkpoint: the adapters and their states alone (the frozen base is made again on
+    # every start); its adapter directory: megabytes
+    trained = adapter_parameters(skeleton, job.lora) if job.lora else n
+    ckpt, model = BYTES_PER_PARAM * trained, (4 * n if cfg.consolidate and not cfg.lora else 0)
     free = rundir.free_bytes(out)
     gb = lambda b: f"{b / 1e9:.2f} GB"  # noqa: E731
     if free < ckpt + model:
+        what = "trained parameter" if job.lora else "parameter"
         raise BigfitError(f"--output-dir {str(out)!r} has {gb(free)} free, but one checkpoint of this model takes "
-                          f"{gb(ckpt)} ({per} bytes a parameter)" + (f" and its model directory {gb(model)}"
+                          f"{gb(ckpt)} ({BYTES_PER_PARAM} bytes a {what})" + (f" and its model directory {gb(model)}"
                           if model else "") + "; free some space or choose another --output-dir")
     saves = cfg.max_steps // cfg.save_every + 1 if cfg.save_every else 1
     kept = min(saves, cfg.keep_checkpoints + 1) if cfg.keep_checkpoints else saves
