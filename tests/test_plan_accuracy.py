@@ -3,7 +3,9 @@ by benchmarks/plan_vs_measured.py, the same code `bigfit plan` runs): the rows i
 (step time within 20%, peak GPU memory within 10%) must stay inside it, so a change that breaks the
 model's accuracy fails here. docs/planning.md's accuracy table lists every row with its error; the
 rows outside the target are named there with why (T5 at small batches, bound by a host whose speed
-varied between runs; device maps whose host computes blocks; offload rows made by superseded code)."""
+varied between runs; device maps whose host computes blocks; offload rows made by superseded code).
+QLoRA's rows (`--lora --load-in-4bit`) are held from their own table below, with the rows outside the
+target named in KNOWN_MISSES by their measured error."""
 from __future__ import annotations
 
 import json
@@ -47,3 +49,56 @@ def test_prediction_within_target(rated, case):
         assert predicted["step_s"] == pytest.approx(step, rel=STEP), predicted["costs"]
     if gpu:
         assert predicted["gpu_bytes"] == pytest.approx(gpu, rel=MEMORY)
+
+
+# QLoRA on one H200 (benchmarks/RESULTS.md, 2026-12-02 night; benchmarks/results/2026-12-02-h200-qlora/
+# call3.sh, call4.sh): bigfit train --lora --load-in-4bit --strategy single --precision bf16, all-linear
+# r 16, config-only Llama shapes (8 KV heads, vocabulary 128256, untied), 2048 tokens a sample. The step
+# is the median of steps 2-5 (tokens a step over tok/s: 8188 and 2047 label tokens), the peak
+# torch.cuda.max_memory_allocated. Not in h200_measured.json, whose records carry no LoRA settings.
+QLORA = {  # id: (hidden, layers, heads, intermediate, samples, checkpointing, step s, peak GPU bytes)
+    "qlora-8b": (4096, 32, 32, 14336, 4, False, 8188 / 10287.4, 86.06e9),
+    "qlora-70b": (8192, 80, 64, 28672, 1, True, 2047 / 927.78, 50.91e9),
+    "qlora-165b": (12288, 88, 96, 40960, 1, True, 2047 / 443.95, 106.87e9),
+}
+# Outside the target, with the prediction's measured error (predicted / measured - 1), held to within
+# MISS_DRIFT so that a change moving one must say so here: every step time reads slow, the LoRA model's
+# error (docs/planning.md: peft's elementwise traffic is not fitted; 8B bf16-base LoRA reads 35% slow)
+# plus the dequantisation's 0.01-0.40 s.
+KNOWN_MISSES = {"qlora-8b": {"step": 0.337}, "qlora-70b": {"step": 0.204}, "qlora-165b": {"step": 0.222}}
+MISS_DRIFT = 0.03
+
+
+@pytest.fixture(scope="module")
+def qlora_rated() -> dict:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from plan_vs_measured import CPU_RAM, GPU_BYTES, model_config
+
+    from bigfit.hardware import DEFAULTS, Hardware
+    from bigfit.lora import LoraSettings
+    from bigfit.planning.job import Job
+    from bigfit.planning.search import plan_for_config
+
+    hw = Hardware(gpu_bytes=(GPU_BYTES,), cpu_ram=CPU_RAM, host_op_us=DEFAULTS["host_op_us"])
+    out = {}
+    for case, (hidden, layers, heads, inter, samples, ckpt, _, _) in QLORA.items():
+        config = model_config(dict(family="llama", hidden=hidden, layers=layers, heads=heads, kv_heads=8,
+                                   intermediate=inter, vocab=128256, tied=False))
+        job = Job(batch_size=samples, seq_len=2048, precision="bf16", checkpointing=ckpt, lora=LoraSettings(),
+                  load_in_4bit=True)
+        out[case] = plan_for_config(config, hw, job, strategies=("single",)).candidates[0].estimate
+    return out
+
+
+@pytest.mark.parametrize("case", QLORA)
+def test_qlora_prediction_within_target_or_its_known_miss(qlora_rated, case):
+    e, (*_, step, gpu) = qlora_rated[case], QLORA[case]
+    errors = {"step": e.step_time_s / step - 1, "memory": e.per_gpu["total"] / gpu - 1}
+    print(f"{case}: step {e.step_time_s:.3f} s against {step:.3f}, peak {e.per_gpu['total'] / 1e9:.1f} GB against "
+          f"{gpu / 1e9:.1f}; errors {errors}")
+    for kind, target in (("step", STEP), ("memory", MEMORY)):
+        miss = KNOWN_MISSES.get(case, {}).get(kind)
+        if miss is None:
+            assert abs(errors[kind]) <= target, (kind, errors, e.costs)
+        else:
+            assert errors[kind] == pytest.approx(miss, abs=MISS_DRIFT), (kind, errors, e.costs)

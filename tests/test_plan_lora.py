@@ -1,7 +1,9 @@
 """The planner with LoRA (planning/adapters.py): the trace injects peft's adapters under fake tensors
 and counts what trains; gradients, optimizer states and their traffic follow the adapters, the
 parameters and all-gathers the whole model; frozen matmuls cost 4 FLOPs a parameter and token, not
-6; `bigfit plan --lora`; and single's predicted peak against this CPU's measured peak RSS."""
+6; `bigfit plan --lora`; and single's predicted peak against this CPU's measured peak RSS. QLoRA's
+4-bit base (`--load-in-4bit`, planning/quantized.py): its bytes a weight, its dequantisation's time,
+the rows that run it and the flags' refusals."""
 from __future__ import annotations
 
 import json
@@ -10,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from bigfit.hardware import Hardware
 from bigfit.lora import LoraSettings
@@ -268,3 +271,76 @@ def test_single_lora_peak_memory_on_this_cpu(measuring):
     print(f"single LoRA {MEASURED_CASE}: predicted {r['predicted']['total'] / 1e6:.0f} MB, measured "
           f"{r['measured'] / 1e6:.0f} MB, ratio {r['ratio']:.3f}; parts {r['predicted']}")
     assert abs(r["ratio"] - 1) <= RSS_TOLERANCE
+
+
+def test_4bit_base_bytes_and_dequantisation_time_against_a_bf16_base():
+    from transformers import AutoModelForCausalLM
+
+    from bigfit.lora import inject
+    from bigfit.planning import quantized
+    from bigfit.planning.estimate import memory
+    from bigfit.planning.profile import profile_model
+    from bigfit.planning.search import plan_for_config
+    from bigfit.quantize import quantized_layers
+
+    config = medium_llama(2)
+    prof = profile_model(config, 4, 128, 0, "bf16", autocast=True, lora=LORA)
+    with torch.device("meta"):
+        layers = quantized_layers(inject(AutoModelForCausalLM.from_config(config), LORA))  # what training quantizes
+    q = sum(getattr(parent, attr).weight.numel() for _, parent, attr in layers)
+    assert (prof.quantized_layers, prof.quantized_params, prof.largest_quantized) == (14, q, 1024 * 2816)
+    hw = Hardware(gpu_bytes=(80 * GB,), cpu_ram=512 * GB)
+    (bf16, bf16_host), (four, host) = (memory("single", prof, hw, 2, False, four_bit=f) for f in (False, True))
+    stored = four["params"] - (bf16["params"] - 2 * q) - quantized.LAYER_BYTES * 14  # the rest stays in bf16
+    assert stored / q == pytest.approx(0.516, abs=1e-3) and bf16["params"] - four["params"] > 1.45 * q
+    assert four["buffers"] - bf16["buffers"] == pytest.approx(2.125 * 1024 * 2816, abs=1)  # one layer's bf16 copy
+    assert host["total"] == 0 < bf16_host["total"]  # quantized on the device as it is read: no host copy
+    for ckpt, passes in ((False, 2), (True, 3)):  # forward, backward (and the recompute): per micro-batch, 2 here
+        rows = [plan_for_config(config, hw, Job(batch_size=8, seq_len=128, micro_batch=4, checkpointing=ckpt,
+                                                lora=LORA, load_in_4bit=f), ("single",)).candidates[0].estimate
+                for f in (False, True)]
+        added = rows[1].costs["compute"] - rows[0].costs["compute"]
+        assert added == pytest.approx(2 * passes * 2.766 * q / (4.8e12 * 0.7), rel=1e-3)
+
+
+def test_4bit_stored_bytes_are_bitsandbytes_own():
+    bnb = pytest.importorskip("bitsandbytes.functional")  # the test's: planning never imports it
+    from bigfit.planning import quantized
+
+    w = torch.randn(1024, 2816, dtype=torch.bfloat16)
+    packed, state = bnb.quantize_4bit(w, blocksize=quantized.BLOCK, compress_statistics=True, quant_type="nf4")
+    stored = sum(t.numel() * t.element_size() for t in (packed, state.absmax, state.state2.absmax))
+    assert stored / w.numel() == pytest.approx(quantized.STORED, rel=1e-4)
+
+
+def test_only_single_and_ddp_rows_with_a_4bit_base():
+    from bigfit.config import TrainConfig
+    from bigfit.planning.command import _job
+    from bigfit.planning.search import plan_for_config
+
+    for gpus, names in ((1, ["single", "ddp"]), (4, ["ddp"])):
+        hw = Hardware(gpu_bytes=(80 * GB,) * gpus, cpu_ram=512 * GB)
+        p = plan_for_config(medium_llama(4), hw, Job(batch_size=8, seq_len=128, lora=LORA, load_in_4bit=True),
+                            layouts={})
+        assert [c.estimate.name for c in p.candidates] == names and p.recommended in names
+        assert p.layouts is None and "--load-in-4bit" in p.layout_reason and "4-bit base" in p.notes[-1]
+    assert _job(TrainConfig(lora=True, load_in_4bit=True), tiny_config("llama"), 8, None).load_in_4bit  # --strategy auto
+
+
+def test_plan_command_4bit_flags(model_dirs, capsys):
+    from bigfit.errors import BigfitError
+    from bigfit.planning.command import plan_command
+
+    base = ["--model", str(model_dirs["llama"]), "--gpus", "2x8GB", "--seq-len", "32", "--batch-size", "4"]
+    for extra, message in ((["--load-in-4bit"], "--load-in-4bit quantizes a frozen base under LoRA adapters"),
+                           (["--lora", "--load-in-4bit", "--precision", "fp32"], "--load-in-4bit computes in bf16"),
+                           (["--lora", "--load-in-4bit", "--tp", "2"], "--load-in-4bit runs with --strategy single "
+                                                                       "or ddp")):
+        with pytest.raises(BigfitError, match=message) as err:  # train's lines (quantize.check), one each
+            plan_command(_plan_ns(base + extra))
+        assert "\n" not in str(err.value)
+    assert "not --tp 2" in str(err.value)
+    assert plan_command(_plan_ns(base + ["--lora", "--load-in-4bit", "--json"])) == 0  # no CUDA here: a plan needs none
+    out = json.loads(capsys.readouterr().out)
+    assert [r["name"] for r in out["strategies"]] == ["ddp"] and out["recommended"] == "ddp" and "composed" not in out
+    assert out["job"]["load_in_4bit"] and any(n.startswith("4-bit base (QLoRA): 14 LoRA base") for n in out["notes"])

@@ -19,6 +19,7 @@ from ..parallel.plan import DIMS, plan_for
 from .estimate import RESERVE
 from .flags import LORA_FLAGS
 from .layouts import SHOWN, check_degrees, flag
+from .quantized import check as check_4bit
 from .report import device_map_text, layout_table, pipeline_text, plan_table, plot_plan, rejected_text
 from .search import Job, plan_for_config
 from .sizes import MAX_MICRO, Prediction, divisors, largest_true
@@ -79,11 +80,14 @@ def plan_command(ns) -> int:
     hw = hardware_from_args(ns)
     fixed = {d: getattr(ns, d) for d in DIMS if getattr(ns, d) is not None}  # the composed plans' degrees
     check_degrees(fixed, hw, *split_counts(config))
+    lora, four_bit = lora_from_args(ns), getattr(ns, "load_in_4bit", False)
+    if four_bit:  # train's refusals; the composed plans' degrees stand for its --strategy
+        check_4bit(lora is not None, ns.precision, fixed)
     job = Job(batch_size=ns.batch_size, seq_len=ns.seq_len, target_len=ns.target_len if config.is_encoder_decoder
               else 0, micro_batch=ns.micro_batch_size, precision=ns.precision, checkpointing=ns.activation_checkpointing,
               chunks=ns.chunks, pipeline_schedule=ns.pipeline_schedule, stages_per_rank=ns.stages_per_rank,
               delayed_update=ns.delayed_update, offload_grads=ns.offload_grads, nvme_host_gb=ns.nvme_host_gb,
-              sequence_parallel=ns.sequence_parallel, compile=ns.compile, lora=lora_from_args(ns))
+              sequence_parallel=ns.sequence_parallel, compile=ns.compile, lora=lora, load_in_4bit=four_bit)
     p = plan_for_config(config, hw, job, layouts=fixed)
     if fixed and not p.layouts and p.layout_rejected:  # the degrees asked for rule out every composed plan
         r = p.layout_rejected[0]
@@ -151,7 +155,8 @@ def _job(cfg, config, batch: int, micro: int | None) -> Job:
                delayed_update=cfg.delayed_update, offload_grads=cfg.offload_grads, nvme_host_gb=cfg.nvme_host_gb,
                clipping=cfg.max_grad_norm > 0, chunks=cfg.chunks,
                pipeline_schedule=cfg.pipeline_schedule, stages_per_rank=cfg.stages_per_rank,
-               sequence_parallel=cfg.sequence_parallel, compile=cfg.compile, lora=LoraSettings.from_config(cfg))
+               sequence_parallel=cfg.sequence_parallel, compile=cfg.compile, lora=LoraSettings.from_config(cfg),
+               load_in_4bit=cfg.load_in_4bit)
 
 
 def auto_strategy(cfg, world: int, one_process: bool = True) -> tuple[str, str]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from . import quantized
 from .devicecost import MFU
 
 KEYS = ("params", "grads", "optimizer", "activations", "buffers")
@@ -56,7 +57,7 @@ def _bytes(**kw) -> dict[str, int]:
 
 def memory(strategy: str, prof, hw, c: int, checkpointing: bool, accum: int = 1, backend: str = "nccl",
            grads_on_device: bool = False, nvme_host: float = 0.0, grad_bytes: int = 4,
-           shards: int | None = None) -> tuple[dict, dict]:
+           shards: int | None = None, four_bit: bool = False) -> tuple[dict, dict]:
     """(per-GPU bytes, per-host bytes) for one rank's GPU and one node's host RAM.
 
     The GPU figure is the step's peak: the largest of three moments, each counted with what is alive
@@ -77,13 +78,14 @@ def memory(strategy: str, prof, hw, c: int, checkpointing: bool, accum: int = 1,
     host step (gradslots.py); `nvme_host` is the node's bytes of optimizer states kept in RAM (nvme);
     `grad_bytes` is the size of a gradient value while it waits: 2 where it travels in bf16 (bf16
     compute and bigfit's host Adam kernel, cpu_adam.py), else 4. `shards`: the data-parallel ranks the
-    states are divided over, when not every GPU (composed layouts: dp_shard; layouts.py)."""
+    states are divided over, when not every GPU (composed layouts: dp_shard; layouts.py). `four_bit`
+    (single, ddp): the LoRA base layers in 4 bits, one of them dequantized at a time (quantized.py)."""
     n, w, u, r, v = prof.params, shards or hw.world_size, prof.largest_unit_params, prof.root_params, prof.head_params
     t, ut, rt, vt = prof.trainable_params, prof.largest_trainable_unit, prof.root_trainable, prof.trainable_head
     act, loss_act = prof.activations(checkpointing), prof.activations(checkpointing) - prof.loss_saved
     lc, l32 = prof.logits_bytes, (prof.logits_numel or prof.logits_bytes // c) * 4
     held = 1 if accum > 1 else 0
-    init = 4 * n
+    init = 0 if four_bit else 4 * n  # a 4-bit base is read and quantized on the device, a layer at a time
     if strategy in ("single", "ddp", "zero1"):  # autocast: fp32 weights, compute-dtype copies saved for backward
         optim = 8 * t / w if strategy == "zero1" and w > 1 else 8 * t
         fixed = 4 * t if strategy != "single" and w > 1 else 0  # DDP's gradient buckets, allocated throughout
@@ -91,7 +93,9 @@ def memory(strategy: str, prof, hw, c: int, checkpointing: bool, accum: int = 1,
         # to cast but the adapters, all of them linear layers
         copies = c * min(prof.matmul_params or n, t) if c < 4 else 0
         head_grad = (4 + c) * vt if c < 4 else 4 * vt  # in the compute dtype, then accumulated in fp32
-        return _peak(dict(params=4 * t + c * (n - t), grads=4 * t * held, optimizer=optim),
+        frozen = quantized.frozen_bytes(prof, c) if four_bit else c * (n - t)
+        copies += quantized.transient(prof) if four_bit else 0  # a layer's bf16 weight, in forward and backward
+        return _peak(dict(params=4 * t + frozen, grads=4 * t * held, optimizer=optim),
                      loss=dict(activations=act, buffers=fixed + copies + 2 * l32),
                      head=dict(activations=loss_act, buffers=fixed + copies + lc + head_grad),
                      update=dict(grads=4 * t, buffers=fixed)), _bytes(buffers=init)

@@ -20,6 +20,7 @@ from ..models import block_lists, is_seq2seq
 from ..precision import DTYPES
 from .adapters import flop_weight, frozen_counts, module_flop_weight, with_adapters
 from .opcount import OpCounter
+from .quantized import base_counts
 from .tp_trace import TensorSplit, sequence_error, split_counts
 
 
@@ -76,6 +77,10 @@ class ModelProfile:
     frozen_params: float = 0
     block_frozen: list[float] = field(default_factory=list)
     head_frozen: bool = False
+    # QLoRA (quantized.py): the LoRA base layers' weights, which --load-in-4bit stores in 4 bits
+    quantized_params: int = 0
+    quantized_layers: int = 0
+    largest_quantized: int = 0  # the largest of those layers: its bf16 copy is the dequantisation's temporary
 
     @property
     def trainable_params(self) -> float:
@@ -184,6 +189,9 @@ class _CudaAutocast(torch.overrides.TorchFunctionMode):
         super().__init__()
         self.dtype, self.params = dtype, {id(p) for p in model.parameters()}
         self.weight_casts: set = set()
+        # the casts themselves, kept: a freed one's storage key could be a later activation's, which
+        # `pack` would then skip (an 8B Llama's autocast trace varied by 0.2 GB between runs)
+        self.kept: list = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -197,6 +205,7 @@ class _CudaAutocast(torch.overrides.TorchFunctionMode):
             out = tree.to(dtype)
             if id(tree) in self.params:
                 self.weight_casts.add(_storage_key(out))
+                self.kept.append(out)
             return out
         if isinstance(tree, (list, tuple)):
             return type(tree)(self._cast(x, dtype) for x in tree)
@@ -311,7 +320,7 @@ def _trace(model, seq2seq: bool, b: int, t: int, tt: int, skip=None) -> ModelPro
                         block_traffic=ops.block_bytes, other_traffic=ops.other_bytes,
                         block_matmul_flops=matmul, block_attention_flops=attention,
                         attention_per_token=sum(attention) / (t + (tt if seq2seq else 0)),
-                        **_tp_counts(model.config, split), **frozen)
+                        **_tp_counts(model.config, split), **frozen, **base_counts(model))
 
 
 _CROSS_KV = re.compile(r"(EncDecAttention\.[kv]|encoder_attn\.[kv]_proj)$")  # T5's and BART's cross-attention

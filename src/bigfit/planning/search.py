@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 from ..config import PIPELINE_STRATEGIES, SPLIT_STRATEGIES, STRATEGIES
 from ..device_map.auto import profile_for
 from ..precision import DTYPES
+from . import quantized
 from .adapters import describe as describe_lora
 from .devicecost import step_traffic
 from .estimate import RESERVE, Estimate, combine, grad_bytes, memory, nvme_bytes, nvme_fill, step_time
@@ -67,8 +68,9 @@ def plan(prof, hw, job: Job, strategies=ALL, autocast_prof=None, split_prof=None
     autocast strategies; `split_prof`: traced at one process's whole micro-batch, for device_map and
     pipeline (default `prof`, the same when there is one GPU); `prof` otherwise, traced at
     job.micro(world). `layouts`: None for the named rows alone, else the composed plans too, with
-    these degrees fixed ({} for all: layouts.py)."""
-    world = hw.world_size
+    these degrees fixed ({} for all: layouts.py). A 4-bit base (job.load_in_4bit) is rated with
+    single and ddp alone, and with no composed plan: nothing else runs it (quantized.py)."""
+    world, strategies = hw.world_size, quantized.rated(strategies, job)
     accum = max(1, job.batch_size // (job.micro(world) * world))
     c = DTYPES[job.precision].itemsize
     tokens = job.batch_size * (job.seq_len + job.target_len)
@@ -86,13 +88,15 @@ def plan(prof, hw, job: Job, strategies=ALL, autocast_prof=None, split_prof=None
                 else nvme_fill(prof, hw, job.offload_grads == "device", gb))
         traced = autocast_prof if name in AUTOCAST and autocast_prof else prof
         gpu, host = memory(name, traced, hw, c, job.checkpointing, accum, grads_on_device=job.offload_grads == "device",
-                           nvme_host=kept, grad_bytes=gb)
+                           nvme_host=kept, grad_bytes=gb, four_bit=job.load_in_4bit)
+        # a 4-bit base's matmuls each dequantize their weight too: memory-bound, beside the trace's operators
+        dequant = quantized.dequant_seconds(prof, hw, job, accum) if job.load_in_4bit else 0.0
         # the issue cost from the plain trace's operators: autocast's casts run inside the dispatcher,
         # cheaply (single measured faster than zero2 and zero3 in every host-bound H200 row); the GPU's
         # memory traffic from the trace as it runs (autocast's fp32 residual stream and casts move bytes)
         costs = step_time(name, prof, hw, c, job.checkpointing, tokens, accum, nvme_host=kept, grad_bytes=gb,
                           issue=issue_seconds(prof, hw, job, accum, fsdp=name in FSDP),
-                          traffic=step_traffic(traced, hw, job, job.batch_size / world))
+                          traffic=step_traffic(traced, hw, job, job.batch_size / world) + dequant)
         step_s = combine(costs, engine=_engine_mode(job) if name.startswith("zero2-offload") else None, accum=accum)
         e = Estimate(name, gpu, host, step_s, costs,
                      nvme_bytes(prof.trainable_params, hw, kept) if name.endswith("nvme") else 0)
@@ -103,7 +107,9 @@ def plan(prof, hw, job: Job, strategies=ALL, autocast_prof=None, split_prof=None
     why = _reason(ok[0], out, world) if ok else _advice(out, job, hw) if out else "no named strategy was rated"
     result = Plan(out, best, why, hw.describe(), job, device_map=sections.get("device_map"),
                   pipeline=sections.get("pipeline"), params=prof.params, trainable_params=prof.trainable_params)
-    if layouts is not None:
+    if layouts is not None and job.load_in_4bit:
+        result.layout_reason = "not rated with --load-in-4bit (a 4-bit base runs with single or ddp alone)"
+    elif layouts is not None:
         result.layouts, result.layout_rejected = layout_rows(prof, hw, job, layouts)
         result.layout_pick, result.layout_reason = choose(out, result.layouts)
     return result
@@ -169,7 +175,9 @@ def _advice(cands: list[Candidate], job: Job, hw) -> str:
 
 
 def plan_for_config(model_config, hw, job: Job, strategies=ALL, layouts: dict | None = None) -> Plan:
-
+    if job.load_in_4bit:  # only the rows that run a 4-bit base are traced (device_map's trace costs seconds)
+        quantized.check(job.lora is not None, job.precision)
+        strategies = quantized.rated(strategies, job)
     micro = job.micro(hw.world_size)
     lengths = (model_config, micro, job.seq_len, job.target_len or job.seq_len, job.precision, hw.device)
     # the data-parallel trace, at each process's micro-batch: the named data-parallel rows and the composed ones
@@ -190,4 +198,6 @@ def plan_for_config(model_config, hw, job: Job, strategies=ALL, layouts: dict | 
                         + " and ".join(traced or [f"micro-batch {micro}"]))
     if job.lora:
         result.notes.append(describe_lora(job.lora, prof.params, prof.trainable_params))
+    if job.load_in_4bit:
+        result.notes.append(quantized.describe(prof))
     return result
