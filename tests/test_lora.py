@@ -196,7 +196,7 @@ def test_the_disk_check_refuses_a_full_checkpoint_where_a_lora_one_fits(model_di
     (["--lora-r", "8"], "--lora-r set without --lora"),
     (["--lora", "--lora-r", "0"], "--lora needs --lora-r >= 1"),
     (["--lora", "--lora-targets", "q_proj,nope"], "nope matches no linear layer of this model; its linear layers are"),
-    (["--lora", "--strategy", "zero3", "--tp", "2", "--nproc", "2"], "--lora with --tp 2: adapters under tensor"),
+    (["--lora", "--tp", "2", "--sequence-parallel", "--nproc", "2"], "--lora with --sequence-parallel: adapters on"),
 ])
 def test_bad_lora_settings_are_one_line_before_any_work(model_dirs, tmp_path, capsys, argv, message):
     from bigfit.cli import main

@@ -64,9 +64,9 @@ def _validate_lora(cfg: TrainConfig) -> None:
 
         check_4bit(cfg, torch.cuda.is_available())
     given = {f: getattr(cfg, f) for f in LORA_FLAGS if getattr(cfg, f) != getattr(TrainConfig, f)}
-    if LoraSettings.checked(cfg.lora, given, "train") and (cfg.tp or 1) > 1:  # the TP plans split nn.Linear layers; peft's wrap them with two more matrices
-        raise BigfitError(f"--lora with --tp {cfg.tp}: adapters under tensor parallelism are not supported yet; "
-                          "spread a LoRA run with --dp-shard / zero3, the offload engine or --pp")
+    if LoraSettings.checked(cfg.lora, given, "train") and cfg.sequence_parallel:  # adapters see whole sequences
+        raise BigfitError("--lora with --sequence-parallel: adapters on a residual stream split by sequence are not "
+                          "supported; drop --sequence-parallel (--tp alone splits the adapters with their layers)")
 
 
 def _validate_types(cfg: TrainConfig) -> None:

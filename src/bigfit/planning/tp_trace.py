@@ -24,7 +24,6 @@ import torch
 from torch import nn
 
 from ..errors import BigfitError
-from ..lora import is_lora_layer
 
 
 class TensorSplit:
@@ -86,14 +85,12 @@ def _styles(model: nn.Module) -> dict[str, str]:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     from ..tensor import plans
+    from ..tensor.adapters import FusedLinearColwise, with_adapters
     from ..tensor.styles import Conv1DColwise, Conv1DRowwise, FusedConv1DColwise
 
-    if any(is_lora_layer(m) for m in model.modules()):  # the plans name the linear layers that peft wraps
-        raise BigfitError("tensor parallelism is not rated with LoRA adapters: tensor/plans.py splits the "
-                          "linear layers peft replaces by adapter layers")
-    out = {}
-    for name, style in plans.build(model).styles.items():
-        if isinstance(style, (ColwiseParallel, Conv1DColwise, FusedConv1DColwise)):
+    out = {}  # LoRA layers: their base layers and adapters, split as tensor/adapters.py splits them
+    for name, style in with_adapters(model, plans.build(model).styles).items():
+        if isinstance(style, (ColwiseParallel, Conv1DColwise, FusedConv1DColwise, FusedLinearColwise)):
             out[name] = "colwise"
         elif isinstance(style, (RowwiseParallel, Conv1DRowwise)):
             out[name] = "rowwise"

@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 from . import plans
+from .adapters import with_adapters
 from .styles import whole_logits
 
 __all__ = ["apply_tensor_parallel", "check_tensor_parallel", "param_groups", "whole_logits"]
@@ -37,14 +38,16 @@ def apply_tensor_parallel(model: torch.nn.Module, tp_mesh, sequence: bool = Fals
     copy (src_data_rank None), so ranks whose model is on the meta device get meta shards, to be
     filled afterwards: by each rank from its slices (bigfit.loading), or on the rank-0 path by
     set_model_state_dict(..., full_state_dict=True, broadcast_from_rank0=True).
-    A mesh of one rank changes nothing. `sequence`: Megatron's sequence parallelism (plans.py)."""
+    A mesh of one rank changes nothing. `sequence`: Megatron's sequence parallelism (plans.py). LoRA
+    layers (peft's, injected before) keep their base layer's split and split their adapters to match
+    (adapters.py)."""
     tp = tp_mesh.size()
     check_tensor_parallel(model.config, tp, sequence)
     if tp == 1:
         return []
     plan, vocab = plans.build(model, sequence), plans.vocab_styles(model, tp, sequence)
     ties = _ties(model)
-    parallelize_module(model, tp_mesh, {**plan.styles, **vocab}, src_data_rank=None)
+    parallelize_module(model, tp_mesh, with_adapters(model, {**plan.styles, **vocab}), src_data_rank=None)
     _retie(ties)
     for module, names in plan.local:  # attention code that reads head counts sees this rank's
         for name in names:

@@ -24,6 +24,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
 from ..errors import BigfitError
+from ..lora import is_lora_layer
 from .styles import (Conv1DColwise, Conv1DRowwise, FusedConv1DColwise, GatherSequence, SplitSequence, VocabColwise,
                      VocabRowwise)
 
@@ -184,7 +185,7 @@ def _gpt2(model: nn.Module) -> Plan:
     plan, width = Plan(), model.config.n_embd
     for name, mod in model.named_modules():
         if hasattr(mod, "c_attn") and hasattr(mod, "split_size"):  # GPT2Attention
-            plan.styles[f"{name}.c_attn"] = FusedConv1DColwise(mod.c_attn.nf // width, width)
+            plan.styles[f"{name}.c_attn"] = FusedConv1DColwise(base_of(mod.c_attn).nf // width, width)
             plan.styles[f"{name}.c_proj"] = Conv1DRowwise()
             if hasattr(mod, "q_attn"):  # cross-attention: c_attn is [k | v], q_attn a plain Conv1D
                 plan.styles[f"{name}.q_attn"] = Conv1DColwise()
@@ -252,6 +253,11 @@ def _prefix_of(model: nn.Module, sub: nn.Module) -> str:
     if sub is model:
         return ""
     return next(name for name, mod in model.named_modules() if mod is sub) + "."
+
+
+def base_of(module: nn.Module) -> nn.Module:
+    """The layer a plan splits: peft's base_layer inside a LoRA layer (tensor/adapters.py), else itself."""
+    return module.base_layer if is_lora_layer(module) else module
 
 
 def _divisors(n: int) -> list[int]:
