@@ -56,3 +56,28 @@ def test_traffic_grows_with_the_batch_and_the_step_pays_for_it():
     slow_e = plan_for_config(small_llama(), slow, job, strategies=("zero2",)).candidates[0].estimate
     assert slow_e.costs["compute"] - fast_e.costs["compute"] == pytest.approx(
         9 * traffic_seconds(large, hw, job, range(large.n_blocks), True, 8), rel=0.02)
+
+
+def test_t5_self_attention_is_traced_on_the_math_path_cuda_takes_for_its_trained_bias():
+    """CUDA's fused kernels do not differentiate a mask, so T5's self-attention (its relative position
+    bias is a parameter's output) runs SDPA's math path in fp32 there, while its cross-attention and a
+    Llama's attention run fused: the trace saves the fp32 probabilities and rates the fp32 matmuls."""
+    from transformers import T5Config
+
+    from bigfit.planning.devicecost import FP32_SHARE, traffic_seconds
+    from bigfit.planning.profile import profile_model
+
+    b, h, s, tt = 2, 4, 64, 16
+    t5 = T5Config(d_model=64, d_ff=128, d_kv=16, num_heads=h, num_layers=2, num_decoder_layers=1, vocab_size=100,
+                  dropout_rate=0.0, decoder_start_token_id=0)
+    prof = profile_model(t5, b, s, tt, "bf16", autocast=True)
+    assert min(prof.block_saved[:2]) >= 4 * b * h * s * s  # each encoder layer keeps its fp32 probabilities
+    # forward FLOPs of the fp32 matmuls: scores and values, encoder (s x s) and decoder self-attention
+    assert prof.block_fp32_flops == [2 * 2 * b * h * s * s * 16] * 2 + [2 * 2 * b * h * tt * tt * 16]
+    llama = profile_model(small_llama(), b, s, 0, "bf16", autocast=True)
+    assert not any(llama.block_fp32_flops)
+    hw = Hardware(gpu_bytes=(80 * GB,))
+    job = Job(batch_size=b, seq_len=s, target_len=tt, micro_batch=b)
+    bare = replace(prof, block_fp32_flops=[])
+    extra = traffic_seconds(prof, hw, job, range(3), False, b) - traffic_seconds(bare, hw, job, range(3), False, b)
+    assert extra == pytest.approx(3 * sum(prof.block_fp32_flops) * (1 / FP32_SHARE - 1) / (hw.gpu_tflops * 1e12 * 0.6))

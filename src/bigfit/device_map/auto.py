@@ -21,7 +21,7 @@ from ..models import block_lists
 from ..planning.adapters import frozen_costs
 from ..planning.estimate import RESERVE
 from ..planning.job import Job
-from ..planning.profile import profile_model
+from ..planning.profile import as_compiled, profile_model
 from ..precision import DTYPES
 from .balance import balance, loads, size
 from .maps import canonical_device, check_device, name_stacks, resolve_map
@@ -80,10 +80,10 @@ def costs(model: torch.nn.Module, found, job) -> Costs:
 
 
 def profile_for(config, job):
-    """The model traced as one process trains it: the whole micro-batch (no data-parallel split)."""
-
-    return profile_model(config, job.micro(1), job.seq_len, job.target_len or job.seq_len, job.precision,
-                         lora=job.lora)
+    """The model traced as one process trains it: the whole micro-batch (no data-parallel split), its
+    blocks compiled where the job compiles them."""
+    return as_compiled(profile_model(config, job.micro(1), job.seq_len, job.target_len or job.seq_len, job.precision,
+                                     lora=job.lora), job.compile)
 
 
 def state_bytes(n: int, c: int) -> dict[str, int]:

@@ -73,6 +73,7 @@ def share(prof, tp: int, scale: float, sequence: bool = False):
                    flops_per_token=(prof.flops_per_token - attention) * ratio + attention / tp,
                    block_matmul_flops=[f * k for f, k in zip(prof.block_matmul_flops, kept)],
                    block_attention_flops=[f / tp for f in prof.block_attention_flops],
+                   block_fp32_flops=[f * scale / tp for f in prof.block_fp32_flops],  # attention's, by heads
                    block_saved=[(a - d * cut) * scale for a, d in zip(prof.block_saved, divided)],
                    # the operators' bytes as the saved ones: TP divides the same tensors
                    block_traffic=[t * (a - d * cut) * scale / max(1, a)

@@ -22,6 +22,9 @@ PASSES = 3
 # into a few kernels that read each input once (T5-large at batch 128 on the H200 machine: eager 0.58 s,
 # compiled 0.31 s, about the matmuls' time alone).
 COMPILED = 0.2
+# fp32 matmuls (no tensor cores; torch leaves TF32 off) against the dense bf16 peak: 67 / 989 TFLOP/s on
+# the H100 and H200, 19.5 / 312 on the A100. The trace's `block_fp32_flops` run at this share of the peak.
+FP32_SHARE = 1 / 15
 
 
 def traffic_seconds(prof, hw, job, blocks: Iterable[int], outside: bool, samples: float) -> float:
@@ -34,7 +37,17 @@ def traffic_seconds(prof, hw, job, blocks: Iterable[int], outside: bool, samples
     moved = sum(prof.block_traffic[g] for g in blocks) * (COMPILED if job.compile else 1.0)
     moved *= (PASSES + 1) / PASSES if job.checkpointing else 1.0
     moved += prof.other_traffic if outside else 0
-    return PASSES * moved * samples / traced / (hw.gpu_mem_gbps * 1e9 * MEM_EFFICIENCY)
+    memory = moved / (hw.gpu_mem_gbps * 1e9 * MEM_EFFICIENCY)
+    return PASSES * (memory + _fp32_seconds(prof, hw, job, blocks)) * samples / traced
+
+
+def _fp32_seconds(prof, hw, job, blocks: Iterable[int]) -> float:
+    """What the traced micro-batch's fp32 matmuls (forward) take beyond their FLOPs at the bf16 rate,
+    which flops_per_token already counts them at. Inductor fuses T5's math-path attention too, but
+    not onto tensor cores: compiled, the same."""
+    flops = sum(prof.block_fp32_flops[g] for g in blocks) if prof.block_fp32_flops else 0
+    flops *= (PASSES + 1) / PASSES if job.checkpointing else 1.0
+    return flops * (1 / FP32_SHARE - 1) / (hw.gpu_tflops * 1e12 * MFU)
 
 
 def step_traffic(prof, hw, job, samples_per_rank: float) -> float:

@@ -19,12 +19,15 @@ class OpCounter(TorchDispatchMode):
     allocation) the host must issue in eager mode. Beside the count, the bytes every operator but the
     matmuls and attention reads and writes (its tensor inputs other than parameters, and its outputs):
     the memory traffic of norms, activations, dropout, residual adds and casts, which bound the GPU's
-    time where FLOPs do not (T5's norms and residual stream, in fp32 under autocast)."""
+    time where FLOPs do not (T5's norms and residual stream, in fp32 under autocast). And the FLOPs of
+    the matmuls that run in fp32 in a job whose compute dtype is lower (`mixed`): they miss the tensor
+    cores' rate (T5's self-attention on SDPA's math path, profile.py's _fused_attention)."""
 
-    def __init__(self, current: list[int], n_blocks: int, params: set):
+    def __init__(self, current: list[int], n_blocks: int, params: set, mixed: bool = False):
         super().__init__()
         self.current, self.blocks, self.other = current, [0] * n_blocks, 0
         self.params, self.block_bytes, self.other_bytes = params, [0] * n_blocks, 0
+        self.mixed, self.block_fp32_flops = mixed, [0] * n_blocks
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -34,10 +37,21 @@ class OpCounter(TorchDispatchMode):
         if self.current[0] >= 0:
             self.blocks[self.current[0]] += 1
             self.block_bytes[self.current[0]] += moved
+            if self.mixed and isinstance(out, torch.Tensor) and out.dtype == torch.float32:
+                self.block_fp32_flops[self.current[0]] += _matmul_flops(func.__name__.split(".")[0], args, out)
         else:
             self.other += 1
             self.other_bytes += moved
         return out
+
+
+def _matmul_flops(name: str, args, out) -> int:
+    """A forward matmul's FLOPs (2 x its output's elements x the inner dimension); 0 for other operators."""
+    if name in ("mm", "bmm"):
+        return 2 * out.numel() * args[0].shape[-1]
+    if name in ("addmm", "baddbmm"):
+        return 2 * out.numel() * args[1].shape[-1]
+    return 0
 
 
 def _bytes_of(tree, params) -> int:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -67,6 +67,9 @@ class ModelProfile:
     # micro-batch, and outside the blocks: memory-bound time on the device (devicecost.py)
     block_traffic: list[int] = field(default_factory=list)
     other_traffic: int = 0
+    # each block's forward FLOPs per micro-batch in fp32 matmuls where the compute dtype is lower: slower
+    # than the block's other FLOPs by the tensor cores' factor (devicecost.py)
+    block_fp32_flops: list[int] = field(default_factory=list)
     # each block's model FLOPs per sample (forward and backward): its matmuls, and its attention's
     # query-key products, which tensor parallelism divides by heads (_block_flops)
     block_matmul_flops: list[float] = field(default_factory=list)
@@ -122,6 +125,20 @@ class ModelProfile:
         return sum(self.block_inputs) + self.other_saved + max(self.block_saved, default=0)
 
 
+# What inductor's partitioner keeps of a compiled block's saved bytes: it recomputes the cheap
+# elementwise operators in backward rather than saving their outputs. T5-large's compiled blocks on the
+# H200 machine: 0.42 GB a sample against eager's 0.63 at batch 64 and 128 (tests/data/h200_measured.json,
+# dm6c4); not measured on other families.
+COMPILED_SAVED = 0.66
+
+
+def as_compiled(prof: ModelProfile, compiled: bool) -> ModelProfile:
+    """The profile of the job's blocks as they run: compiled ones save less (COMPILED_SAVED)."""
+    if not compiled:
+        return prof
+    return replace(prof, block_saved=[int(b * COMPILED_SAVED) for b in prof.block_saved])
+
+
 def _storage_key(t: torch.Tensor):
     return t.untyped_storage()._cdata
 
@@ -148,7 +165,8 @@ def _profile(config, micro_batch: int, seq_len: int, target_len: int, precision:
     """`device`: the device type the job runs on. Its attention saves different tensors: CUDA's fused
     SDPA kernels save their output and log-sum-exp; on the CPU, SDPA takes its math path whenever
     attention dropout is on (GPT-2) and saves every head's probabilities and dropout mask. The trace
-    runs on CPU fake tensors, so for CUDA it swaps SDPA for a stand-in that saves what the kernels do.
+    runs on CPU fake tensors, so for CUDA it swaps SDPA for a stand-in that saves what the kernels do
+    (and runs the math path where CUDA does: `_fused_attention`).
     `autocast` (single, ddp, zero1 under bf16/fp16 on CUDA): fp32 weights (with `lora`, a base in the
     compute dtype and fp32 adapters), and CUDA autocast's casts applied by `_CudaAutocast`; what it
     keeps in fp32 (GPT-2's residual stream, norms) is saved at 4 bytes. Weight casts are left out: the
@@ -170,7 +188,8 @@ def _profile(config, micro_batch: int, seq_len: int, target_len: int, precision:
         model.train()
         casts = _CudaAutocast(dtype, model) if mixed else None
         with casts or contextlib.nullcontext():
-            return _trace(model, seq2seq, micro_batch, seq_len, target_len, skip=casts.weight_casts if casts else None)
+            return _trace(model, seq2seq, micro_batch, seq_len, target_len, skip=casts.weight_casts if casts else None,
+                          mixed=dtype != torch.float32)
 
 
 _LOWER = {F.linear, torch.matmul, torch.mm, torch.addmm, torch.bmm, torch.baddbmm, torch.Tensor.matmul,
@@ -232,9 +251,17 @@ class _FusedSDPA(torch.autograd.Function):
 
 @contextlib.contextmanager
 def _fused_attention():
+    """CUDA's SDPA as the trace's stand-in, except where the GPU itself falls back to the math path: a
+    floating mask that needs a gradient (T5's relative position bias, a trained parameter's output),
+    which no fused kernel differentiates. The math path runs as it would there, with the inputs
+    autocast gives it and in fp32 (torch upcasts half inputs unless told otherwise): T5-large saves
+    5 MB more per self-attention layer and sample than the kernels would, and issues a dozen operators
+    in place of one (measured on the H200: cuDNN for T5's cross-attention, math for self-attention)."""
     real = F.scaled_dot_product_attention
 
     def sdpa(q, k, v, attn_mask=None, *args, **kwargs):
+        if attn_mask is not None and attn_mask.is_floating_point() and attn_mask.requires_grad:
+            return real(q, k, v, attn_mask.to(q.dtype), *args, **kwargs)
         return _FusedSDPA.apply(q, k, v, attn_mask)
     F.scaled_dot_product_attention = sdpa
     try:
@@ -243,7 +270,7 @@ def _fused_attention():
         F.scaled_dot_product_attention = real
 
 
-def _trace(model, seq2seq: bool, b: int, t: int, tt: int, skip=None) -> ModelProfile:
+def _trace(model, seq2seq: bool, b: int, t: int, tt: int, skip=None, mixed: bool = False) -> ModelProfile:
     params = {_storage_key(p): p.numel() for p in model.parameters()}
     skip = skip if skip is not None else set()  # storages that are not activations (autocast's weight casts)
     stacks = block_lists(model)
@@ -273,7 +300,7 @@ def _trace(model, seq2seq: bool, b: int, t: int, tt: int, skip=None) -> ModelPro
     handles = [blk.register_forward_pre_hook(pre(i), with_kwargs=True) for i, blk in enumerate(blocks)]
     handles += [blk.register_forward_hook(post, with_kwargs=True) for blk in blocks]
     ids = torch.zeros(b, t, dtype=torch.long)
-    ops = OpCounter(current, len(blocks), set(params))
+    ops = OpCounter(current, len(blocks), set(params), mixed)
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x), ops:
             if seq2seq:
@@ -318,6 +345,7 @@ def _trace(model, seq2seq: bool, b: int, t: int, tt: int, skip=None) -> ModelPro
                         tp_reduce=[tuple(r) for r in split.reduce], hidden=hidden, vocab_rows=split.vocab_rows,
                         vocab_params=split.vocab_params, block_ops=ops.blocks, other_ops=ops.other,
                         block_traffic=ops.block_bytes, other_traffic=ops.other_bytes,
+                        block_fp32_flops=ops.block_fp32_flops,
                         block_matmul_flops=matmul, block_attention_flops=attention,
                         attention_per_token=sum(attention) / (t + (tt if seq2seq else 0)),
                         **_tp_counts(model.config, split), **frozen, **base_counts(model))

@@ -16,7 +16,7 @@ from .hostcost import step_seconds as issue_seconds
 from .job import Job
 from .layouts import LayoutCandidate, Rejected, choose, layout_rows
 from .rows import Candidate, fit_problem as _fit, gb as _gb, host_problem as _host_fit
-from .profile import profile_model
+from .profile import as_compiled, profile_model
 from .split import device_map_row
 from .stages import pipeline_row
 
@@ -188,10 +188,10 @@ def plan_for_config(model_config, hw, job: Job, strategies=ALL, layouts: dict | 
     # micro-batch, CUDA's attention; with one GPU it is the data-parallel trace itself
     if whole and not (job.micro(1) == micro and hw.device == "cuda" and data_parallel):
         split = profile_for(model_config, job)
-    prof = profile_model(*lengths, lora=job.lora) if data_parallel else split
+    prof = as_compiled(profile_model(*lengths, lora=job.lora), job.compile) if data_parallel else split
     mixed = job.precision != "fp32" and hw.device == "cuda" and any(s in AUTOCAST for s in strategies)
-    result = plan(prof, hw, job, strategies, profile_model(*lengths, autocast=True, lora=job.lora) if mixed else None,
-                  split, layouts)
+    autocast = as_compiled(profile_model(*lengths, autocast=True, lora=job.lora), job.compile) if mixed else None
+    result = plan(prof, hw, job, strategies, autocast, split, layouts)
     traced = ([f"micro-batch {micro}"] * data_parallel
               + [f"micro-batch {job.micro(1)} for {' and '.join(whole)} (whole micro-batch)"] * bool(split))
     result.notes.append(f"model: {prof.params / 1e6:.1f}M parameters, {prof.n_blocks} blocks; activations traced at "
