@@ -14,6 +14,7 @@ import sys
 import pytest
 import torch
 
+from bigfit.config import TrainConfig
 from bigfit.hardware import Hardware
 from bigfit.lora import LoraSettings
 from bigfit.planning.job import Job
@@ -331,6 +332,24 @@ def test_only_single_and_ddp_rows_with_a_4bit_base():
     assert _job(TrainConfig(lora=True, load_in_4bit=True), tiny_config("llama"), 8, None).load_in_4bit  # --strategy auto
 
 
+def test_strategy_auto_with_a_4bit_base_picks_single_or_ddp(model_dirs, monkeypatch):
+    """`bigfit train --strategy auto --lora --load-in-4bit`: the settings pass (auto resolves to a
+    strategy QLoRA runs with) and the planner's pick is single on one GPU, ddp on two."""
+    from types import SimpleNamespace
+
+    from bigfit.planning import command
+    from bigfit.quantize import check
+
+    check(SimpleNamespace(load_in_4bit=True, lora=True, strategy="auto", precision="bf16"), cuda=True)
+    for gpus, want in ((1, "single"), (2, "ddp")):
+        hw = Hardware(gpu_bytes=(80 * GB,) * gpus, cpu_ram=512 * GB)
+        monkeypatch.setattr(command, "_this_machine", lambda world, strategy=None, nvme_dir=None: hw)
+        cfg = TrainConfig(model=str(model_dirs["llama"]), strategy="auto", lora=True, load_in_4bit=True,
+                          precision="bf16", batch_size=8, max_source_len=32)
+        name, degrees, reason = command.auto_plan(cfg, gpus, one_process=gpus == 1)
+        assert name == want and "composed plans:" in reason, reason
+
+
 def test_plan_command_4bit_flags(model_dirs, capsys):
     from bigfit.errors import BigfitError
     from bigfit.planning.command import plan_command
@@ -338,8 +357,8 @@ def test_plan_command_4bit_flags(model_dirs, capsys):
     base = ["--model", str(model_dirs["llama"]), "--gpus", "2x8GB", "--seq-len", "32", "--batch-size", "4"]
     for extra, message in ((["--load-in-4bit"], "--load-in-4bit quantizes a frozen base under LoRA adapters"),
                            (["--lora", "--load-in-4bit", "--precision", "fp32"], "--load-in-4bit computes in bf16"),
-                           (["--lora", "--load-in-4bit", "--tp", "2"], "--load-in-4bit runs with --strategy single "
-                                                                       "or ddp")):
+                           (["--lora", "--load-in-4bit", "--tp", "2"], "--load-in-4bit runs with --strategy single, "
+                                                                       "ddp or auto")):
         with pytest.raises(BigfitError, match=message) as err:  # train's lines (quantize.check), one each
             plan_command(_plan_ns(base + extra))
         assert "\n" not in str(err.value)

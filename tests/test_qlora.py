@@ -24,7 +24,7 @@ def settings(model_dir, **kw):
 
 @pytest.mark.parametrize("kw,message", [
     (dict(lora=False, lora_r=16, lora_dropout=0.05), "--load-in-4bit quantizes a frozen base under LoRA adapters"),
-    (dict(strategy="zero3"), "--load-in-4bit runs with --strategy single or ddp"),
+    (dict(strategy="zero3"), "--load-in-4bit runs with --strategy single, ddp or auto"),
     (dict(precision="fp32"), "--load-in-4bit computes in bf16"),
     (dict(), "--load-in-4bit needs a CUDA GPU"),
 ])

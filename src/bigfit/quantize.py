@@ -34,9 +34,9 @@ def check(cfg, cuda: bool) -> None:
         return
     if not cfg.lora:
         raise BigfitError("--load-in-4bit quantizes a frozen base under LoRA adapters (QLoRA): add --lora")
-    if cfg.strategy not in ("single", "ddp"):
-        raise BigfitError(f"--load-in-4bit runs with --strategy single or ddp (each process holds the whole 4-bit "
-                          f"base), not {cfg.strategy}: 4-bit weights cannot be sharded or offloaded")
+    if cfg.strategy not in ("single", "ddp", "auto"):  # auto: the planner rates single and ddp alone then
+        raise BigfitError(f"--load-in-4bit runs with --strategy single, ddp or auto (each process holds the whole "
+                          f"4-bit base), not {cfg.strategy}: 4-bit weights cannot be sharded or offloaded")
     if cfg.precision not in ("bf16", None):
         raise BigfitError(f"--load-in-4bit computes in bf16: use --precision bf16, not {cfg.precision}")
     if not cuda:
