@@ -20,18 +20,17 @@ HELD = """s1-single s1-zero2 s1-zero3 s1-zero3-offload x2-single x2-zero2-offloa
 pa2-zero2-gpt2-x2 pa2-zero2-gpt2-x8 pa2-zero3-gpt2-x2 pa2-single-llama-x2 pa2-single-llama-x8
 pa2-zero2-llama-x2 pa2-zero2-llama-x8 pa3-zero3-llama-x2 pa3-zero3-llama-x8 pa3-zero3-gpt2-x8
 pa3-zero2-offload-llama-x2 pa3-zero2-offload-llama-x8 pa3-zero2-offload-gpt2-x2 pa3-zero2-offload-gpt2-x8
-x4c1-single x4c1-zero2-offload x4c1-zero2-offload-eager x4c2-zero2-offload x4c4-zero2-offload-delayed
-x4c1-acc4-delayed x4c1-acc4-eager x4c1-acc4-zero2-offload sc-ddp-1gpu sc-zero1-1gpu sc-zero2-1gpu
-sc-zero3-1gpu sc-ddp-2gpu sc-zero1-2gpu sc-zero2-2gpu sc-zero3-2gpu dm3-t5l-cpu-b8-flat dm4-t5l-cpu-b8-unsplit
-dm6-b8-unsplit cap2-devgrads x2a-acc4-delayed pp2-gpipe-m4 pp2-gpipe-m8 pp2-1f1b-m4 pp2-1f1b-m8 pp2-zero3-m8
-k2-delayed k3-delayed k3-zero2-offload k5-delayed k2-acc4-delayed k2-zero3-offload-eager k2-zero3-offload
-8b-zero2 8b-zero3 p6-delayed p6-delayed-torchpinned ss1-single ss1-zero2 ss1-zero3 ss1-zero2-offload
-ss1-zero3-offload ss1-device_map ss2-zero2-offload ss2-single ss3-single ss3-zero3 ss3-zero2-offload
-ss3-zero3-offload dm2-t5l-cpu-split-c4 dm4-t5l-cpu-b8-split-c4 pp2-zero3-m4 dm2-t5l-2gpu-unsplit
-dm4-t53-2gpu-b8-flat-c4 dm4-t53-2gpu-b8-split-c4 dm4-t5l-2gpu-b32-unsplit dm4-t5l-2gpu-b32-flat
-dm4-t5l-2gpu-b32-split dm6-b64-unsplit dm6-b64-tail-c2 dm6-b64-tail-c2-after dm6-b64-tail-c4
-dm6-b64-tail-c4-after dm6-b128-unsplit dm6c4-b64-unsplit dm6c4-b64-tail dm6c4-b64-tail-c2
-dm6c4-b128-unsplit-compiled""".split()
+x4c1-single x4c1-zero2-offload-eager x4c4-zero2-offload-delayed x4c1-acc4-delayed x4c1-acc4-eager
+x4c1-acc4-zero2-offload sc-ddp-1gpu sc-zero1-1gpu sc-zero2-1gpu sc-zero3-1gpu sc-ddp-2gpu sc-zero1-2gpu
+sc-zero2-2gpu sc-zero3-2gpu dm3-t5l-cpu-b8-flat dm4-t5l-cpu-b8-unsplit dm6-b8-unsplit x2a-acc4-delayed
+pp2-gpipe-m4 pp2-gpipe-m8 pp2-1f1b-m4 pp2-1f1b-m8 pp2-zero3-m8 k2-delayed k3-delayed k3-zero2-offload
+k5-delayed k2-acc4-delayed k2-zero3-offload-eager k2-zero3-offload 8b-zero2 8b-zero3 p6-delayed
+p6-delayed-torchpinned ss1-single ss1-zero2 ss1-zero3 ss1-zero2-offload ss1-zero3-offload ss1-device_map
+ss2-zero2-offload ss2-single ss3-single ss3-zero3 ss3-zero2-offload ss3-zero3-offload dm2-t5l-cpu-split-c4
+dm4-t5l-cpu-b8-split-c4 pp2-zero3-m4 dm2-t5l-2gpu-unsplit dm4-t53-2gpu-b8-flat-c4 dm4-t53-2gpu-b8-split-c4
+dm4-t5l-2gpu-b32-unsplit dm4-t5l-2gpu-b32-flat dm4-t5l-2gpu-b32-split dm6-b64-unsplit dm6-b64-tail-c2
+dm6-b64-tail-c2-after dm6-b64-tail-c4 dm6-b64-tail-c4-after dm6-b128-unsplit dm6c4-b64-unsplit dm6c4-b64-tail
+dm6c4-b64-tail-c2 dm6c4-b128-unsplit-compiled""".split()
 
 
 @pytest.fixture(scope="module")
@@ -65,10 +64,10 @@ QLORA = {  # id: (hidden, layers, heads, intermediate, samples, checkpointing, s
     "qlora-165b": (12288, 88, 96, 40960, 1, True, 2047 / 443.95, 106.87e9),
 }
 # Outside the target, with the prediction's measured error (predicted / measured - 1), held to within
-# MISS_DRIFT so that a change moving one must say so here: every step time reads slow, the LoRA model's
-# error (docs/planning.md: peft's elementwise traffic is not fitted; 8B bf16-base LoRA reads 35% slow)
-# plus the dequantisation's 0.01-0.40 s.
-KNOWN_MISSES = {"qlora-8b": {"step": 0.337}, "qlora-70b": {"step": 0.204}, "qlora-165b": {"step": 0.222}}
+# MISS_DRIFT so that a change moving one must say so here: the 8B step reads slow, as the bf16-base
+# LoRA step of the same shape does (+26%: docs/planning.md, peft's elementwise operators run nearer
+# the memory's bandwidth than a full fine-tune's, which the one MEM_EFFICIENCY is fitted to).
+KNOWN_MISSES = {"qlora-8b": {"step": 0.259}}
 MISS_DRIFT = 0.03
 
 

@@ -283,6 +283,7 @@ def test_4bit_base_bytes_and_dequantisation_time_against_a_bf16_base():
 
     from bigfit.lora import inject
     from bigfit.planning import quantized
+    from bigfit.planning.devicecost import MEM_EFFICIENCY
     from bigfit.planning.estimate import memory
     from bigfit.planning.profile import profile_model
     from bigfit.planning.search import plan_for_config
@@ -305,7 +306,7 @@ def test_4bit_base_bytes_and_dequantisation_time_against_a_bf16_base():
                                                 lora=LORA, load_in_4bit=f), ("single",)).candidates[0].estimate
                 for f in (False, True)]
         added = rows[1].costs["compute"] - rows[0].costs["compute"]
-        assert added == pytest.approx(2 * passes * 2.766 * q / (4.8e12 * 0.7), rel=1e-3)
+        assert added == pytest.approx(2 * passes * 2.766 * q / (4.8e12 * MEM_EFFICIENCY), rel=1e-3)
 
 
 def test_4bit_stored_bytes_are_bitsandbytes_own():

@@ -14,17 +14,19 @@ from dataclasses import replace
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from ..lora import inject, is_lora_layer
+from ..lora import inject
 
 FROZEN_STATE = {"grads": 4, "optimizer": 8}  # fp32 bytes a frozen parameter does not have (AdamW: two moments)
 
 
-def with_adapters(model: torch.nn.Module, settings, dtype: torch.dtype, cuda: bool) -> torch.nn.Module:
+def with_adapters(model: torch.nn.Module, settings, dtype: torch.dtype) -> torch.nn.Module:
     """`lora.inject` on a model built under FakeTensorMode, the adapters in `dtype`. peft moves each
     new adapter to its base layer's device and dtype with `Module.to`, which cannot swap a fake
     parameter; on the meta device it leaves them alone. So the adapters are made on meta outside the
-    mode and become fake tensors here (shapes are all a trace needs). `cuda`: the job runs on CUDA,
-    whose dropout the adapters' dropout stands in for (`_CudaDropout`)."""
+    mode and become fake tensors here (shapes are all a trace needs). Their dropout is traced as the
+    rest of the model's: on CUDA as its fused kernel (profile.py's `_cuda_kernels`; the CPU's would
+    keep its noise in the input's dtype, fp32 where peft casts an adapter's input to fp32 adapters
+    under autocast: an 8B Llama's adapters at 4 x 2048 saved 30 GB more that way than the H200 held)."""
     with unset_fake_temporarily(), torch.device("meta"):
         inject(model, settings)
     for mod in model.modules():
@@ -32,39 +34,7 @@ def with_adapters(model: torch.nn.Module, settings, dtype: torch.dtype, cuda: bo
             if p is not None and p.is_meta:
                 mod._parameters[name] = torch.nn.Parameter(torch.empty(p.shape, dtype=dtype),
                                                            requires_grad=p.requires_grad)
-        if cuda and is_lora_layer(mod):
-            for key, drop in mod.lora_dropout.items():
-                if isinstance(drop, torch.nn.Dropout):
-                    mod.lora_dropout[key] = _CudaDropout(drop.p)
     return model
-
-
-class _FusedDropout(torch.autograd.Function):
-    """What CUDA's fused dropout keeps for backward: a one-byte mask of its input's shape. On the CPU
-    (the trace's fake tensors) dropout multiplies by a noise tensor it keeps in the input's dtype:
-    fp32 where peft casts an adapter's input to fp32 adapters under autocast. An 8B Llama's adapters
-    at 4 x 2048 saved 30 GB more that way than the H200 run held (benchmarks/RESULTS.md, 2026-12-02)."""
-
-    @staticmethod
-    def forward(ctx, x, p):
-        ctx.save_for_backward(torch.empty(x.shape, dtype=torch.bool))
-        return x * (1 / (1 - p))  # one read and one write of the input's size, as the fused kernel's
-
-    @staticmethod
-    def backward(ctx, grad):
-        raise RuntimeError("a planning stand-in: never differentiated")
-
-
-class _CudaDropout(torch.nn.Module):
-    """The adapters' dropout in the trace of a CUDA job (their own only: the base model's dropouts are
-    traced as the CPU runs them, as they always were)."""
-
-    def __init__(self, p: float):
-        super().__init__()
-        self.p = p
-
-    def forward(self, x):
-        return _FusedDropout.apply(x, self.p) if self.training and self.p > 0 else x
 
 
 def frozen_counts(model: torch.nn.Module, blocks: list[torch.nn.Module]) -> dict:

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-# Fraction of the dense bf16 peak the matmuls and attention reach, and fraction of the memory's
-# bandwidth the other operators reach, fitted together to the H200 rows whose time is the GPU's
-# (tests/data/h200_measured.json: single, ddp, zero2 and zero3 from 1.5B to 8B Llamas, GPT-2, T5-large
-# at batch 64 and 128; benchmarks/plan_vs_measured.py rates them).
-MFU = 0.6
-MEM_EFFICIENCY = 0.7
+# Fraction of Hardware.gpu_tflops the matmuls and attention reach, and fraction of the memory's
+# bandwidth the other operators reach. The H200's profiler (2026-12-03, 3.6B and 8B Llamas at 4 x 2048,
+# full and LoRA, benchmarks/results/2026-12-03-h200-lora-kernels/): matmul kernels at 0.91-1.01 of 760
+# TFLOP/s; the rest at 0.55-0.6 of 4.8 TB/s for full fine-tunes, 0.8 for LoRA's. Then fitted on every
+# H200 row whose time is the GPU's (tests/data/h200_measured.json; benchmarks/plan_vs_measured.py),
+# with the optimizer's and autocast's parameter traffic below, which 0.6 and 0.7 had stood in for.
+MFU = 0.9
+MEM_EFFICIENCY = 0.55
 # The forward's bytes once, the backward's about twice: each operator's gradient reads the incoming
 # gradient and what it saved, and writes a gradient for each input.
 PASSES = 3
@@ -53,3 +55,28 @@ def _fp32_seconds(prof, hw, job, blocks: Iterable[int]) -> float:
 def step_traffic(prof, hw, job, samples_per_rank: float) -> float:
     """The whole model's memory-bound seconds for one rank's samples of a step."""
     return traffic_seconds(prof, hw, job, range(prof.n_blocks), True, samples_per_rank)
+
+
+# Bytes a trainable parameter moves on the GPU once a step whatever the batch, outside the trace's
+# forward: AdamW's fused step (reads the fp32 parameter, gradient and two moments, writes three), the
+# gradient clipping's norm and scaling (reads, then reads and writes, the fp32 gradient).
+ADAM = 28
+CLIP = 12
+# Under autocast, per micro-batch: each weight's bf16 copy (reads 4, writes 2) and its bf16 gradient
+# added into the fp32 one (reads 2 and 4, writes 4). A frozen base (LoRA) is stored in bf16: no copy.
+AUTOCAST = 16
+# Under FSDP2, per micro-batch: each all-gather's copy-out of the bf16 parameters (reads and writes 2,
+# every parameter, frozen ones too) and the gradients' copy into the reduce-scatter (trainable ones).
+GATHER = 4
+REDUCE = 6
+
+
+def parameter_seconds(prof, hw, job, shards: int, accum: int, autocast: bool = False, gathers: int = 0) -> float:
+    """The GPU's memory-bound seconds a step on its share of the parameters (`shards`: the ranks the
+    optimizer's states are divided over; `gathers`: FSDP2's all-gathers per micro-batch, 0 without
+    it): the fused AdamW step measured 30 ms for a 3.6B Llama on the H200 (2026-12-03, torch
+    profiler), the 3.3 TB/s this model gives it."""
+    t = prof.trainable_params
+    moved = t * (ADAM + (CLIP if job.clipping else 0)) / shards + t * AUTOCAST * accum * autocast
+    moved += (prof.params * GATHER * gathers + t * REDUCE * bool(gathers)) * accum
+    return moved / (hw.gpu_mem_gbps * 1e9 * MEM_EFFICIENCY)

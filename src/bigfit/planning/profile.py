@@ -166,7 +166,7 @@ def _profile(config, micro_batch: int, seq_len: int, target_len: int, precision:
     SDPA kernels save their output and log-sum-exp; on the CPU, SDPA takes its math path whenever
     attention dropout is on (GPT-2) and saves every head's probabilities and dropout mask. The trace
     runs on CPU fake tensors, so for CUDA it swaps SDPA for a stand-in that saves what the kernels do
-    (and runs the math path where CUDA does: `_fused_attention`).
+    (and runs the math path where CUDA does), and dropout's fused kernel: `_cuda_kernels`.
     `autocast` (single, ddp, zero1 under bf16/fp16 on CUDA): fp32 weights (with `lora`, a base in the
     compute dtype and fp32 adapters), and CUDA autocast's casts applied by `_CudaAutocast`; what it
     keeps in fp32 (GPT-2's residual stream, norms) is saved at 4 bytes. Weight casts are left out: the
@@ -176,7 +176,7 @@ def _profile(config, micro_batch: int, seq_len: int, target_len: int, precision:
     seq2seq = is_seq2seq(config)
     dtype = DTYPES[precision]
     config = copy.deepcopy(config)  # from_config(dtype=...) writes the dtype into the config it is given
-    fused = _fused_attention() if device == "cuda" else contextlib.nullcontext()
+    fused = _cuda_kernels() if device == "cuda" else contextlib.nullcontext()
     mixed = autocast and device == "cuda" and dtype != torch.float32
     with FakeTensorMode(allow_non_fake_inputs=True), fused:
         auto = AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM
@@ -184,7 +184,7 @@ def _profile(config, micro_batch: int, seq_len: int, target_len: int, precision:
         # (parallel/apply.py store_frozen): the residual stream then runs in the compute dtype too
         model = auto.from_config(config, dtype=torch.float32 if mixed and lora is None else dtype)
         if lora is not None:
-            with_adapters(model, lora, torch.float32 if mixed else dtype, cuda=device == "cuda")
+            with_adapters(model, lora, torch.float32 if mixed else dtype)
         model.train()
         casts = _CudaAutocast(dtype, model) if mixed else None
         with casts or contextlib.nullcontext():
@@ -250,24 +250,32 @@ class _FusedSDPA(torch.autograd.Function):
 
 
 @contextlib.contextmanager
-def _fused_attention():
-    """CUDA's SDPA as the trace's stand-in, except where the GPU itself falls back to the math path: a
-    floating mask that needs a gradient (T5's relative position bias, a trained parameter's output),
-    which no fused kernel differentiates. The math path runs as it would there, with the inputs
-    autocast gives it and in fp32 (torch upcasts half inputs unless told otherwise): T5-large saves
-    5 MB more per self-attention layer and sample than the kernels would, and issues a dozen operators
-    in place of one (measured on the H200: cuDNN for T5's cross-attention, math for self-attention)."""
-    real = F.scaled_dot_product_attention
+def _cuda_kernels():
+    """The kernels CUDA runs where the CPU's differ, for a trace on CPU fake tensors: SDPA's fused
+    kernels (`_FusedSDPA`) and dropout's one fused kernel (a bool mask; the CPU's draws a mask in the
+    input's dtype, scales it and multiplies: four operators, 2.8 times the bytes, a mask twice the
+    size). SDPA runs its math path where CUDA does: a floating mask that needs a gradient (T5's
+    relative position bias, a trained parameter's output), which no fused kernel differentiates.
+    The math path runs as it would there, with the inputs autocast gives it and in fp32 (torch
+    upcasts half inputs unless told otherwise): T5-large saves 5 MB more per self-attention layer and
+    sample than the kernels would, and issues a dozen operators in place of one (measured on the
+    H200: cuDNN for T5's cross-attention, math for self-attention)."""
+    real_sdpa, real_dropout = F.scaled_dot_product_attention, F.dropout
 
     def sdpa(q, k, v, attn_mask=None, *args, **kwargs):
         if attn_mask is not None and attn_mask.is_floating_point() and attn_mask.requires_grad:
-            return real(q, k, v, attn_mask.to(q.dtype), *args, **kwargs)
+            return real_sdpa(q, k, v, attn_mask.to(q.dtype), *args, **kwargs)
         return _FusedSDPA.apply(q, k, v, attn_mask)
-    F.scaled_dot_product_attention = sdpa
+
+    def dropout(x, p=0.5, training=True, inplace=False):
+        if training and 0 < p < 1 and not inplace:
+            return torch.native_dropout(x, p, True)[0]
+        return real_dropout(x, p, training, inplace)
+    F.scaled_dot_product_attention, F.dropout = sdpa, dropout
     try:
         yield
     finally:
-        F.scaled_dot_product_attention = real
+        F.scaled_dot_product_attention, F.dropout = real_sdpa, real_dropout
 
 
 def _trace(model, seq2seq: bool, b: int, t: int, tt: int, skip=None, mixed: bool = False) -> ModelProfile:

@@ -10,7 +10,7 @@ from ..device_map.auto import profile_for
 from ..precision import DTYPES
 from . import quantized
 from .adapters import describe as describe_lora
-from .devicecost import step_traffic
+from .devicecost import parameter_seconds, step_traffic
 from .estimate import RESERVE, Estimate, combine, grad_bytes, memory, nvme_bytes, nvme_fill, step_time
 from .hostcost import step_seconds as issue_seconds
 from .job import Job
@@ -96,7 +96,8 @@ def plan(prof, hw, job: Job, strategies=ALL, autocast_prof=None, split_prof=None
         # memory traffic from the trace as it runs (autocast's fp32 residual stream and casts move bytes)
         costs = step_time(name, prof, hw, c, job.checkpointing, tokens, accum, nvme_host=kept, grad_bytes=gb,
                           issue=issue_seconds(prof, hw, job, accum, fsdp=name in FSDP),
-                          traffic=step_traffic(traced, hw, job, job.batch_size / world) + dequant)
+                          traffic=step_traffic(traced, hw, job, job.batch_size / world) + dequant
+                          + _parameter_traffic(name, traced, hw, job, accum))
         step_s = combine(costs, engine=_engine_mode(job) if name.startswith("zero2-offload") else None, accum=accum)
         e = Estimate(name, gpu, host, step_s, costs,
                      nvme_bytes(prof.trainable_params, hw, kept) if name.endswith("nvme") else 0)
@@ -172,6 +173,16 @@ def _advice(cands: list[Candidate], job: Job, hw) -> str:
     unusable = [f"{c.estimate.name} {c.why_not}" for c in cands if c.fits]  # device_map: no split, or several nodes
     head = f"nothing else fits ({'; '.join(unusable)})" if unusable else "nothing fits"
     return f"{head}: the most frugal, {least.estimate.name}, is {_gb(short)} over per GPU; try " + ", ".join(tips)
+
+
+def _parameter_traffic(name: str, prof, hw, job: Job, accum: int) -> float:
+    """The GPU's once-a-step parameter traffic (devicecost.parameter_seconds) of a data-parallel row:
+    none where the host steps (the offload rows), the states' share where FSDP2 or ZeRO-1 divide them."""
+    if "offload" in name:
+        return 0.0
+    shards = hw.world_size if name in ("zero1", *FSDP) else 1
+    gathers = {"zero2": 1, "zero3": 2}.get(name, 0)
+    return parameter_seconds(prof, hw, job, shards, accum, name in AUTOCAST and job.precision != "fp32", gathers)
 
 
 def plan_for_config(model_config, hw, job: Job, strategies=ALL, layouts: dict | None = None) -> Plan:
