@@ -87,7 +87,8 @@ def command_row(variant: str, model: Path, data: Path, mbs: int, seq: int, steps
     strategy, *flags = variant.split("+")
     extra = (["--delayed-update"] * ("delayed" in flags)
              + ["--max-grad-norm", "0"] * ("noclip" in flags or "eager" in flags)
-             + ["--offload-grads", "device"] * ("devgrads" in flags))
+             + ["--offload-grads", "device"] * ("devgrads" in flags)
+             + ["--activation-checkpointing"] * ("ckpt" in flags))
     cmd = [sys.executable, "-m", "bigfit", "train", "--model", str(model), "--data", str(data), "--strategy", strategy,
            "--nproc", "1", "--precision", "bf16", "--batch-size", str(mbs), "--max-source-len", str(seq),
            "--max-steps", str(steps), "--eval-every", "0", "--eval-samples", "0", "--save-every", "0",

@@ -30,7 +30,8 @@ STRATEGIES = ("single", "zero2", "zero3", "zero2-offload", "zero3-offload")
 SIZES = {"tiny": (64, 2, 4, 2, 128, 384),  # a smoke test of this script on a CPU
          "1b": (2048, 16, 32, 8, 8192, 128256), "3b": (3072, 28, 24, 8, 8192, 128256),
          "6b": (4096, 24, 32, 8, 14336, 128256),  # 6.3B: benchmarks/largest_model.py at 24 layers
-         "8b": (4096, 32, 32, 8, 14336, 128256)}  # as ../shared/bench/peers.py's
+         "8b": (4096, 32, 32, 8, 14336, 128256),  # as ../shared/bench/peers.py's
+         "11b": (4096, 45, 32, 8, 14336, 128256)}  # 10.9B: the largest that trained on one H200 + 125 GiB
 
 
 def run_one(strategy: str, size: str, mbs: int, seq: int, steps: int, warmup: int, accum: int = 1,
