@@ -56,7 +56,8 @@ def test_traffic_grows_with_the_batch_and_the_step_pays_for_it():
     fast_e = plan_for_config(small_llama(), hw, job, strategies=("zero2",)).candidates[0].estimate
     slow_e = plan_for_config(small_llama(), slow, job, strategies=("zero2",)).candidates[0].estimate
     # the trace's bytes, and the parameters' own: AdamW and clipping on the fp32 shard, FSDP2's copies
-    moved = traffic_seconds(large, hw, job, range(large.n_blocks), True, 8) + parameter_seconds(large, hw, job, 1, 1, gathers=1)
+    moved = (traffic_seconds(large, hw, job, range(large.n_blocks), True, 8)
+             + parameter_seconds(large, hw, job, 1, 1, gathers=1))
     assert slow_e.costs["compute"] - fast_e.costs["compute"] == pytest.approx(9 * moved, rel=0.02)
     n = large.trainable_params
     assert parameter_seconds(large, hw, job, 1, 1, gathers=1) * hw.gpu_mem_gbps * 1e9 * MEM_EFFICIENCY == pytest.approx(

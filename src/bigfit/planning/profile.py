@@ -267,10 +267,10 @@ def _cuda_kernels():
             return real_sdpa(q, k, v, attn_mask.to(q.dtype), *args, **kwargs)
         return _FusedSDPA.apply(q, k, v, attn_mask)
 
-    def dropout(x, p=0.5, training=True, inplace=False):
+    def dropout(input, p=0.5, training=True, inplace=False):  # noqa: A002  F.dropout's own names
         if training and 0 < p < 1 and not inplace:
-            return torch.native_dropout(x, p, True)[0]
-        return real_dropout(x, p, training, inplace)
+            return torch.native_dropout(input, p, True)[0]
+        return real_dropout(input, p, training, inplace)
     F.scaled_dot_product_attention, F.dropout = sdpa, dropout
     try:
         yield
