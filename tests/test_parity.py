@@ -35,8 +35,8 @@ def measured(strategy: str, precision: str) -> bool:
 CASES = [(s, p) for p in PRECISIONS for s in STRATEGIES if measured(s, p)]
 # (loss relative, parameter absolute). Runs differ only in the order of fp32 gradient sums. Worst seen:
 # fp32 5e-8 / 2.1e-6; bf16 2.9e-6 / 1.3e-5 (GPT-2 under ddp and zero1 on an AMD EPYC host, 0 / 7.5e-9
-# on the CPU machines measured before); fp16 1.3e-6 / 3.4e-4. An fp32 master weight that differs in its last bit
-# can round differently into bf16 or fp16, whose casts every later step reads.
+# on the CPU machines measured before); fp16 1.3e-6 / 3.4e-4. An fp32 master weight that differs in its
+# last bit can round differently into bf16 or fp16, whose casts every later step reads.
 TOL = {"fp32": (1e-6, 2e-5), "bf16": (1e-5, 2e-5), "fp16": (2e-5, 3e-3)}
 # Autocast against parameter casting: different places round. Worst seen: bf16 1.1e-3 / 3.7e-3,
 # fp16 1.8e-4 / 3.6e-3.

@@ -22,15 +22,16 @@ pa2-zero2-llama-x2 pa2-zero2-llama-x8 pa3-zero3-llama-x2 pa3-zero3-llama-x8 pa3-
 pa3-zero2-offload-llama-x2 pa3-zero2-offload-llama-x8 pa3-zero2-offload-gpt2-x2 pa3-zero2-offload-gpt2-x8
 x4c1-single x4c1-zero2-offload-eager x4c4-zero2-offload-delayed x4c1-acc4-delayed x4c1-acc4-eager
 x4c1-acc4-zero2-offload sc-ddp-1gpu sc-zero1-1gpu sc-zero2-1gpu sc-zero3-1gpu sc-ddp-2gpu sc-zero1-2gpu
-sc-zero2-2gpu sc-zero3-2gpu dm3-t5l-cpu-b8-flat dm4-t5l-cpu-b8-unsplit dm6-b8-unsplit x2a-acc4-delayed
-pp2-gpipe-m4 pp2-gpipe-m8 pp2-1f1b-m4 pp2-1f1b-m8 pp2-zero3-m8 k2-delayed k3-delayed k3-zero2-offload
-k5-delayed k2-acc4-delayed k2-zero3-offload-eager k2-zero3-offload 8b-zero2 8b-zero3 p6-delayed
-p6-delayed-torchpinned ss1-single ss1-zero2 ss1-zero3 ss1-zero2-offload ss1-zero3-offload ss1-device_map
-ss2-zero2-offload ss2-single ss3-single ss3-zero3 ss3-zero2-offload ss3-zero3-offload dm2-t5l-cpu-split-c4
-dm4-t5l-cpu-b8-split-c4 pp2-zero3-m4 dm2-t5l-2gpu-unsplit dm4-t53-2gpu-b8-flat-c4 dm4-t53-2gpu-b8-split-c4
-dm4-t5l-2gpu-b32-unsplit dm4-t5l-2gpu-b32-flat dm4-t5l-2gpu-b32-split dm6-b64-unsplit dm6-b64-tail-c2
-dm6-b64-tail-c2-after dm6-b64-tail-c4 dm6-b64-tail-c4-after dm6-b128-unsplit dm6c4-b64-unsplit dm6c4-b64-tail
-dm6c4-b64-tail-c2 dm6c4-b128-unsplit-compiled""".split()
+sc-zero2-2gpu sc-zero3-2gpu dm4-t5l-cpu-b8-unsplit dm6-b8-unsplit x2a-acc4-delayed pp2-gpipe-m8 pp2-1f1b-m4
+pp2-1f1b-m8 pp2-zero3-m8 k2-delayed k3-delayed k3-zero2-offload k5-delayed k2-acc4-delayed
+k2-zero3-offload-eager k2-zero3-offload 8b-zero2 8b-zero3 p6-delayed p6-delayed-torchpinned ss1-single
+ss1-zero2 ss1-zero3 ss1-zero2-offload ss1-zero3-offload ss1-device_map ss2-zero2-offload ss2-single ss3-single
+ss3-zero3 ss3-zero2-offload ss3-zero3-offload dm2-t5l-cpu-split-c4 dm4-t5l-cpu-b8-split-c4 pp2-zero3-m4
+dm2-t5l-2gpu-unsplit dm4-t53-2gpu-b8-flat-c4 dm4-t53-2gpu-b8-split-c4 dm4-t5l-2gpu-b32-unsplit
+dm4-t5l-2gpu-b32-flat dm6-b64-unsplit dm6-b64-tail-c2 dm6-b64-tail-c2-after dm6-b64-tail-c4
+dm6-b64-tail-c4-after dm6-b128-unsplit dm6c4-b64-unsplit dm6c4-b64-tail-c2 dm6c4-b128-unsplit-compiled
+dm2-t5l-2gpu-flat dm2-t5l-2gpu-split dm4-t5l-2gpu-b32-flat-c4 dm4-t5l-2gpu-b32-split-c4 dm6-b128-tail-c4
+dm6-b128-tail-c4-after dm6c4-b64-tail-c2-compiled pp2-interleaved-m4 pp2-interleaved-m8""".split()
 
 
 @pytest.fixture(scope="module")

@@ -80,10 +80,11 @@ def costs(model: torch.nn.Module, found, job) -> Costs:
 
 
 def profile_for(config, job):
-    """The model traced as one process trains it: the whole micro-batch (no data-parallel split), its
-    blocks compiled where the job compiles them."""
+    """The model traced as one process trains it: the whole micro-batch (no data-parallel split), under
+    autocast over fp32 weights as device maps and pipeline stages run it (a CUDA bf16/fp16 job: T5's
+    residual stream then stays in fp32), its blocks compiled where the job compiles them."""
     return as_compiled(profile_model(config, job.micro(1), job.seq_len, job.target_len or job.seq_len, job.precision,
-                                     lora=job.lora), job.compile)
+                                     autocast=True, lora=job.lora), job.compile)
 
 
 def state_bytes(n: int, c: int) -> dict[str, int]:

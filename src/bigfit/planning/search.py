@@ -79,7 +79,8 @@ def plan(prof, hw, job: Job, strategies=ALL, autocast_prof=None, split_prof=None
         if name == "single" and world > 1:
             continue
         if name in WHOLE:
-            row = (device_map_row if name in SPLIT_STRATEGIES else pipeline_row)(split_prof or prof, hw, job)
+            # device maps and pipeline stages run autocast over fp32 weights, as single does
+            row = (device_map_row if name in SPLIT_STRATEGIES else pipeline_row)(split_prof or autocast_prof or prof, hw, job)
             why, sections[name] = row.no_fit or _host_fit(row.estimate, hw), row.section
             out.append(Candidate(row.estimate, why is None, why or row.not_candidate, tokens / row.estimate.step_time_s))
             continue
@@ -200,7 +201,7 @@ def plan_for_config(model_config, hw, job: Job, strategies=ALL, layouts: dict | 
     if whole and not (job.micro(1) == micro and hw.device == "cuda" and data_parallel):
         split = profile_for(model_config, job)
     prof = as_compiled(profile_model(*lengths, lora=job.lora), job.compile) if data_parallel else split
-    mixed = job.precision != "fp32" and hw.device == "cuda" and any(s in AUTOCAST for s in strategies)
+    mixed = job.precision != "fp32" and hw.device == "cuda" and any(s in AUTOCAST or s in WHOLE for s in strategies)
     autocast = as_compiled(profile_model(*lengths, autocast=True, lora=job.lora), job.compile) if mixed else None
     result = plan(prof, hw, job, strategies, autocast, split, layouts)
     traced = ([f"micro-batch {micro}"] * data_parallel
