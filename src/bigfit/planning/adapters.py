@@ -24,7 +24,7 @@ def with_adapters(model: torch.nn.Module, settings, dtype: torch.dtype) -> torch
     new adapter to its base layer's device and dtype with `Module.to`, which cannot swap a fake
     parameter; on the meta device it leaves them alone. So the adapters are made on meta outside the
     mode and become fake tensors here (shapes are all a trace needs). Their dropout is traced as the
-    rest of the model's: on CUDA as its fused kernel (profile.py's `_cuda_kernels`; the CPU's would
+    rest of the model's: on CUDA as its fused kernel (cudatrace.py's `cuda_kernels`; the CPU's would
     keep its noise in the input's dtype, fp32 where peft casts an adapter's input to fp32 adapters
     under autocast: an 8B Llama's adapters at 4 x 2048 saved 30 GB more that way than the H200 held)."""
     with unset_fake_temporarily(), torch.device("meta"):

@@ -21,7 +21,7 @@ class OpCounter(TorchDispatchMode):
     the memory traffic of norms, activations, dropout, residual adds and casts, which bound the GPU's
     time where FLOPs do not (T5's norms and residual stream, in fp32 under autocast). And the FLOPs of
     the matmuls that run in fp32 in a job whose compute dtype is lower (`mixed`): they miss the tensor
-    cores' rate (T5's self-attention on SDPA's math path, profile.py's _cuda_kernels)."""
+    cores' rate (T5's self-attention on SDPA's math path, cudatrace.py's cuda_kernels)."""
 
     def __init__(self, current: list[int], n_blocks: int, params: set, mixed: bool = False):
         super().__init__()

@@ -19,6 +19,7 @@ from ..errors import BigfitError
 from ..models import block_lists, is_seq2seq
 from ..precision import DTYPES
 from .adapters import flop_weight, frozen_counts, module_flop_weight, with_adapters
+from .cudatrace import CudaAutocast, cuda_kernels
 from .opcount import OpCounter
 from .quantized import base_counts
 from .tp_trace import TensorSplit, sequence_error, split_counts
@@ -166,9 +167,9 @@ def _profile(config, micro_batch: int, seq_len: int, target_len: int, precision:
     SDPA kernels save their output and log-sum-exp; on the CPU, SDPA takes its math path whenever
     attention dropout is on (GPT-2) and saves every head's probabilities and dropout mask. The trace
     runs on CPU fake tensors, so for CUDA it swaps SDPA for a stand-in that saves what the kernels do
-    (and runs the math path where CUDA does), and dropout's fused kernel: `_cuda_kernels`.
+    (and runs the math path where CUDA does), and dropout's fused kernel: `cuda_kernels` (cudatrace.py).
     `autocast` (single, ddp, zero1 under bf16/fp16 on CUDA): fp32 weights (with `lora`, a base in the
-    compute dtype and fp32 adapters), and CUDA autocast's casts applied by `_CudaAutocast`; what it
+    compute dtype and fp32 adapters), and CUDA autocast's casts applied by `CudaAutocast`; what it
     keeps in fp32 (GPT-2's residual stream, norms) is saved at 4 bytes. Weight casts are left out: the
     estimate counts them once (`matmul_params`)."""
     from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
@@ -176,7 +177,7 @@ def _profile(config, micro_batch: int, seq_len: int, target_len: int, precision:
     seq2seq = is_seq2seq(config)
     dtype = DTYPES[precision]
     config = copy.deepcopy(config)  # from_config(dtype=...) writes the dtype into the config it is given
-    fused = _cuda_kernels() if device == "cuda" else contextlib.nullcontext()
+    fused = cuda_kernels() if device == "cuda" else contextlib.nullcontext()
     mixed = autocast and device == "cuda" and dtype != torch.float32
     with FakeTensorMode(allow_non_fake_inputs=True), fused:
         auto = AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM
@@ -186,96 +187,10 @@ def _profile(config, micro_batch: int, seq_len: int, target_len: int, precision:
         if lora is not None:
             with_adapters(model, lora, torch.float32 if mixed else dtype)
         model.train()
-        casts = _CudaAutocast(dtype, model) if mixed else None
+        casts = CudaAutocast(dtype, model) if mixed else None
         with casts or contextlib.nullcontext():
             return _trace(model, seq2seq, micro_batch, seq_len, target_len, skip=casts.weight_casts if casts else None,
                           mixed=dtype != torch.float32)
-
-
-_LOWER = {F.linear, torch.matmul, torch.mm, torch.addmm, torch.bmm, torch.baddbmm, torch.Tensor.matmul,
-          torch.Tensor.__matmul__, torch.Tensor.mm, torch.Tensor.bmm, F.conv1d, F.conv2d, torch.einsum}
-_FP32 = {F.layer_norm, F.group_norm, F.softmax, F.log_softmax, torch.softmax, torch.log_softmax, torch.Tensor.softmax,
-         torch.Tensor.log_softmax, torch.pow, torch.Tensor.pow, torch.exp, torch.Tensor.exp, torch.log, torch.Tensor.log,
-         torch.rsqrt, torch.Tensor.rsqrt, torch.sum, torch.Tensor.sum, torch.cumsum, torch.Tensor.cumsum, torch.norm,
-         torch.Tensor.norm, F.cross_entropy, F.mse_loss, torch.logsumexp, torch.Tensor.logsumexp}
-
-
-class _CudaAutocast(torch.overrides.TorchFunctionMode):
-    """CUDA autocast's policy, for a trace on CPU fake tensors (CPU autocast casts other ops): the
-    matmul family in the compute dtype, the precision-sensitive ops in fp32, the rest as given."""
-
-    def __init__(self, dtype: torch.dtype, model: torch.nn.Module):
-        super().__init__()
-        self.dtype, self.params = dtype, {id(p) for p in model.parameters()}
-        self.weight_casts: set = set()
-        # the casts themselves, kept: a freed one's storage key could be a later activation's, which
-        # `pack` would then skip (an 8B Llama's autocast trace varied by 0.2 GB between runs)
-        self.kept: list = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        target = self.dtype if func in _LOWER else torch.float32 if func in _FP32 else None
-        if target is not None:
-            args, kwargs = self._cast((args, kwargs), target)
-        return func(*args, **kwargs)
-
-    def _cast(self, tree, dtype):
-        if isinstance(tree, torch.Tensor) and tree.is_floating_point() and tree.dtype != dtype:
-            out = tree.to(dtype)
-            if id(tree) in self.params:
-                self.weight_casts.add(_storage_key(out))
-                self.kept.append(out)
-            return out
-        if isinstance(tree, (list, tuple)):
-            return type(tree)(self._cast(x, dtype) for x in tree)
-        if isinstance(tree, dict):
-            return {k: self._cast(v, dtype) for k, v in tree.items()}
-        return tree
-
-
-class _FusedSDPA(torch.autograd.Function):
-    """What CUDA's flash / memory-efficient attention keeps for backward: its inputs, its output and
-    the fp32 log-sum-exp per query (and a mask, if given). Shapes only: it runs on fake tensors."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, mask):
-        out = q.new_empty(*q.shape[:-1], v.shape[-1])
-        lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
-        ctx.save_for_backward(q, k, v, out, lse, *([mask] if mask is not None else []))
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        raise RuntimeError("a planning stand-in: never differentiated")
-
-
-@contextlib.contextmanager
-def _cuda_kernels():
-    """The kernels CUDA runs where the CPU's differ, for a trace on CPU fake tensors: SDPA's fused
-    kernels (`_FusedSDPA`) and dropout's one fused kernel (a bool mask; the CPU's draws a mask in the
-    input's dtype, scales it and multiplies: four operators, 2.8 times the bytes, a mask twice the
-    size). SDPA runs its math path where CUDA does: a floating mask that needs a gradient (T5's
-    relative position bias, a trained parameter's output), which no fused kernel differentiates.
-    The math path runs as it would there, with the inputs autocast gives it and in fp32 (torch
-    upcasts half inputs unless told otherwise): T5-large saves 5 MB more per self-attention layer and
-    sample than the kernels would, and issues a dozen operators in place of one (measured on the
-    H200: cuDNN for T5's cross-attention, math for self-attention)."""
-    real_sdpa, real_dropout = F.scaled_dot_product_attention, F.dropout
-
-    def sdpa(q, k, v, attn_mask=None, *args, **kwargs):
-        if attn_mask is not None and attn_mask.is_floating_point() and attn_mask.requires_grad:
-            return real_sdpa(q, k, v, attn_mask.to(q.dtype), *args, **kwargs)
-        return _FusedSDPA.apply(q, k, v, attn_mask)
-
-    def dropout(input, p=0.5, training=True, inplace=False):  # noqa: A002  F.dropout's own names
-        if training and 0 < p < 1 and not inplace:
-            return torch.native_dropout(input, p, True)[0]
-        return real_dropout(input, p, training, inplace)
-    F.scaled_dot_product_attention, F.dropout = sdpa, dropout
-    try:
-        yield
-    finally:
-        F.scaled_dot_product_attention, F.dropout = real_sdpa, real_dropout
 
 
 def _trace(model, seq2seq: bool, b: int, t: int, tt: int, skip=None, mixed: bool = False) -> ModelProfile:
