@@ -22,6 +22,7 @@ from .adapters import flop_weight, frozen_counts, module_flop_weight, with_adapt
 from .cudatrace import CudaAutocast, cuda_kernels
 from .opcount import OpCounter
 from .quantized import base_counts
+from .shorten import kept, shortened, widen
 from .tp_trace import TensorSplit, sequence_error, split_counts
 
 
@@ -203,6 +204,7 @@ def _trace(model, seq2seq: bool, b: int, t: int, tt: int, skip=None, mixed: bool
     inputs = [0] * len(blocks)
     current = [-1]
     split = TensorSplit(model, blocks, _hidden(model.config))
+    keep = kept(stacks)  # the blocks that run (shorten.py): the later ones get the last one's figures
 
     def pack(x):  # current[0]: the block running, -1 outside blocks, -2 the loss
         key = _storage_key(x)
@@ -225,7 +227,7 @@ def _trace(model, seq2seq: bool, b: int, t: int, tt: int, skip=None, mixed: bool
     ids = torch.zeros(b, t, dtype=torch.long)
     ops = OpCounter(current, len(blocks), set(params), mixed)
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x), ops:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x), ops, shortened(model, stacks, keep):
             if seq2seq:
                 labels = torch.zeros(b, tt, dtype=torch.long)
                 logits = model(input_ids=ids, decoder_input_ids=labels, use_cache=False).logits
@@ -247,6 +249,8 @@ def _trace(model, seq2seq: bool, b: int, t: int, tt: int, skip=None, mixed: bool
         else:
             other += nbytes
             loss += nbytes if i == -2 else 0
+    per_block, divided, sequence, inputs = (widen(v, stacks, keep) for v in (per_block, divided, sequence, inputs))
+    block_ops, block_traffic, block_fp32 = (widen(v, stacks, keep) for v in (ops.blocks, ops.block_bytes, ops.block_fp32_flops))
     n = sum(params.values())
     emb = model.get_input_embeddings().weight.numel()
     hidden = _hidden(model.config)
@@ -266,9 +270,9 @@ def _trace(model, seq2seq: bool, b: int, t: int, tt: int, skip=None, mixed: bool
                         block_params=block_params, stacks=[(p, len(s)) for p, s in stacks], **_outside(model),
                         block_tp_params=split.params, block_tp_saved=divided, block_sp_saved=sequence,
                         tp_reduce=[tuple(r) for r in split.reduce], hidden=hidden, vocab_rows=split.vocab_rows,
-                        vocab_params=split.vocab_params, block_ops=ops.blocks, other_ops=ops.other,
-                        block_traffic=ops.block_bytes, other_traffic=ops.other_bytes,
-                        block_fp32_flops=ops.block_fp32_flops,
+                        vocab_params=split.vocab_params, block_ops=block_ops, other_ops=ops.other,
+                        block_traffic=block_traffic, other_traffic=ops.other_bytes,
+                        block_fp32_flops=block_fp32,
                         block_matmul_flops=matmul, block_attention_flops=attention,
                         attention_per_token=sum(attention) / (t + (tt if seq2seq else 0)),
                         **_tp_counts(model.config, split), **frozen, **base_counts(model))

@@ -1,0 +1,56 @@
+"""The planning trace runs three blocks of each stack whose later blocks are alike (planning/shorten.py):
+its profile must equal the whole model's trace, field for field, for every family, device, precision
+and LoRA, and a stack whose blocks differ is traced whole."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from transformers import GPT2Config, LlamaConfig, T5Config
+
+from bigfit.lora import LoraSettings
+from bigfit.planning import shorten
+from bigfit.planning.profile import _profile
+
+
+def deep(family: str):
+    if family == "t5":  # unequal depth, gated FFN, dropout on: the position bias lives in block 0
+        return T5Config(vocab_size=384, d_model=32, d_kv=8, d_ff=64, num_layers=6, num_decoder_layers=5,
+                        num_heads=4, feed_forward_proj="gated-gelu", tie_word_embeddings=False)
+    if family == "gpt2":
+        return GPT2Config(vocab_size=384, n_embd=32, n_layer=6, n_head=2, n_positions=64)
+    return LlamaConfig(vocab_size=384, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+
+
+def _whole(monkeypatch, *args, **kwargs):
+    with monkeypatch.context() as m:
+        m.setattr(shorten, "KEEP", 10**6)
+        return _profile(*args, **kwargs)
+
+
+CASES = [("cpu", False, "fp32", None), ("cuda", True, "bf16", None), ("cuda", False, "bf16", None),
+         ("cuda", True, "bf16", LoraSettings(r=4))]
+
+
+@pytest.mark.parametrize("family", ["t5", "gpt2", "llama"])
+@pytest.mark.parametrize("device,autocast,precision,lora", CASES)
+def test_the_short_trace_equals_the_whole_one(monkeypatch, family, device, autocast, precision, lora):
+    config = deep(family)
+    short = _profile(config, 2, 16, 8, precision, device, autocast, lora)
+    whole = _whole(monkeypatch, config, 2, 16, 8, precision, device, autocast, lora)
+    assert short.n_blocks == whole.n_blocks >= 6
+    for f in dataclasses.fields(whole):
+        assert getattr(short, f.name) == getattr(whole, f.name), f.name
+
+
+def test_a_stack_whose_blocks_differ_is_traced_whole():
+    from transformers import AutoModelForCausalLM
+
+    from bigfit.models import block_lists
+    model = AutoModelForCausalLM.from_config(deep("llama"))
+    for i, layer in enumerate(model.model.layers):  # a per-block setting that is not its number
+        layer.attention_type = "sliding" if i % 2 else "full"
+    assert shorten.kept(block_lists(model)) == [6]
+    model = AutoModelForCausalLM.from_config(deep("llama"))
+    assert shorten.kept(block_lists(model)) == [3]
