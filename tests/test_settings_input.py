@@ -141,7 +141,7 @@ DATA_CASES = [  # file name, bytes, the error after "--data 'PATH'"
     ("pairs.csv", b"source,target\nhello,world\ncaf\xe9,x\n", " line 3: 0xe9 at byte offset 29 is not valid utf-8"),
     ("corpus.txt", b"one\ntwo \xff\xfe\n", " line 2: 0xff at byte offset 8 is not valid utf-8"),  # was replaced
     ("cut.txt", b"ok \xc3", " line 1: 0xc3 at byte offset 3 is not valid utf-8 (unexpected end of data)"),
-    ("empty.jsonl", b"", " is empty; give a JSONL, CSV or text file of examples"),
+    ("empty.jsonl", b"", " is empty; give a file of examples"),
     ("long.csv", b"text\n" + b"x" * 200_000 + b"\n", " line 2: not readable as CSV (field larger than field limit"),
 ]
 
@@ -166,7 +166,8 @@ def test_data_encoding_reads_other_encodings_and_unknown_ones_are_one_line(capsy
         read_examples(str(f), "utf9")
     assert "--data-encoding 'rot13' is not a text encoding" in train(capsys, tmp_path, "--data-encoding", "rot13")
     assert train(capsys, tmp_path, "--data", str(tmp_path), tripwire=False) == (
-        f"error: --data {str(tmp_path)!r} is a directory; give a JSONL, CSV or text file")
+        f"error: --data {str(tmp_path)!r} is a directory without a saved dataset (dataset_info.json, state.json, "
+        "dataset_dict.json) or parquet/arrow files; give a dataset directory, data files or a JSONL/CSV/text file")
     f.write_bytes(LATIN1)
 
     def refused(*args, **kwargs):  # root reads any file: this is what a user without the permission meets

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from .config import (OPTIMIZERS, PIPELINE_SCHEDULES, PIPELINE_STRATEGIES, PRECISIONS, REDUCE_DTYPES, SCHEDULES,
                      SPLIT_STRATEGIES, STRATEGIES, WARMUPS, TrainConfig)
+from .data.columns import Columns
 from .errors import BigfitError, one_of
 from .lora import LoraSettings
 from .planning.flags import LORA_FLAGS
@@ -15,6 +16,7 @@ def validate(cfg: TrainConfig) -> None:
     """Checks that need no model, data or processes. Raises BigfitError naming the bad value."""
     _validate_types(cfg)
     check_encoding(cfg.data_encoding)
+    Columns.parse(cfg.data_columns)  # its one line before any data is read
     strategies = (*STRATEGIES, *SPLIT_STRATEGIES, *PIPELINE_STRATEGIES, "auto")
     for name, valid in (("strategy", strategies), ("optimizer", OPTIMIZERS), ("lr_schedule", SCHEDULES),
                         ("warmup_type", WARMUPS), ("reduce_dtype", REDUCE_DTYPES)):

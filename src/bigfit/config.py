@@ -33,8 +33,11 @@ class TrainConfig:
     """What to train, on what, and how. Field comments are the `--help` texts."""
 
     model: str | None = None  # hub name, local dir with weights, or dir with only config.json; None: embedded tiny T5
-    data: str | None = None  # JSONL (source/target or text), CSV (source,target) or .txt; None: embedded task
+    data: str | None = None  # JSONL, CSV, .txt, parquet/arrow, a saved dataset dir or a hub dataset name; None: embedded task
     data_encoding: str = "utf-8"  # text encoding of --data files (JSONL, CSV, text)
+    data_columns: str | None = None  # source=COL,target=COL or text=COL (source=translation.en); None: source/target, prompt/completion or text
+    data_split: str = "train"  # the split of a saved DatasetDict or a hub dataset
+    data_config: str | None = None  # a hub dataset's configuration (load_dataset's name, e.g. ro-en)
     output_dir: str = "bigfit-out"  # checkpoints, metrics.jsonl, consolidated model; one run's, locked while it runs
     overwrite: bool = False  # replace the run already in output_dir: its files only, never files bigfit did not write
     max_steps: int = 600  # optimizer steps

@@ -1,8 +1,10 @@
-"""Reading user data files, with errors that name the file, the line and what would be valid.
+"""Reading user data, with errors that name the file, the line and what would be valid.
 
-- JSONL: one object per line with "source" and "target" strings (translation, instruction tuning)
-  or a "text" string (causal language modelling).
-- CSV: a header row with source,target columns, or a text column.
+- JSONL: one object per line with "source" and "target" strings (translation, instruction tuning),
+  "prompt" and "completion", or a "text" string (causal language modelling); or the columns
+  --data-columns names (columns.py).
+- CSV: a header row with those columns.
+- a saved dataset directory, parquet or arrow files, a hub dataset name: tables.py.
 - anything else (.txt, .md, ...): plain text for causal language modelling, one document per file.
 
 Every file is decoded strictly as --data-encoding (utf-8 by default): a byte that does not decode is an
@@ -16,26 +18,23 @@ from pathlib import Path
 
 from ..errors import BigfitError
 from ..userfiles import check_encoding, reading, user_file
+from .columns import Columns
+from .tables import is_table, read_table
 
-FIELDS_HELP = "each record needs 'source' and 'target' strings, or a 'text' string"
-KINDS = "a JSONL, CSV or text file"
+KINDS = "a JSONL, CSV, text, parquet or arrow file, a saved dataset directory or a hub dataset name"
 ENCODING_HINT = "if the file is in another encoding, name it with --data-encoding (e.g. --data-encoding latin-1)"
 
 
-def read_examples(path: str, encoding: str = "utf-8") -> list[dict]:
+def read_examples(path: str, encoding: str = "utf-8", columns: str | None = None, split: str = "train",
+                  config: str | None = None) -> list[dict]:
+    """The examples --data holds: {"source", "target"} or {"text"} dicts. `columns`: --data-columns;
+    `split` and `config`: --data-split and --data-config, for datasets (tables.py)."""
     check_encoding(encoding)
-    what = f"--data {path!r}"
-    p = user_file(path, what, KINDS)
-    if p.stat().st_size == 0:
-        raise BigfitError(f"{what} is empty; give {KINDS} of examples")
-    with reading(p, what, encoding, ENCODING_HINT):
-        if p.suffix == ".jsonl":
-            examples = _read_jsonl(p, encoding)
-        elif p.suffix == ".csv":
-            examples = _read_csv(p, encoding)
-        else:
-            text = p.read_text(encoding=encoding)
-            examples = [{"text": text}] if text.strip() else []
+    what, cols = f"--data {path!r}", Columns.parse(columns)
+    if is_table(path):
+        examples = _read_rows(read_table(path, split, config), cols, what)
+    else:
+        examples = _read_file(path, encoding, cols, what)
     if not examples:
         raise BigfitError(f"{what} holds no examples")
     kinds = {"text" if "text" in e else "pair" for e in examples}
@@ -44,16 +43,29 @@ def read_examples(path: str, encoding: str = "utf-8") -> list[dict]:
     return examples
 
 
-def _record(obj, where: str) -> dict:
-    if isinstance(obj, dict):
-        if isinstance(obj.get("source"), str) and isinstance(obj.get("target"), str):
-            return {"source": obj["source"], "target": obj["target"]}
-        if isinstance(obj.get("text"), str):
-            return {"text": obj["text"]}
-    raise BigfitError(f"{where}: {FIELDS_HELP}; got {str(obj)[:80]!r}")
+def _read_file(path: str, encoding: str, cols: Columns, what: str) -> list[dict]:
+    p = user_file(path, what, KINDS)
+    if p.stat().st_size == 0:
+        raise BigfitError(f"{what} is empty; give a file of examples")
+    with reading(p, what, encoding, ENCODING_HINT):
+        if p.suffix == ".jsonl":
+            return _read_jsonl(p, encoding, cols)
+        if p.suffix == ".csv":
+            return _read_csv(p, encoding, cols)
+        text = p.read_text(encoding=encoding)
+        return [{"text": text}] if text.strip() else []
 
 
-def _read_jsonl(p: Path, encoding: str) -> list[dict]:
+def _read_rows(table, cols: Columns, what: str) -> list[dict]:
+    """A datasets.Dataset's rows as examples; only the columns read are decoded."""
+    keep = [c for c in cols.names() if c in table.column_names]
+    if not keep:
+        raise BigfitError(f"{what} has the columns {table.column_names}, none of {cols.names()}; name them with "
+                          "--data-columns (e.g. source=translation.en,target=translation.ro or text=content)")
+    return [cols.record(row, f"{what} row {n}") for n, row in enumerate(table.select_columns(keep))]
+
+
+def _read_jsonl(p: Path, encoding: str, cols: Columns) -> list[dict]:
     out = []
     with p.open(encoding=encoding) as f:
         for n, line in enumerate(f, 1):
@@ -63,19 +75,20 @@ def _read_jsonl(p: Path, encoding: str) -> list[dict]:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
                 raise BigfitError(f"--data {str(p)!r} line {n} is not valid JSON ({e.msg}, column {e.colno})") from None
-            out.append(_record(obj, f"--data {str(p)!r} line {n}"))
+            out.append(cols.record(obj, f"--data {str(p)!r} line {n}"))
     return out
 
 
-def _read_csv(p: Path, encoding: str) -> list[dict]:
+def _read_csv(p: Path, encoding: str, cols: Columns) -> list[dict]:
     with p.open(encoding=encoding, newline="") as f:
         reader = csv.DictReader(f)
         try:
-            cols = reader.fieldnames or []
-            if not ({"source", "target"} <= set(cols) or "text" in cols):
-                raise BigfitError(f"--data {str(p)!r}: the header row {cols} needs source,target or text columns")
+            header = reader.fieldnames or []
+            if not set(cols.names()) & set(header):
+                raise BigfitError(f"--data {str(p)!r}: the header row {header} has none of the columns {cols.names()}; "
+                                  "name them with --data-columns (e.g. source=en,target=ro)")
             # line numbers count the header as line 1
-            return [_record(row, f"--data {str(p)!r} line {n}") for n, row in enumerate(reader, 2)]
+            return [cols.record(row, f"--data {str(p)!r} line {n}") for n, row in enumerate(reader, 2)]
         except csv.Error as e:  # a NUL byte, a field over csv's size limit, a quote left open at the end
             line = reader.reader.line_num  # DictReader's own line_num is the last good row's
             raise BigfitError(f"--data {str(p)!r} line {line}: not readable as CSV ({e})") from None

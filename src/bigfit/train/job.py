@@ -13,7 +13,7 @@ from ..resolution import plan_of, resolve
 from ..data import Dataset, build_dataset, digits_task, read_examples
 from ..lora import LoraSettings, check_targets
 from ..models import ModelSource, build_model, is_seq2seq, load_config, load_tokenizer, locate
-from . import ckptdir
+from . import ckptdir, runinfo
 
 EMBEDDED_TRAIN_SAMPLES = 4000
 
@@ -29,6 +29,8 @@ class Job:
     resume_from: Path | None
     plan: ParallelPlan  # how the model is spread over the processes (parallel/plan.py)
     lora: LoraSettings | None = None  # LoRA adapters on a frozen base (lora.py); None: full fine-tuning
+    # the examples' sha256 where --data is no single file (a dataset directory, a hub name): runinfo.identity
+    data_sha256: str | None = None
 
 
 def prepare(cfg: TrainConfig, world_size: int) -> Job:
@@ -38,8 +40,10 @@ def prepare(cfg: TrainConfig, world_size: int) -> Job:
     tokenizer = load_tokenizer(source, model_config)
     seq2seq = is_seq2seq(model_config)
     resume_from = ckptdir.resolve_resume(cfg.resume, cfg.output_dir) if cfg.resume else None
+    digest = None
     if cfg.data:
-        examples = read_examples(cfg.data, cfg.data_encoding)
+        examples = read_examples(cfg.data, cfg.data_encoding, cfg.data_columns, cfg.data_split, cfg.data_config)
+        digest = None if Path(cfg.data).expanduser().is_file() else runinfo.examples_sha256(examples)
     else:
         examples = digits_task(EMBEDDED_TRAIN_SAMPLES + cfg.eval_samples, seed=1234)
     dataset = build_dataset(examples, tokenizer, seq2seq, max_source_len=cfg.max_source_len,
@@ -48,7 +52,7 @@ def prepare(cfg: TrainConfig, world_size: int) -> Job:
     lora = LoraSettings.from_config(cfg)
     if lora:  # its targets against the model's linear layers, on a weightless copy: one line before any work
         check_targets(build_model(source, model_config, cfg.seed, on_meta=True), lora)
-    return Job(cfg, source, model_config, tokenizer, seq2seq, dataset, resume_from, plan_of(cfg), lora)
+    return Job(cfg, source, model_config, tokenizer, seq2seq, dataset, resume_from, plan_of(cfg), lora, digest)
 
 
 def describe(job: Job, n_params: int, device, notes: list[str], trained: int | None = None) -> list[tuple[str, object]]:

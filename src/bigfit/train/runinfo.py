@@ -1,6 +1,6 @@
 """A run's identity, recorded in OUTPUT/run.json by the claim (ownership.py) and in every checkpoint's
 trainer.json by the loop: a run id (kept by every resumed start), the model's architecture, the data
-file's sha256, bigfit's version, and each start's host, pid, process count and settings."""
+file's sha256 (the examples' for a dataset directory or a hub name), bigfit's version, and each start's host, pid, process count and settings."""
 from __future__ import annotations
 
 import hashlib
@@ -24,8 +24,16 @@ def identity(job) -> dict:
     # through JSON, as trainer.json holds it (id2label's integer keys become strings)
     arch = {k: v for k, v in json.loads(job.model_config.to_json_string(use_diff=False)).items() if k not in VOLATILE}
     data = job.cfg.data
-    digest = _sha256(Path(data).expanduser()) if data else "embedded"
+    digest = job.data_sha256 or (_sha256(Path(data).expanduser()) if data else "embedded")
     return {"model": job.cfg.model, "model_config": arch, "data": data, "data_sha256": digest}
+
+
+def examples_sha256(examples: list[dict]) -> str:
+    """The content of data that is no single file (a dataset directory, a hub dataset): its examples."""
+    h = hashlib.sha256()
+    for e in examples:
+        h.update(json.dumps(e, sort_keys=True, ensure_ascii=False).encode())
+    return h.hexdigest()
 
 
 def _sha256(path: Path) -> str:

@@ -1,0 +1,77 @@
+"""Which fields of a record are the source, the target or the running text (`--data-columns`).
+
+Without the flag a record gives `source` and `target` strings, or `prompt` and `completion` (TRL's
+prompt-completion format, the same pair for a decoder-only model: the prompt is masked out of the
+loss), or a `text` string. With it, each field names a column, dotted for nested records:
+`--data-columns source=translation.en,target=translation.ro` reads the seed discussion's wmt_en_ro
+records ({"translation": {"en": ..., "ro": ...}}); `--data-columns text=content` a text corpus.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import BigfitError
+
+FIELDS = ("source", "target", "text")
+ALIASES = {"prompt": "source", "completion": "target"}
+FORMAT = "source=COLUMN,target=COLUMN or text=COLUMN (dotted for nested fields: source=translation.en)"
+# what a record may hold when no --data-columns is given, in the order tried
+DEFAULTS = ({"source": "source", "target": "target"}, {"source": "prompt", "target": "completion"}, {"text": "text"})
+FIELDS_HELP = ("each record needs 'source' and 'target' strings, 'prompt' and 'completion', or a 'text' string "
+               f"(or name its columns with --data-columns {FORMAT})")
+
+
+@dataclass(frozen=True)
+class Columns:
+    """field ("source", "target", "text") -> the dotted path of its column; None: the DEFAULTS."""
+    given: tuple[tuple[str, str], ...] | None = None
+
+    @classmethod
+    def parse(cls, spec: str | None) -> "Columns":
+        if not spec:
+            return cls()
+        pairs = {}
+        for part in spec.split(","):
+            field, sep, path = (x.strip() for x in part.partition("="))
+            field = ALIASES.get(field, field)
+            if not sep or not path or field not in FIELDS:
+                raise BigfitError(f"--data-columns {spec!r}: {part.strip()!r} is not FIELD=COLUMN with FIELD one of "
+                                  f"source, target (or prompt, completion), text; give {FORMAT}")
+            if field in pairs:
+                raise BigfitError(f"--data-columns {spec!r} names {field} twice")
+            pairs[field] = path
+        if set(pairs) not in ({"source", "target"}, {"text"}):
+            raise BigfitError(f"--data-columns {spec!r} names {sorted(pairs)}; give both source and target, or "
+                              f"text alone: {FORMAT}")
+        return cls(tuple(sorted(pairs.items())))
+
+    def record(self, obj, where: str) -> dict:
+        """The example a record gives ({"source", "target"} or {"text"}), or one line naming it."""
+        if not isinstance(obj, dict):
+            raise BigfitError(f"{where}: a record is an object of fields; got {str(obj)[:80]!r}")
+        if self.given is None:
+            for fields in DEFAULTS:
+                values = {f: obj.get(col) for f, col in fields.items()}
+                if all(isinstance(v, str) for v in values.values()):
+                    return values
+            raise BigfitError(f"{where}: {FIELDS_HELP}; got {str(obj)[:80]!r}")
+        return {f: _column(obj, path, where) for f, path in self.given}
+
+    def names(self) -> list[str]:
+        """The top-level columns this mapping reads (None: any of the defaults')."""
+        if self.given is None:
+            return sorted({c for fields in DEFAULTS for c in fields.values()})
+        return sorted({path.split(".")[0] for _, path in self.given})
+
+
+def _column(obj: dict, path: str, where: str) -> str:
+    value = obj
+    for i, key in enumerate(path.split(".")):
+        if not isinstance(value, dict) or key not in value:
+            at = ".".join(path.split(".")[:i]) or "the record"
+            keys = sorted(value) if isinstance(value, dict) else type(value).__name__
+            raise BigfitError(f"{where}: --data-columns names {path!r}, but {at} has no {key!r} (it has {keys})")
+        value = value[key]
+    if not isinstance(value, str):
+        raise BigfitError(f"{where}: column {path!r} is {type(value).__name__}, not a string: {str(value)[:60]!r}")
+    return value
