@@ -1,7 +1,7 @@
 """bigfit: train transformer models that do not fit on one device.
 
-Public API: `TrainConfig` and `train` (one rank of a job; the `bigfit` command launches the ranks),
-`consolidate` (sharded checkpoint -> Hugging Face directory), `ParallelPlan` / `plan_for` (a job's
+Public API: `run` and `plan` (bigfit train and bigfit plan from Python, returning data: api.py),
+`TrainConfig`, `consolidate` (sharded checkpoint -> Hugging Face directory), `ParallelPlan` / `plan_for` (a job's
 parallel layout, from a strategy name and degrees) and `apply_plan` (its transforms, in order),
 `parallelize` / `deparallelize` (device-map model parallelism in one process, bigfit.device_map).
 """
@@ -11,14 +11,15 @@ from .errors import BigfitError
 from .parallel.plan import ParallelPlan, plan_for
 
 __all__ = ["BigfitError", "ParallelPlan", "TrainConfig", "apply_plan", "consolidate", "deparallelize", "parallelize",
-           "plan_for", "train"]
+           "plan", "plan_for", "run"]
 
 
 def __getattr__(name):  # heavy imports (torch, transformers) only when used
-    if name == "train":
-        from .train.loop import train
+    # (`bigfit.train` is the training package, bigfit/train/: the API's training call is `run`)
+    if name in ("run", "plan"):
+        from . import api
 
-        return train
+        return getattr(api, name)
     if name == "consolidate":
         from .train.consolidate import consolidate
 

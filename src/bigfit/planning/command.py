@@ -65,6 +65,20 @@ def _above_0(ns, name: str):
 
 
 def plan_command(ns) -> int:
+    p, hw, fixed = compute_plan(ns)
+    if ns.json:
+        print(json.dumps(p.to_json(), indent=1))
+    else:
+        _show(Console(width=150), p, fixed)  # the table is wide; pipes would otherwise cut it at 80 columns
+    if ns.plot:
+        plot_plan(p, min(hw.gpu_bytes), ns.plot)
+        if not ns.json:
+            print(f"wrote {ns.plot}")
+    return 0
+
+
+def compute_plan(ns):
+    """(the plan, the hardware, the degrees fixed by flags) of `bigfit plan`'s parsed arguments."""
     for name in POSITIVE:
         if getattr(ns, name) is not None:
             _above_0(ns, name)
@@ -92,15 +106,7 @@ def plan_command(ns) -> int:
     if fixed and not p.layouts and p.layout_rejected:  # the degrees asked for rule out every composed plan
         r = p.layout_rejected[0]
         raise BigfitError(f"{' '.join(f'--{flag(d)} {v}' for d, v in fixed.items())}: {r.group} ({r.name}: {r.detail})")
-    if ns.json:
-        print(json.dumps(p.to_json(), indent=1))
-    else:
-        _show(Console(width=150), p, fixed)  # the table is wide; pipes would otherwise cut it at 80 columns
-    if ns.plot:
-        plot_plan(p, min(hw.gpu_bytes), ns.plot)
-        if not ns.json:
-            print(f"wrote {ns.plot}")
-    return 0
+    return p, hw, fixed
 
 
 def lora_from_args(ns) -> LoraSettings | None:

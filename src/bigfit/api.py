@@ -1,0 +1,87 @@
+"""bigfit from Python (a notebook, a script), without a subprocess of one's own: `run` and `plan` take
+the settings the command line takes, by their names (TrainConfig's fields for training, `bigfit plan
+--help`'s flags for planning), run the same code the commands run, and return data.
+
+    import bigfit
+    result = bigfit.run(model="google-t5/t5-small", data="pairs.jsonl", strategy="auto", max_steps=2000)
+    result["metrics"]["loss"], result["model_dir"]
+    bigfit.plan(model="./my-llama", gpus="24GB,8GB", batch_size=8, seq_len=2048)["recommended"]
+
+Several processes are started as `bigfit train` starts them: new Python processes (never forks), so
+a notebook that has touched CUDA already starts its workers cleanly.
+"""
+from __future__ import annotations
+
+import contextlib
+import difflib
+import io
+import json
+from pathlib import Path
+
+from .config import TrainConfig
+from .errors import BigfitError
+
+
+def run(config: TrainConfig | None = None, /, **settings) -> dict:
+    """Train as `bigfit train` does, with a TrainConfig or settings by name (model=..., data=...,
+    strategy=..., batch_size=...). Returns {"output_dir", "metrics": the last step's record,
+    "eval": the last evaluation's or None, "model_dir" / "adapter_dir" where the run wrote one}.
+    A bad setting raises BigfitError with the one line the command prints, before any work."""
+    from .checks import validate
+    from .launch import stamp_start
+    from .settings import check_keys
+
+    if config is not None and settings:
+        raise BigfitError("bigfit.run() takes a TrainConfig or settings by name, not both")
+    if config is None:
+        check_keys(settings, "bigfit.run()")
+        config = TrainConfig(**{k.replace("-", "_"): v for k, v in settings.items()})
+    validate(config)
+    stamp_start()
+    from .train.command import train_command  # the training stack, imported when a run starts
+
+    code = train_command(["train"], config)
+    out = Path(config.output_dir)
+    if code:
+        raise BigfitError(f"training stopped (exit status {code}): the report is above; logs in {out / 'logs'}")
+    return _result(out)
+
+
+def plan(**flags) -> dict:
+    """`bigfit plan`'s plan as data (what `bigfit plan --json` prints): flags by name, as on the
+    command line (model="google-t5/t5-3b", gpus="8x16GB", batch_size=32, activation_checkpointing=True)."""
+    from .cli import parse_args
+    from .planning.command import compute_plan
+
+    known = sorted(k for k in vars(parse_args(["plan"])) if k != "command")
+    if bad := [k for k in flags if k not in known]:  # exact names: argparse would take a prefix of one
+        close = {k: difflib.get_close_matches(k, known, 1) for k in bad}
+        raise BigfitError("bigfit.plan(): unknown flag(s) " + ", ".join(
+            repr(k) + (f" (did you mean {close[k][0]}?)" if close[k] else "") for k in bad) + f"; valid: {', '.join(known)}")
+    argv = ["plan"]
+    for name, value in flags.items():
+        if value is False or value is None:
+            continue
+        argv += [f"--{name.replace('_', '-')}"] + ([] if value is True else [str(value)])
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(said):
+            ns = parse_args(argv)
+    except SystemExit:  # argparse's line: a value of the wrong kind
+        raise BigfitError(f"bigfit.plan(): {said.getvalue().strip().splitlines()[-1]}") from None
+    p, _, _ = compute_plan(ns)
+    return json.loads(json.dumps(p.to_json()))  # lists and dicts alone, as --json prints it
+
+
+def _result(out: Path) -> dict:
+    metrics = _last(out / "metrics.jsonl")
+    result = {"output_dir": str(out), "metrics": metrics, "eval": _last(out / "eval.jsonl")}
+    for name in ("model", "adapter"):
+        if (out / name).is_dir():
+            result[f"{name}_dir"] = str(out / name)
+    return result
+
+
+def _last(path: Path) -> dict | None:
+    lines = [x for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+    return json.loads(lines[-1]) if lines else None
