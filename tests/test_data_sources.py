@@ -42,10 +42,10 @@ def test_prompt_completion_records_are_pairs_and_text_can_be_any_column(tmp_path
     assert read_examples(str(tmp_path / "c.csv"), columns="source=en,target=ro") == [{"source": "hello", "target": "salut"}]
 
 
-@pytest.mark.parametrize("spec,needle", [("source=en", "give both source and target, or text alone"),
+@pytest.mark.parametrize("spec,needle", [("source=en", "give both source and target, or text or messages alone"),
                                          ("input=en,target=ro", "'input=en' is not FIELD=COLUMN"),
                                          ("source=en,source=de", "names source twice"),
-                                         ("text=a,source=b,target=c", "give both source and target, or text alone")])
+                                         ("text=a,source=b,target=c", "give both source and target, or text or messages alone")])
 def test_a_bad_column_mapping_is_one_line_before_any_work(model_dirs, pairs_file, tmp_path, capsys, spec, needle):
     from bigfit.cli import main
 

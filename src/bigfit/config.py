@@ -38,6 +38,7 @@ class TrainConfig:
     data_columns: str | None = None  # source=COL,target=COL or text=COL (source=translation.en); None: source/target, prompt/completion or text
     data_split: str = "train"  # the split of a saved DatasetDict or a hub dataset
     data_config: str | None = None  # a hub dataset's configuration (load_dataset's name, e.g. ro-en)
+    chat_template: str | None = None  # a Jinja chat template FILE for messages data; None: the tokenizer's own
     output_dir: str = "bigfit-out"  # checkpoints, metrics.jsonl, consolidated model; one run's, locked while it runs
     overwrite: bool = False  # replace the run already in output_dir: its files only, never files bigfit did not write
     max_steps: int = 600  # optimizer steps

@@ -2,7 +2,7 @@
 
 Without the flag a record gives `source` and `target` strings, or `prompt` and `completion` (TRL's
 prompt-completion format, the same pair for a decoder-only model: the prompt is masked out of the
-loss), or a `text` string. With it, each field names a column, dotted for nested records:
+loss), or a `text` string, or `messages` (a conversation: chat.py). With it, each field names a column, dotted for nested records:
 `--data-columns source=translation.en,target=translation.ro` reads the seed discussion's wmt_en_ro
 records ({"translation": {"en": ..., "ro": ...}}); `--data-columns text=content` a text corpus.
 """
@@ -11,14 +11,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import BigfitError
+from .chat import checked_messages
 
-FIELDS = ("source", "target", "text")
+FIELDS = ("source", "target", "text", "messages")
 ALIASES = {"prompt": "source", "completion": "target"}
-FORMAT = "source=COLUMN,target=COLUMN or text=COLUMN (dotted for nested fields: source=translation.en)"
+FORMAT = ("source=COLUMN,target=COLUMN, text=COLUMN or messages=COLUMN (dotted for nested fields: "
+          "source=translation.en)")
 # what a record may hold when no --data-columns is given, in the order tried
-DEFAULTS = ({"source": "source", "target": "target"}, {"source": "prompt", "target": "completion"}, {"text": "text"})
-FIELDS_HELP = ("each record needs 'source' and 'target' strings, 'prompt' and 'completion', or a 'text' string "
-               f"(or name its columns with --data-columns {FORMAT})")
+DEFAULTS = ({"source": "source", "target": "target"}, {"source": "prompt", "target": "completion"}, {"text": "text"},
+            {"messages": "messages"})
+FIELDS_HELP = ("each record needs 'source' and 'target' strings, 'prompt' and 'completion', a 'text' string or "
+               f"'messages' turns (or name its columns with --data-columns {FORMAT})")
 
 
 @dataclass(frozen=True)
@@ -40,9 +43,9 @@ class Columns:
             if field in pairs:
                 raise BigfitError(f"--data-columns {spec!r} names {field} twice")
             pairs[field] = path
-        if set(pairs) not in ({"source", "target"}, {"text"}):
+        if set(pairs) not in ({"source", "target"}, {"text"}, {"messages"}):
             raise BigfitError(f"--data-columns {spec!r} names {sorted(pairs)}; give both source and target, or "
-                              f"text alone: {FORMAT}")
+                              f"text or messages alone: {FORMAT}")
         return cls(tuple(sorted(pairs.items())))
 
     def record(self, obj, where: str) -> dict:
@@ -52,10 +55,12 @@ class Columns:
         if self.given is None:
             for fields in DEFAULTS:
                 values = {f: obj.get(col) for f, col in fields.items()}
+                if "messages" in values and values["messages"] is not None:
+                    return {"messages": checked_messages(values["messages"], where)}
                 if all(isinstance(v, str) for v in values.values()):
                     return values
             raise BigfitError(f"{where}: {FIELDS_HELP}; got {str(obj)[:80]!r}")
-        return {f: _column(obj, path, where) for f, path in self.given}
+        return {f: _column(obj, path, where, f == "messages") for f, path in self.given}
 
     def names(self) -> list[str]:
         """The top-level columns this mapping reads (None: any of the defaults')."""
@@ -64,7 +69,7 @@ class Columns:
         return sorted({path.split(".")[0] for _, path in self.given})
 
 
-def _column(obj: dict, path: str, where: str) -> str:
+def _column(obj: dict, path: str, where: str, turns: bool = False):
     value = obj
     for i, key in enumerate(path.split(".")):
         if not isinstance(value, dict) or key not in value:
@@ -72,6 +77,8 @@ def _column(obj: dict, path: str, where: str) -> str:
             keys = sorted(value) if isinstance(value, dict) else type(value).__name__
             raise BigfitError(f"{where}: --data-columns names {path!r}, but {at} has no {key!r} (it has {keys})")
         value = value[key]
+    if turns:
+        return checked_messages(value, where)
     if not isinstance(value, str):
         raise BigfitError(f"{where}: column {path!r} is {type(value).__name__}, not a string: {str(value)[:60]!r}")
     return value

@@ -37,9 +37,9 @@ def read_examples(path: str, encoding: str = "utf-8", columns: str | None = None
         examples = _read_file(path, encoding, cols, what)
     if not examples:
         raise BigfitError(f"{what} holds no examples")
-    kinds = {"text" if "text" in e else "pair" for e in examples}
+    kinds = {next(iter(e)) if len(e) == 1 else "source/target" for e in examples}
     if len(kinds) > 1:
-        raise BigfitError(f"{what} mixes 'text' records with 'source'/'target' records; use one kind")
+        raise BigfitError(f"{what} mixes {' and '.join(repr(k) for k in sorted(kinds))} records; use one kind")
     return examples
 
 

@@ -3,7 +3,8 @@
 A sample is a dict of `input_ids` and `labels` (token id lists; -100 marks positions without loss)
 plus, for source/target pairs, the raw strings that evaluation compares generations with.
 Encoder-decoder: input = source, labels = target. Decoder-only: input = source + target with the
-source masked out of the loss, or a block of `max_source_len` tokens of running text.
+source masked out of the loss, a block of `max_source_len` tokens of running text, or a conversation
+with the loss on its assistant turns (chat.py).
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import random
 from dataclasses import dataclass
 
 from ..errors import BigfitError
+from .chat import chat_sample
 
 IGNORE = -100
 
@@ -50,12 +52,14 @@ def _text_blocks(tok, examples: list[dict], block: int) -> list[dict]:
 def build_dataset(examples: list[dict], tok, seq2seq: bool, *, max_source_len: int, max_target_len: int,
                   eval_samples: int, seed: int, min_train: int) -> Dataset:
     """Tokenize, then hold out `eval_samples` samples chosen by `seed` (the same on every rank)."""
-    is_text = "text" in examples[0]
-    if is_text and seq2seq:
-        raise BigfitError("this model is an encoder-decoder and needs source/target data, but --data holds "
-                          "'text' records; give JSONL/CSV with source and target, or a decoder-only model")
-    if is_text:
+    kind = "text" if "text" in examples[0] else "messages" if "messages" in examples[0] else None
+    if kind and seq2seq:
+        raise BigfitError(f"this model is an encoder-decoder and needs source/target data, but --data holds "
+                          f"{kind!r} records; give JSONL/CSV with source and target, or a decoder-only model")
+    if kind == "text":
         samples = _text_blocks(tok, examples, max_source_len)
+    elif kind == "messages":  # the template was checked (chat.require_template) where the tokenizer was loaded
+        samples = [chat_sample(tok, ex["messages"], max_source_len) for ex in examples]
     else:
         samples = [_pair_sample(tok, ex, seq2seq, max_source_len, max_target_len) for ex in examples]
     order = list(range(len(samples)))

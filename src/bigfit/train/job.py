@@ -10,7 +10,9 @@ from pathlib import Path
 from ..config import TrainConfig
 from ..parallel.plan import ParallelPlan
 from ..resolution import plan_of, resolve
+from ..userfiles import read_text
 from ..data import Dataset, build_dataset, digits_task, read_examples
+from ..data.chat import require_template
 from ..lora import LoraSettings, check_targets
 from ..models import ModelSource, build_model, is_seq2seq, load_config, load_tokenizer, locate
 from . import ckptdir, runinfo
@@ -38,12 +40,17 @@ def prepare(cfg: TrainConfig, world_size: int) -> Job:
     source = locate(cfg.model)
     model_config = load_config(source)
     tokenizer = load_tokenizer(source, model_config)
+    if cfg.chat_template:  # the user's template over the tokenizer's own (or its lack of one)
+        tokenizer.chat_template = read_text(cfg.chat_template, f"--chat-template {cfg.chat_template!r}",
+                                            "a Jinja chat template file")
     seq2seq = is_seq2seq(model_config)
     resume_from = ckptdir.resolve_resume(cfg.resume, cfg.output_dir) if cfg.resume else None
     digest = None
     if cfg.data:
         examples = read_examples(cfg.data, cfg.data_encoding, cfg.data_columns, cfg.data_split, cfg.data_config)
         digest = None if Path(cfg.data).expanduser().is_file() else runinfo.examples_sha256(examples)
+        if "messages" in examples[0]:
+            require_template(tokenizer, cfg.model)
     else:
         examples = digits_task(EMBEDDED_TRAIN_SAMPLES + cfg.eval_samples, seed=1234)
     dataset = build_dataset(examples, tokenizer, seq2seq, max_source_len=cfg.max_source_len,
