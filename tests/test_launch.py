@@ -1,11 +1,14 @@
-"""Launching: the main job through bigfit's own launcher, two torchrun "nodes" on loopback, a failing
-worker brought to one clear report, and a causal LM on plain text with the same command."""
+"""Launching: the main job through bigfit's own launcher, two torchrun "nodes" on loopback, accelerate
+launch, a failing worker brought to one clear report, and a causal LM on plain text with the same command."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from conftest import read_jsonl
 from test_resume import bigfit
@@ -54,6 +57,24 @@ def test_two_torchrun_nodes_on_loopback(tmp_path, model_dirs, pairs_file):
     assert "on 2 x cpu" in outputs[0]  # node 0 holds rank 0, which prints
     assert [m["step"] for m in read_jsonl(out / "metrics.jsonl")] == [1, 2, 3]
     assert (out / "model" / "model.safetensors").is_file()
+
+
+def test_accelerate_launch_starts_the_workers_itself(tmp_path, model_dirs, pairs_file):
+    """`accelerate launch -m bigfit train`: accelerate's processes are the job's ranks (its torchrun
+    environment), bigfit starts none of its own. --multi_gpu is accelerate's multi-process mode; on a
+    machine without GPUs its ranks run on the CPU over gloo."""
+    pytest.importorskip("accelerate")
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "bigfit",
+                        "train", "--model", str(model_dirs["llama"]), "--data", str(pairs_file), "--max-steps", "2",
+                        "--eval-every", "0", "--save-every", "0", *SMALL, "--output-dir", str(out)],
+                       capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count("bigfit train") == 1  # rank 0 speaks, once
+    assert json.loads((out / "run.json").read_text())["starts"][-1]["world_size"] == 2
+    assert [m["step"] for m in read_jsonl(out / "metrics.jsonl")] == [1, 2]
+    assert not (out / "logs").exists()  # no launcher of bigfit's: it writes the other ranks' logs there
 
 
 def test_a_failing_worker_stops_the_job_and_is_reported_once(tmp_path, model_dirs, pairs_file):
