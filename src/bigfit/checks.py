@@ -2,7 +2,7 @@
 BigfitError that names the bad value and what would be valid (config.py holds the settings)."""
 from __future__ import annotations
 
-from .config import (OPTIMIZERS, PIPELINE_SCHEDULES, PIPELINE_STRATEGIES, PRECISIONS, REDUCE_DTYPES, SCHEDULES,
+from .config import (OPTIMIZERS, PIPELINE_SCHEDULES, PIPELINE_STRATEGIES, PRECISIONS, REDUCE_DTYPES, REPORTERS, SCHEDULES,
                      SPLIT_STRATEGIES, STRATEGIES, WARMUPS, TrainConfig)
 from .data.columns import Columns
 from .errors import BigfitError, one_of
@@ -17,6 +17,7 @@ def validate(cfg: TrainConfig) -> None:
     _validate_types(cfg)
     check_encoding(cfg.data_encoding)
     Columns.parse(cfg.data_columns)  # its one line before any data is read
+    reporters(cfg.report_to)
     strategies = (*STRATEGIES, *SPLIT_STRATEGIES, *PIPELINE_STRATEGIES, "auto")
     for name, valid in (("strategy", strategies), ("optimizer", OPTIMIZERS), ("lr_schedule", SCHEDULES),
                         ("warmup_type", WARMUPS), ("reduce_dtype", REDUCE_DTYPES)):
@@ -122,3 +123,17 @@ def _validate_pipeline(cfg: TrainConfig) -> None:
     if "auto" in (cfg.batch_size, cfg.micro_batch_size):
         raise BigfitError("a pipeline does not size its batches by probing yet (the probe runs data-parallel "
                           "shares): give --batch-size and --micro-batch-size as numbers")
+
+
+def reporters(spec: str) -> tuple[str, ...]:
+    """The dashboards --report-to names (train/trackers.py), each installed, or one line saying why not."""
+    import importlib.util
+
+    names = tuple(dict.fromkeys(n.strip() for n in spec.split(",") if n.strip() and n.strip() != "none"))
+    if bad := [n for n in names if n not in REPORTERS]:
+        raise BigfitError(f"--report-to {spec!r}: {', '.join(map(repr, bad))} is no reporter; give a comma-separated "
+                          f"list of {', '.join(REPORTERS)}, or none")
+    if missing := [n for n in names if importlib.util.find_spec(n) is None]:
+        raise BigfitError(f"--report-to {spec!r}: {', '.join(missing)} is not installed; pip install 'bigfit[tracking]' "
+                          f"(or pip install {' '.join(missing)})")
+    return names

@@ -22,6 +22,7 @@ OPTIMIZERS = ("adamw", "adam")
 SCHEDULES = ("linear", "cosine", "constant")
 WARMUPS = ("linear", "log")
 REDUCE_DTYPES = ("fp32", "bf16", "fp16")
+REPORTERS = ("tensorboard", "wandb", "mlflow")  # --report-to: each the name of the package it needs (train/trackers.py)
 # Fields that take "auto": stored as None and derived in `resolve`...
 AUTO = ("nproc", "precision")
 # ...or kept as "auto" until planning (and a probe) picks the value: bigfit train does this first.
@@ -41,6 +42,7 @@ class TrainConfig:
     chat_template: str | None = None  # a Jinja chat template FILE for messages data; None: the tokenizer's own
     output_dir: str = "bigfit-out"  # checkpoints, metrics.jsonl, consolidated model; one run's, locked while it runs
     overwrite: bool = False  # replace the run already in output_dir: its files only, never files bigfit did not write
+    report_to: str = "none"  # dashboards besides metrics.jsonl, comma-separated: tensorboard, wandb, mlflow; none
     max_steps: int = 600  # optimizer steps
     batch_size: int | str = 32  # GLOBAL batch: samples per optimizer step, over all processes and micro-batches
     # samples per forward/backward on one process; None: batch_size / nproc; auto: the largest predicted

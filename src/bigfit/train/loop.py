@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from .. import faults
+from ..checks import reporters
 from ..config import TrainConfig
 from ..data import Batcher
 from ..distributed import Runtime, init_runtime, shutdown, world_size
@@ -27,6 +28,7 @@ from .job import Job, describe, prepare
 from .metrics import MetricsLog, StartClock, StepProgress, console, table
 from .ownership import claim
 from .step import global_targets, lr_at, train_step
+from .trackers import Trackers
 
 
 def train(cfg: TrainConfig) -> dict:
@@ -110,6 +112,8 @@ def _train(job: Job, rt: Runtime, clock: StartClock) -> dict:
     batcher = Batcher(len(ds.train), cfg.batch_size, cfg.seed)
     write_assets = _assets_writer(job, applied.module)
     run = runinfo.read(out_dir) if rt.is_main else {}  # written by the claim: checkpoints carry the run's identity
+    boards = Trackers(reporters(cfg.report_to), out_dir, cfg.to_dict(), run.get("run_id") or out_dir.name) \
+        if rt.is_main else None  # dashboards beside metrics.jsonl (--report-to)
 
     def run_eval() -> dict:
         applied.flush()  # a delayed update lands before anything reads the parameters
@@ -121,6 +125,7 @@ def _train(job: Job, rt: Runtime, clock: StartClock) -> dict:
         clock.mark("eval at start")
     if first_eval and rt.is_main:
         evals.write({"step": 0, **first_eval})
+        boards.log({"step": 0, **first_eval})
         console.print(f"eval at step 0: {_eval_text(first_eval)}")
     progress = StepProgress(step, cfg.max_steps) if rt.is_main else None
     last_eval, last_ckpt, t_start = first_eval, None, time.perf_counter()
@@ -144,6 +149,7 @@ def _train(job: Job, rt: Runtime, clock: StartClock) -> dict:
             record.update(last_eval)
         if rt.is_main:
             metrics.write(record)
+            boards.log(record)
             progress.update(step, record["loss"], record["tokens_per_s"])
             if clock is not None:
                 progress.print(clock.line())
@@ -168,6 +174,7 @@ def _train(job: Job, rt: Runtime, clock: StartClock) -> dict:
     if rt.is_main:
         progress.close()
         metrics.close()
+        boards.close()
         evals.close()
         if cfg.consolidate and last_ckpt is not None:
             # this run's own model directory (the claim made sure): replaced, files bigfit did not write kept;
