@@ -279,3 +279,25 @@ def test_a_lora_run_ends_with_its_adapter_directory_and_overwrite_replaces_it(mo
     train(job(model_dirs["gpt2"], pairs_file, out, "single", max_steps=2, consolidate=True, overwrite=True))
     assert (out / "adapter" / "notes.txt").read_text() == "mine"
     assert (out / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_resume_refuses_a_base_whose_weight_files_changed(pairs_file, tmp_path, capsys):
+    """A LoRA checkpoint holds the adapters alone; the base is read from --model's files at every
+    start, so resuming over other weights of the same architecture is refused (their fingerprint)."""
+    from bigfit.cli import main
+    from tiny import twin_models
+
+    base, _ = twin_models("llama")
+    base.save_pretrained(tmp_path / "base")
+    args = ["train", "--model", str(tmp_path / "base"), "--data", str(pairs_file), "--lora", "--strategy", "single",
+            "--batch-size", "4", "--save-every", "2", "--eval-samples", "0", "--no-consolidate",
+            "--lr-schedule", "constant", "--output-dir", str(tmp_path / "out")]
+    assert main([*args, "--max-steps", "2"]) == 0
+    with torch.no_grad():
+        base.model.layers[0].mlp.up_proj.weight.mul_(1.5)  # another checkpoint of the same shapes
+    base.save_pretrained(tmp_path / "base")
+    capsys.readouterr()
+    assert main([*args, "--max-steps", "4", "--resume"]) == 2
+    assert "model (the frozen base's weight files: fingerprint" in capsys.readouterr().err
+    assert main([*args, "--max-steps", "4", "--resume", "--allow-changed", "model"]) == 0
+    assert [r["step"] for r in read_jsonl(tmp_path / "out" / "metrics.jsonl")] == [1, 2, 3, 4]

@@ -28,6 +28,37 @@ def safetensors_dir(src: ModelSource) -> Path | None:
     """The local directory holding the model's safetensors weights: a --model directory, or a hub
     name's snapshot in the local cache (never the network). None: no such files (.bin only, no
     weights, or a hub name not cached), so the model is not read per rank."""
+    directory = _weights_dir(src)
+    return directory if directory and ((directory / SINGLE).is_file() or (directory / INDEX).is_file()) else None
+
+
+SAMPLE = 1 << 20  # bytes read at the start, middle and end of each weight file for its fingerprint
+
+
+def weights_fingerprint(src: ModelSource) -> str | None:
+    """A fingerprint of the model's weight files (.safetensors, .bin): their names, sizes and 1 MiB
+    at the start, middle and end of each, hashed; None without any (a config-only model, a hub name
+    not in the cache). 3 MiB a file, whatever the model's size, tells one checkpoint of an
+    architecture from another: a LoRA run's base, which its checkpoints do not hold, must still be
+    the one it trained on when it resumes (train/resume.py)."""
+    import hashlib
+
+    directory = _weights_dir(src)
+    files = sorted(f for f in directory.iterdir() if f.suffix in (".safetensors", ".bin")) if directory else []
+    if not files:
+        return None
+    h = hashlib.sha256()
+    for f in files:
+        size = f.stat().st_size
+        h.update(f"{f.name}:{size}".encode())
+        with open(f, "rb") as fh:
+            for at in sorted({0, max(0, size // 2 - SAMPLE // 2), max(0, size - SAMPLE)}):
+                fh.seek(at)
+                h.update(fh.read(SAMPLE))
+    return h.hexdigest()
+
+
+def _weights_dir(src: ModelSource) -> Path | None:
     if src.kind == "weights":
         directory = Path(src.name).expanduser()
     elif src.kind == "hub":
@@ -40,7 +71,7 @@ def safetensors_dir(src: ModelSource) -> Path | None:
             return None
     else:
         return None
-    return directory if (directory / SINGLE).is_file() or (directory / INDEX).is_file() else None
+    return directory
 
 
 class Checkpoint:

@@ -52,6 +52,10 @@ def compare(saved: dict, now: dict, allowed: set[str]) -> tuple[list[str], list[
     changes = {k: f"{k} {old[k]!r} -> {new.get(k)!r}" for k in MATH if k not in IDENTITY and _differs(old, new, k)}
     if model := _model_change(si.get("model_config"), ni.get("model_config")):
         changes["model"] = f"model ({model})"
+    elif si.get("base_fingerprint") and si["base_fingerprint"] != ni.get("base_fingerprint"):
+        # the checkpoint holds LoRA's adapters alone: its base is the model's files, read again now
+        changes["model"] = (f"model (the frozen base's weight files: fingerprint {si['base_fingerprint'][:12]} -> "
+                            f"{(ni.get('base_fingerprint') or 'none')[:12]})")
     if si.get("data_sha256") and si["data_sha256"] != ni.get("data_sha256"):
         changes["data"] = f"data (the file's content: sha256 {si['data_sha256'][:12]} -> {ni.get('data_sha256', '')[:12]})"
     elif "data_sha256" not in si and _differs(old, new, "data"):  # saved before data hashes were recorded

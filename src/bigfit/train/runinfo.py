@@ -1,6 +1,7 @@
 """A run's identity, recorded in OUTPUT/run.json by the claim (ownership.py) and in every checkpoint's
 trainer.json by the loop: a run id (kept by every resumed start), the model's architecture, the data
-file's sha256 (the examples' for a dataset directory or a hub name), bigfit's version, and each start's host, pid, process count and settings."""
+file's sha256 (the examples' for a dataset directory or a hub name), a LoRA base's weight files'
+fingerprint, bigfit's version, and each start's host, pid, process count and settings."""
 from __future__ import annotations
 
 import hashlib
@@ -25,7 +26,12 @@ def identity(job) -> dict:
     arch = {k: v for k, v in json.loads(job.model_config.to_json_string(use_diff=False)).items() if k not in VOLATILE}
     data = job.cfg.data
     digest = job.data_sha256 or (_sha256(Path(data).expanduser()) if data else "embedded")
-    return {"model": job.cfg.model, "model_config": arch, "data": data, "data_sha256": digest}
+    ident = {"model": job.cfg.model, "model_config": arch, "data": data, "data_sha256": digest}
+    if job.lora:  # the frozen base is read from the model's files again at every start: they must not change
+        from ..loading.files import weights_fingerprint
+
+        ident["base_fingerprint"] = weights_fingerprint(job.source)
+    return ident
 
 
 def examples_sha256(examples: list[dict]) -> str:
