@@ -283,7 +283,8 @@ def test_a_lora_run_ends_with_its_adapter_directory_and_overwrite_replaces_it(mo
 
 def test_resume_refuses_a_base_whose_weight_files_changed(pairs_file, tmp_path, capsys):
     """A LoRA checkpoint holds the adapters alone; the base is read from --model's files at every
-    start, so resuming over other weights of the same architecture is refused (their fingerprint)."""
+    start, so resuming or merging over other weights of the same architecture is refused (their
+    fingerprint)."""
     from bigfit.cli import main
     from tiny import twin_models
 
@@ -299,5 +300,8 @@ def test_resume_refuses_a_base_whose_weight_files_changed(pairs_file, tmp_path, 
     capsys.readouterr()
     assert main([*args, "--max-steps", "4", "--resume"]) == 2
     assert "model (the frozen base's weight files: fingerprint" in capsys.readouterr().err
+    ckpt = tmp_path / "out" / "checkpoints" / "step-00000002"
+    assert main(["consolidate", str(ckpt), str(tmp_path / "merged"), "--merge"]) == 2  # nor merged over them
+    assert "are not the ones this run trained over" in capsys.readouterr().err
     assert main([*args, "--max-steps", "4", "--resume", "--allow-changed", "model"]) == 0
     assert [r["step"] for r in read_jsonl(tmp_path / "out" / "metrics.jsonl")] == [1, 2, 3, 4]

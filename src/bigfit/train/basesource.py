@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..errors import BigfitError
 from ..loading import Checkpoint, Weights, loads_per_rank
-from ..loading.files import safetensors_dir
+from ..loading.files import safetensors_dir, weights_fingerprint
 from ..lora import LoraSettings, inject, is_adapter
 from ..models import build_model, locate
 from .ckptdir import frozen_of
@@ -71,6 +71,7 @@ class RebuiltBase:
         settings, record = trainer["config"], frozen_of(trainer)
         model = given or record["source"]
         src = _located(model, "--base" if given else "the run's --model")
+        _same_files(trainer, src, "--base" if given else "the run's --model")
         skeleton = build_model(src, config, settings["seed"], on_meta=True)
         inject(skeleton, LoraSettings.from_config(types.SimpleNamespace(**settings)))
         self.shapes = {n: t.shape for n, t in skeleton.state_dict().items() if not is_adapter(n)}
@@ -96,6 +97,16 @@ def _located(model: str | None, what: str):
         raise BigfitError(f"--merge makes the base again from {what} {model!r}, which is no model directory "
                           f"(config.json, weights) or hub name now; give the base's directory with --base DIR, or "
                           f"{MERGE_WITH_PEFT}") from None
+
+
+def _same_files(trainer: dict, src, what: str) -> None:
+    """The base's weight files are the ones the run trained over (runinfo.identity's fingerprint)."""
+    saved = (trainer.get("identity") or {}).get("base_fingerprint")
+    now = weights_fingerprint(src) if saved else None
+    if saved and now != saved:
+        raise BigfitError(f"--merge: the weight files of {what} {src.name!r} are not the ones this run trained over "
+                          f"(fingerprint {saved[:12]} -> {(now or 'none')[:12]}); give those with --base DIR, or "
+                          f"{MERGE_WITH_PEFT}")
 
 
 def _init_device(kind: str, model: str | None, needed: bool) -> torch.device:
