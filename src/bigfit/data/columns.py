@@ -1,8 +1,10 @@
-"""Which fields of a record are the source, the target or the running text (`--data-columns`).
+"""Which fields of a record are the source, the target, the running text or the conversation
+(`--data-columns`).
 
 Without the flag a record gives `source` and `target` strings, or `prompt` and `completion` (TRL's
 prompt-completion format, the same pair for a decoder-only model: the prompt is masked out of the
-loss), or a `text` string, or `messages` (a conversation: chat.py). With it, each field names a column, dotted for nested records:
+loss), or a `text` string, or `messages` (a conversation: chat.py). With it, each field names a
+column, dotted for nested records:
 `--data-columns source=translation.en,target=translation.ro` reads the seed discussion's wmt_en_ro
 records ({"translation": {"en": ..., "ro": ...}}); `--data-columns text=content` a text corpus.
 """
@@ -26,7 +28,8 @@ FIELDS_HELP = ("each record needs 'source' and 'target' strings, 'prompt' and 'c
 
 @dataclass(frozen=True)
 class Columns:
-    """field ("source", "target", "text") -> the dotted path of its column; None: the DEFAULTS."""
+    """(field, the dotted path of its column) for "source" and "target", "text" or "messages";
+    None: the DEFAULTS."""
     given: tuple[tuple[str, str], ...] | None = None
 
     @classmethod
@@ -39,7 +42,7 @@ class Columns:
             field = ALIASES.get(field, field)
             if not sep or not path or field not in FIELDS:
                 raise BigfitError(f"--data-columns {spec!r}: {part.strip()!r} is not FIELD=COLUMN with FIELD one of "
-                                  f"source, target (or prompt, completion), text; give {FORMAT}")
+                                  f"source, target (or prompt, completion), text, messages; give {FORMAT}")
             if field in pairs:
                 raise BigfitError(f"--data-columns {spec!r} names {field} twice")
             pairs[field] = path
@@ -49,7 +52,7 @@ class Columns:
         return cls(tuple(sorted(pairs.items())))
 
     def record(self, obj, where: str) -> dict:
-        """The example a record gives ({"source", "target"} or {"text"}), or one line naming it."""
+        """The example a record gives ({"source", "target"}, {"text"} or {"messages"}), or one line naming it."""
         if not isinstance(obj, dict):
             raise BigfitError(f"{where}: a record is an object of fields; got {str(obj)[:80]!r}")
         if self.given is None:

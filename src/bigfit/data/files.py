@@ -1,8 +1,8 @@
 """Reading user data, with errors that name the file, the line and what would be valid.
 
 - JSONL: one object per line with "source" and "target" strings (translation, instruction tuning),
-  "prompt" and "completion", or a "text" string (causal language modelling); or the columns
-  --data-columns names (columns.py).
+  "prompt" and "completion", a "text" string (causal language modelling) or "messages" (chat.py);
+  or the columns --data-columns names (columns.py).
 - CSV: a header row with those columns.
 - a saved dataset directory, parquet or arrow files, a hub dataset name: tables.py.
 - anything else (.txt, .md, ...): plain text for causal language modelling, one document per file.
@@ -27,7 +27,7 @@ ENCODING_HINT = "if the file is in another encoding, name it with --data-encodin
 
 def read_examples(path: str, encoding: str = "utf-8", columns: str | None = None, split: str = "train",
                   config: str | None = None) -> list[dict]:
-    """The examples --data holds: {"source", "target"} or {"text"} dicts. `columns`: --data-columns;
+    """The examples --data holds: {"source", "target"}, {"text"} or {"messages"} dicts. `columns`: --data-columns;
     `split` and `config`: --data-split and --data-config, for datasets (tables.py)."""
     check_encoding(encoding)
     what, cols = f"--data {path!r}", Columns.parse(columns)
