@@ -9,6 +9,7 @@ Records come out as dicts (nested columns as nested dicts) for columns.Columns t
 """
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 from ..errors import BigfitError
@@ -41,16 +42,30 @@ def read_table(path: str, split: str, config: str | None):
         import datasets
     except ImportError:
         raise BigfitError(f"--data {path!r} is read with the datasets library, which is not installed; {EXTRA}") from None
-    datasets.logging.set_verbosity_error()  # "using the latest cached version": the run says what it read
-    datasets.disable_progress_bars()
     p = Path(path).expanduser()
-    if p.is_dir() and any((p / m).exists() for m in SAVED_MARKERS):
-        return _split_of(datasets.load_from_disk(str(p)), path, split)
-    if p.is_dir() or p.exists():
-        files = _table_files(p, path)
-        kind = "parquet" if files[0].suffix == ".parquet" else "arrow"
-        return datasets.load_dataset(kind, data_files={"train": [str(f) for f in files]}, split="train")
-    return _from_cache(datasets, path, split, config)
+    with _quiet(datasets):
+        if p.is_dir() and any((p / m).exists() for m in SAVED_MARKERS):
+            return _split_of(datasets.load_from_disk(str(p)), path, split)
+        if p.is_dir() or p.exists():
+            files = _table_files(p, path)
+            kind = "parquet" if files[0].suffix == ".parquet" else "arrow"
+            return datasets.load_dataset(kind, data_files={"train": [str(f) for f in files]}, split="train")
+        return _from_cache(datasets, path, split, config)
+
+
+@contextlib.contextmanager
+def _quiet(datasets):
+    """datasets' own progress bars and notes ("using the latest cached version") off while reading, the
+    run saying what it read; the caller's settings back after (a notebook's `bigfit.run` keeps its own)."""
+    verbosity, bars = datasets.logging.get_verbosity(), datasets.is_progress_bar_enabled()
+    datasets.logging.set_verbosity_error()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        datasets.logging.set_verbosity(verbosity)
+        if bars:
+            datasets.enable_progress_bars()
 
 
 def _table_files(p: Path, path: str) -> list[Path]:

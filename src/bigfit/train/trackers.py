@@ -40,9 +40,8 @@ class _TensorBoard:
         self.w.add_text("settings", "\n".join(f"    {k}: {v}" for k, v in settings.items()))
 
     def log(self, step: int, scalars: dict) -> None:
-        for k, v in scalars.items():
+        for k, v in scalars.items():  # written out by the writer's own thread (and at close), not per step
             self.w.add_scalar(_group(k), v, step)
-        self.w.flush()
 
     def close(self) -> None:
         self.w.close()
