@@ -93,6 +93,7 @@ class TrainConfig:
     nvme_host_gb: float = 0.0  # zero2-offload-nvme: GB of optimizer states kept in host RAM (first blocks); the rest in files
     max_source_len: int = 128  # tokens kept per source / text sample
     max_target_len: int = 128  # tokens kept per target (encoder-decoder models)
+    pack: bool = False  # decoder-only: samples end to end in sequences of max_source_len tokens, attention kept within each
     save_every: int = 200  # save a checkpoint every N steps (and always at the end); 0: only at the end
     keep_checkpoints: int = 0  # keep only the newest N complete checkpoints; 0 keeps all
     eval_every: int = 200  # evaluate every N steps (and at step 0 and at the end); 0: only at the end

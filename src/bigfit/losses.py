@@ -11,7 +11,11 @@ from .tensor.comms import VocabParallelCrossEntropy
 
 
 def model_logits(model: torch.nn.Module, module: torch.nn.Module, batch: dict, seq2seq: bool) -> torch.Tensor:
-    """The logits of one forward pass of `model` (a wrapper of `module`, the Hugging Face model)."""
+    """The logits of one forward pass of `model` (a wrapper of `module`, the Hugging Face model). A
+    packed batch (data/pack.py) gives position ids instead of a mask: the model keeps attention within
+    each packed sample from them."""
+    if "position_ids" in batch:
+        return model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
     if seq2seq:
         dec_in = module.prepare_decoder_input_ids_from_labels(labels=batch["labels"])
         return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],

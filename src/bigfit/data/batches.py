@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from .pack import positions
 from .tokenize import IGNORE
 
 
@@ -37,7 +38,8 @@ class Batcher:
 def collate(samples: list[dict], pad_id: int, device=None, multiple: int = 1) -> dict[str, torch.Tensor]:
     """Right-pad `input_ids` (with pad_id) and `labels` (with -100) to the longest sample, rounded up
     to a `multiple` (sequence parallelism splits the sequence evenly: padded positions are masked and
-    carry no label, so the loss is unchanged)."""
+    carry no label, so the loss is unchanged). Packed samples (pack.py) get `position_ids` that restart
+    with each part, and no attention mask: the model builds the block mask from the positions."""
     width = -(-max(len(s["input_ids"]) for s in samples) // multiple) * multiple
     lab_width = -(-max(len(s["labels"]) for s in samples) // multiple) * multiple
     ids = torch.full((len(samples), width), pad_id, dtype=torch.long)
@@ -48,4 +50,9 @@ def collate(samples: list[dict], pad_id: int, device=None, multiple: int = 1) ->
         mask[i, :len(s["input_ids"])] = 1
         labels[i, :len(s["labels"])] = torch.tensor(s["labels"])
     out = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    if "parts" in samples[0]:
+        del out["attention_mask"]
+        out["position_ids"] = torch.stack([positions(s["parts"], width) for s in samples])
+        for i, s in enumerate(samples):  # a pad id without a mask draws transformers' padding warning; the
+            ids[i, len(s["input_ids"]):] = s["input_ids"][-1]  # padding's ids are never read: no label, its own part
     return {k: v.to(device) for k, v in out.items()} if device is not None else out

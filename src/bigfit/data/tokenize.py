@@ -4,7 +4,9 @@ A sample is a dict of `input_ids` and `labels` (token id lists; -100 marks posit
 plus, for source/target pairs, the raw strings that evaluation compares generations with.
 Encoder-decoder: input = source, labels = target. Decoder-only: input = source + target with the
 source masked out of the loss, a block of `max_source_len` tokens of running text, or a conversation
-with the loss on its assistant turns (chat.py).
+with the loss on its assistant turns (chat.py). `pack` (decoder-only): the training samples laid end to
+end into sequences of `max_source_len` tokens (pack.py); running text is then cut per document, so that
+no sample spans two.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 
 from ..errors import BigfitError
 from .chat import chat_sample
+from .pack import pack as pack_samples
 
 IGNORE = -100
 
@@ -22,6 +25,7 @@ class Dataset:
     train: list[dict]
     eval: list[dict]
     pad_id: int
+    packed: int = 0  # --pack: the samples laid end to end into `train`'s sequences; 0: not packed
 
 
 def _ids(tok, text: str) -> list[int]:
@@ -41,23 +45,29 @@ def _pair_sample(tok, ex: dict, seq2seq: bool, max_src: int, max_tgt: int) -> di
             "source": ex["source"], "target": ex["target"], "prompt_len": len(src)}
 
 
-def _text_blocks(tok, examples: list[dict], block: int) -> list[dict]:
-    stream: list[int] = []
+def _text_blocks(tok, examples: list[dict], block: int, per_document: bool) -> list[dict]:
+    """Blocks of `block` tokens of the documents run together (the last partial block dropped), or
+    `per_document`: each document's blocks, its last one shorter, for packing to fill."""
+    streams: list[list[int]] = [[]]
     for ex in examples:
-        stream += _ids(tok, ex["text"])
-    blocks = [stream[i:i + block] for i in range(0, len(stream) - block + 1, block)]
+        if per_document:
+            streams.append([])
+        streams[-1] += _ids(tok, ex["text"])
+    full = 0 if per_document else block - 1  # a partial block: kept per document only
+    blocks = [s[i:i + block] for s in streams for i in range(0, max(len(s) - full, 0), block)]
     return [{"input_ids": b, "labels": list(b)} for b in blocks]
 
 
 def build_dataset(examples: list[dict], tok, seq2seq: bool, *, max_source_len: int, max_target_len: int,
-                  eval_samples: int, seed: int, min_train: int) -> Dataset:
-    """Tokenize, then hold out `eval_samples` samples chosen by `seed` (the same on every rank)."""
+                  eval_samples: int, seed: int, min_train: int, pack: bool = False) -> Dataset:
+    """Tokenize, then hold out `eval_samples` samples chosen by `seed` (the same on every rank); `pack`:
+    pack the rest (the held-out ones stay single: generation evaluates them one by one)."""
     kind = "text" if "text" in examples[0] else "messages" if "messages" in examples[0] else None
     if kind and seq2seq:
         raise BigfitError(f"this model is an encoder-decoder and needs source/target data, but --data holds "
                           f"{kind!r} records; give JSONL/CSV with source and target, or a decoder-only model")
     if kind == "text":
-        samples = _text_blocks(tok, examples, max_source_len)
+        samples = _text_blocks(tok, examples, max_source_len, per_document=pack)
     elif kind == "messages":  # the template was checked (chat.require_template) where the tokenizer was loaded
         samples = [chat_sample(tok, ex["messages"], max_source_len) for ex in examples]
     else:
@@ -67,9 +77,12 @@ def build_dataset(examples: list[dict], tok, seq2seq: bool, *, max_source_len: i
     n_eval = min(eval_samples, len(samples) // 10) if eval_samples else 0
     held = set(order[:n_eval])
     train = [s for i, s in enumerate(samples) if i not in held]
+    packed = len(train) if pack else 0
+    if pack:  # no part's first token is predicted from the part before it
+        train = pack_samples([{**s, "labels": [IGNORE, *s["labels"][1:]]} for s in train], max_source_len)
     if len(train) < min_train:
+        unit = f"sequences of {max_source_len} tokens packed" if pack else f"blocks of {max_source_len} tokens for text"
         raise BigfitError(f"--data gives {len(train)} training samples after holding out {n_eval} for evaluation "
-                          f"(blocks of {max_source_len} tokens for text); one global batch needs {min_train}: "
-                          "give more data or a smaller --batch-size")
+                          f"({unit}); one global batch needs {min_train}: give more data or a smaller --batch-size")
     pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
-    return Dataset(train=train, eval=[samples[i] for i in order[:n_eval]], pad_id=pad)
+    return Dataset(train=train, eval=[samples[i] for i in order[:n_eval]], pad_id=pad, packed=packed)

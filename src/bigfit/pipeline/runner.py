@@ -117,7 +117,7 @@ class PipelineApplied(Applied):
         fresh = self._key(train, inputs) not in self._schedules
         schedule = self._schedule(train, seq2seq, inputs)
         self._factor, self._sums = factor, []
-        kwargs = {"attention_mask": inputs["attention_mask"]}
+        kwargs = {k: inputs[k] for k in ("attention_mask", "position_ids") if k in inputs}  # packed: positions
         if seq2seq:
             kwargs["decoder_input_ids"] = self.module.prepare_decoder_input_ids_from_labels(labels=inputs["labels"])
         args = (inputs["input_ids"],) if self._holds_first else ()
@@ -223,7 +223,9 @@ def _pad(batch: dict, seq2seq: bool, width: int, target_width: int) -> dict:
     extra = width - batch["input_ids"].shape[1] + (-width % PAD_TO)
     if extra:
         out["input_ids"] = F.pad(batch["input_ids"], (0, extra), value=0)
-        out["attention_mask"] = F.pad(batch["attention_mask"], (0, extra), value=0)
+        for key in ("attention_mask", "position_ids"):  # packed: each padded position a part of its own
+            if key in batch:
+                out[key] = F.pad(batch[key], (0, extra), value=0)
         if not seq2seq:
             out["labels"] = F.pad(batch["labels"], (0, extra), value=IGNORE)
     if seq2seq:

@@ -48,15 +48,18 @@ class StageModule(nn.Module):
     def is_last(self) -> bool:
         return self.stop == self.n
 
-    def forward(self, *received, attention_mask, decoder_input_ids=None):
-        ids = received[0] if self.start == 0 else torch.zeros_like(attention_mask)
-        kw = dict(input_ids=ids, attention_mask=attention_mask, use_cache=False)
+    def forward(self, *received, attention_mask=None, position_ids=None, decoder_input_ids=None):
+        """`attention_mask`, or a packed batch's `position_ids` (data/pack.py) in its place."""
+        shaped = attention_mask if attention_mask is not None else position_ids
+        ids = received[0] if self.start == 0 else torch.zeros_like(shaped)
+        kw = dict(input_ids=ids, use_cache=False)
+        kw.update({"attention_mask": attention_mask} if attention_mask is not None else {"position_ids": position_ids})
         if decoder_input_ids is not None:
             kw["decoder_input_ids"] = decoder_input_ids
         if self.enc is not None and self.start >= self.enc:  # the encoder ran on earlier stages
             kw["encoder_outputs"] = (received[-1],)
         out: dict = {}
-        with self._viewing(), self._hooks(received, out), self._autocast(attention_mask.device.type):
+        with self._viewing(), self._hooks(received, out), self._autocast(shaped.device.type):
             try:
                 logits = self.model(**kw).logits
             except _StageDone:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import TrainConfig
+from ..errors import BigfitError
 from ..parallel.plan import ParallelPlan
 from ..resolution import plan_of, resolve
 from ..userfiles import read_text
@@ -44,6 +45,9 @@ def prepare(cfg: TrainConfig, world_size: int) -> Job:
         tokenizer.chat_template = read_text(cfg.chat_template, f"--chat-template {cfg.chat_template!r}",
                                             "a Jinja chat template file")
     seq2seq = is_seq2seq(model_config)
+    if cfg.pack and seq2seq:
+        raise BigfitError(f"--pack lays samples end to end for decoder-only models; {cfg.model or 'the embedded T5'} is "
+                          "an encoder-decoder, whose sources and targets are separate sequences: leave --pack out")
     resume_from = ckptdir.resolve_resume(cfg.resume, cfg.output_dir) if cfg.resume else None
     digest = None
     if cfg.data:
@@ -55,7 +59,7 @@ def prepare(cfg: TrainConfig, world_size: int) -> Job:
         examples = digits_task(EMBEDDED_TRAIN_SAMPLES + cfg.eval_samples, seed=1234)
     dataset = build_dataset(examples, tokenizer, seq2seq, max_source_len=cfg.max_source_len,
                             max_target_len=cfg.max_target_len, eval_samples=cfg.eval_samples,
-                            seed=cfg.seed, min_train=cfg.batch_size)
+                            seed=cfg.seed, min_train=cfg.batch_size, pack=cfg.pack)
     lora = LoraSettings.from_config(cfg)
     if lora:  # its targets against the model's linear layers, on a weightless copy: one line before any work
         check_targets(build_model(source, model_config, cfg.seed, on_meta=True), lora)
@@ -70,7 +74,7 @@ def describe(job: Job, n_params: int, device, notes: list[str], trained: int | N
     data = c.data or "embedded task: number words -> digits"
     return [
         ("model", f"{model} [{job.source.kind}], {n_params / 1e6:.2f}M parameters"),
-        ("data", f"{data}: {len(job.dataset.train)} train / {len(job.dataset.eval)} eval samples"),
+        ("data", f"{data}: {_train_samples(job)} / {len(job.dataset.eval)} eval samples"),
         ("plan", f"{job.plan.describe()}; precision {c.precision}, on {x['world_size']} x {device.type}"
                  + "".join(f"; {n}" for n in notes)),
         ("batch", f"global {c.batch_size} = {x['data_parallel']} data-parallel x {x['grad_accum']} accumulation "
@@ -103,3 +107,10 @@ def _eval_extras(job: Job) -> str:
     if job.plan.pp > 1:  # generate() would need every stage in one process
         return "; no generate() across pipeline stages (generate with OUTPUT/model)"
     return f", beam-{c.num_beams} generate, BLEU and exact match"
+
+
+def _train_samples(job: Job) -> str:
+    d = job.dataset
+    if d.packed:
+        return f"{d.packed} train samples packed into {len(d.train)} sequences of up to {job.cfg.max_source_len} tokens"
+    return f"{len(d.train)} train"
