@@ -35,6 +35,8 @@ def validate(cfg: TrainConfig) -> None:
     for name in ("save_every", "eval_every", "warmup_steps", "eval_samples", "keep_checkpoints"):
         if getattr(cfg, name) < 0:
             raise BigfitError(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(cfg, name)}")
+    if cfg.dataset_num_proc is not None and cfg.dataset_num_proc < 1:
+        raise BigfitError(f"--dataset-num-proc must be at least 1, got {cfg.dataset_num_proc}")
     if cfg.nproc is not None and cfg.nproc < 1:
         raise BigfitError(f"--nproc must be at least 1, got {cfg.nproc}")
     if cfg.micro_batch_size not in (None, "auto") and cfg.micro_batch_size < 1:

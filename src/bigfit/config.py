@@ -40,6 +40,8 @@ class TrainConfig:
     data_split: str = "train"  # the split of a saved DatasetDict or a hub dataset
     data_config: str | None = None  # a hub dataset's configuration (load_dataset's name, e.g. ro-en)
     chat_template: str | None = None  # a Jinja chat template FILE for messages data; None: the tokenizer's own
+    data_cache: str = "auto"  # tokenized data in memory-mapped files a node's ranks share: on, off, a DIR, or auto (on from 64 MB of --data); on: $XDG_CACHE_HOME/bigfit/tokenized
+    dataset_num_proc: int | None = None  # processes that tokenize --data into the cache; None: the machine's cores
     output_dir: str = "bigfit-out"  # checkpoints, metrics.jsonl, consolidated model; one run's, locked while it runs
     overwrite: bool = False  # replace the run already in output_dir: its files only, never files bigfit did not write
     report_to: str = "none"  # dashboards besides metrics.jsonl, comma-separated: tensorboard, wandb, mlflow; none

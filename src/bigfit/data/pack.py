@@ -19,23 +19,24 @@ from __future__ import annotations
 import torch
 
 
+def bounds(lengths: list[int], length: int) -> list[int]:
+    """Where each packed sequence starts among samples of these `lengths` (next fit), then len(lengths)."""
+    starts: list[int] = []
+    used = 0
+    for i, n in enumerate(lengths):
+        if not starts or used + n > length:
+            starts.append(i)
+            used = 0
+        used += n
+    return starts + [len(lengths)]
+
+
 def pack(samples: list[dict], length: int) -> list[dict]:
     """`samples` ({"input_ids", "labels"}, equal lengths) as packed sequences of at most `length` tokens."""
-    out: list[dict] = []
-    ids: list[int] = []
-    labels: list[int] = []
-    parts: list[int] = []
-    for s in samples:
-        n = len(s["input_ids"])
-        if parts and len(ids) + n > length:
-            out.append({"input_ids": ids, "labels": labels, "parts": parts})
-            ids, labels, parts = [], [], []
-        ids = ids + s["input_ids"]
-        labels = labels + s["labels"]
-        parts.append(n)
-    if parts:
-        out.append({"input_ids": ids, "labels": labels, "parts": parts})
-    return out
+    edges = bounds([len(s["input_ids"]) for s in samples], length)
+    return [{"input_ids": [t for s in samples[a:b] for t in s["input_ids"]],
+             "labels": [t for s in samples[a:b] for t in s["labels"]],
+             "parts": [len(s["input_ids"]) for s in samples[a:b]]} for a, b in zip(edges, edges[1:])]
 
 
 def positions(parts: list[int], width: int) -> torch.Tensor:

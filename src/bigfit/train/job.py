@@ -13,10 +13,12 @@ from ..parallel.plan import ParallelPlan
 from ..resolution import plan_of, resolve
 from ..userfiles import read_text
 from ..data import Dataset, build_dataset, digits_task, read_examples
+from ..data import cache
 from ..data.chat import require_template
+from ..data.digest import examples_sha256
 from ..lora import LoraSettings, check_targets
 from ..models import ModelSource, build_model, is_seq2seq, load_config, load_tokenizer, locate
-from . import ckptdir, runinfo
+from . import ckptdir
 
 EMBEDDED_TRAIN_SAMPLES = 4000
 
@@ -49,21 +51,30 @@ def prepare(cfg: TrainConfig, world_size: int) -> Job:
         raise BigfitError(f"--pack lays samples end to end for decoder-only models; {cfg.model or 'the embedded T5'} is "
                           "an encoder-decoder, whose sources and targets are separate sequences: leave --pack out")
     resume_from = ckptdir.resolve_resume(cfg.resume, cfg.output_dir) if cfg.resume else None
-    digest = None
-    if cfg.data:
-        examples = read_examples(cfg.data, cfg.data_encoding, cfg.data_columns, cfg.data_split, cfg.data_config)
-        digest = None if Path(cfg.data).expanduser().is_file() else runinfo.examples_sha256(examples)
-        if "messages" in examples[0]:
-            require_template(tokenizer, cfg.model)
-    else:
-        examples = digits_task(EMBEDDED_TRAIN_SAMPLES + cfg.eval_samples, seed=1234)
-    dataset = build_dataset(examples, tokenizer, seq2seq, max_source_len=cfg.max_source_len,
-                            max_target_len=cfg.max_target_len, eval_samples=cfg.eval_samples,
-                            seed=cfg.seed, min_train=cfg.batch_size, pack=cfg.pack)
+    dataset, digest = _dataset(cfg, tokenizer, seq2seq)
     lora = LoraSettings.from_config(cfg)
     if lora:  # its targets against the model's linear layers, on a weightless copy: one line before any work
         check_targets(build_model(source, model_config, cfg.seed, on_meta=True), lora)
     return Job(cfg, source, model_config, tokenizer, seq2seq, dataset, resume_from, plan_of(cfg), lora, digest)
+
+
+def _dataset(cfg: TrainConfig, tokenizer, seq2seq: bool) -> tuple[Dataset, str | None]:
+    """The tokenized samples, and the data's digest where --data is no single file (runinfo.identity):
+    from the node's cache (data/cache.py) or tokenized here, in memory."""
+    if cache.wanted(cfg):
+        dataset, digest, _ = cache.tokenized(cfg, tokenizer, seq2seq)
+        return dataset, digest
+    digest = None
+    if cfg.data:
+        examples = read_examples(cfg.data, cfg.data_encoding, cfg.data_columns, cfg.data_split, cfg.data_config)
+        digest = None if Path(cfg.data).expanduser().is_file() else examples_sha256(examples)
+        if "messages" in examples[0]:
+            require_template(tokenizer, cfg.model)
+    else:
+        examples = digits_task(EMBEDDED_TRAIN_SAMPLES + cfg.eval_samples, seed=1234)
+    return build_dataset(examples, tokenizer, seq2seq, max_source_len=cfg.max_source_len,
+                         max_target_len=cfg.max_target_len, eval_samples=cfg.eval_samples,
+                         seed=cfg.seed, min_train=cfg.batch_size, pack=cfg.pack), digest
 
 
 def describe(job: Job, n_params: int, device, notes: list[str], trained: int | None = None) -> list[tuple[str, object]]:
@@ -111,6 +122,8 @@ def _eval_extras(job: Job) -> str:
 
 def _train_samples(job: Job) -> str:
     d = job.dataset
+    where = f" (mapped from {d.cached})" if d.cached else ""
     if d.packed:
-        return f"{d.packed} train samples packed into {len(d.train)} sequences of up to {job.cfg.max_source_len} tokens"
-    return f"{len(d.train)} train"
+        return (f"{d.packed} train samples packed into {len(d.train)} sequences of up to {job.cfg.max_source_len} "
+                f"tokens{where}")
+    return f"{len(d.train)} train{where}"

@@ -13,10 +13,12 @@ import gc
 import os
 import threading
 import time
+from collections.abc import Sequence
 
 import torch
 
 from .. import faults, probefile
+from ..data.arrays import longest_first
 from ..distributed import Runtime, all_reduce_sum, barrier
 from ..planning.sizes import ProbeSearch
 from ..strategies import Engine
@@ -36,7 +38,7 @@ def probe(job: Job, engine: Engine, rt: Runtime) -> dict:
     search = probefile.load(where).within(len(ds.train) // rt.data.world_size)
     search.worker_sets += 1
     _agreed_save(where, search, rt)
-    longest = sorted(ds.train, key=lambda s: len(s["input_ids"]) + len(s["labels"]), reverse=True)
+    longest = longest_first(ds.train)
     faults.maybe_die("probe", 0, rt)  # BIGFIT_FAULT=probe:0:0:raise: a probe that fails, not by OOM
     stepped, failed, slowest = False, False, 0.0
     while (micro := search.next()) is not None:
@@ -54,7 +56,7 @@ def probe(job: Job, engine: Engine, rt: Runtime) -> dict:
     return {"probes": search.outcomes}
 
 
-def _attempt(job: Job, engine: Engine, rt: Runtime, longest: list, micro: int, twice: bool) -> tuple[bool, int | None]:
+def _attempt(job: Job, engine: Engine, rt: Runtime, longest: Sequence[dict], micro: int, twice: bool) -> tuple[bool, int | None]:
     """(ran, peak bytes) of one step at `micro`. `twice`: no step has run in this process yet, so
     the optimizer states do not exist during the first one's backward; the second meets them, as
     every training step does. A fixed batch that accumulates runs two micro-batches, the second's

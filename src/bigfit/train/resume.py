@@ -21,7 +21,7 @@ LAYOUT = ("nproc", "micro_batch_size", "strategy", "device_map", "chunks", "pipe
           "pp", "tp", "dp_shard", "dp_replicate", "sequence_parallel", "activation_checkpointing", "compile",
           "compile_backend", "offload_grads", "nvme_host_gb", "nvme_dir", "ddp_bucket_mb")
 # initial_scale_power: the loss scaler's state is restored from the checkpoint, so it no longer matters
-FREE = ("output_dir", "overwrite", "report_to", "resume", "allow_changed", "save_every", "keep_checkpoints", "eval_every",
+FREE = ("output_dir", "overwrite", "report_to", "data_cache", "dataset_num_proc", "resume", "allow_changed", "save_every", "keep_checkpoints", "eval_every",
         "eval_on_start", "num_beams", "max_new_tokens", "timeout_s", "consolidate", "checkpoints", "probe_only",
         "initial_scale_power", "extra")
 IDENTITY = ("model", "data")  # compared by content (architecture, file hash), not by the path given

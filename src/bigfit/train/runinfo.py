@@ -4,7 +4,6 @@ file's sha256 (the examples' for a dataset directory or a hub name), a LoRA base
 fingerprint, bigfit's version, and each start's host, pid, process count and settings."""
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import socket
@@ -13,6 +12,7 @@ import uuid
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+from ..data.digest import file_sha256
 from .rundir import RUN_FILE
 
 # Model config keys that say nothing about the architecture (or differ between transformers versions)
@@ -25,29 +25,13 @@ def identity(job) -> dict:
     # through JSON, as trainer.json holds it (id2label's integer keys become strings)
     arch = {k: v for k, v in json.loads(job.model_config.to_json_string(use_diff=False)).items() if k not in VOLATILE}
     data = job.cfg.data
-    digest = job.data_sha256 or (_sha256(Path(data).expanduser()) if data else "embedded")
+    digest = job.data_sha256 or (file_sha256(Path(data).expanduser()) if data else "embedded")
     ident = {"model": job.cfg.model, "model_config": arch, "data": data, "data_sha256": digest}
     if job.lora:  # the frozen base is read from the model's files again at every start: they must not change
         from ..loading.files import weights_fingerprint
 
         ident["base_fingerprint"] = weights_fingerprint(job.source)
     return ident
-
-
-def examples_sha256(examples: list[dict]) -> str:
-    """The content of data that is no single file (a dataset directory, a hub dataset): its examples."""
-    h = hashlib.sha256()
-    for e in examples:
-        h.update(json.dumps(e, sort_keys=True, ensure_ascii=False).encode())
-    return h.hexdigest()
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(16 << 20):
-            h.update(block)
-    return h.hexdigest()
 
 
 def write(out: Path, old: dict | None, ident: dict, job, saved: dict) -> None:

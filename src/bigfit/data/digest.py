@@ -1,0 +1,23 @@
+"""What identifies data by its content: a file's sha256, or the examples' of data that is no single
+file (a dataset directory, a hub dataset). The run's identity (train/runinfo.py) and the tokenized
+cache's entry names (cache.py) use the same digests."""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(16 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
+def examples_sha256(examples: list[dict]) -> str:
+    h = hashlib.sha256()
+    for e in examples:
+        h.update(json.dumps(e, sort_keys=True, ensure_ascii=False).encode())
+    return h.hexdigest()
