@@ -56,3 +56,40 @@ def test_plan_returns_what_plan_json_prints(model_dirs, capsys):
         bigfit.plan(model=str(model_dirs["llama"]), gpu="2x24GB")
     with pytest.raises(BigfitError, match="bigfit.plan\\(\\): .*argument --batch-size: .*'many'"):
         bigfit.plan(model=str(model_dirs["llama"]), batch_size="many")
+
+
+def test_run_takes_a_model_object_and_a_dataset_object(pairs_file, tmp_path):
+    """The objects are written once to bigfit's cache of inputs (XDG_CACHE_HOME: conftest.py), read by
+    the run as paths, and given again are the same paths: the second run resumes the first."""
+    import datasets
+    import torch
+    from transformers import AutoModelForCausalLM, ByT5Tokenizer
+
+    from tiny import tiny_config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    data = datasets.Dataset.from_list(read_jsonl(pairs_file))
+    args = dict(model=model, tokenizer=ByT5Tokenizer(), data=data, strategy="single", output_dir=str(tmp_path / "out"))
+    first = bigfit.run(**args, **{**RUN, "save_every": 1})
+    again = bigfit.run(**args, **{**RUN, "max_steps": 3}, resume="latest", allow_changed="max_steps")  # same model, data
+    assert first["metrics"]["step"] == 2 and again["metrics"]["step"] == 3
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # the user's model is untouched
+    trained = AutoModelForCausalLM.from_pretrained(first["model_dir"])
+    assert not torch.equal(trained.state_dict()["lm_head.weight"], before["lm_head.weight"])
+    pairs = [{"source": "one two", "target": "12"}] * 40
+    assert bigfit.run(model=model, tokenizer=ByT5Tokenizer(), data=pairs, strategy="single", consolidate=False,
+                      output_dir=str(tmp_path / "out2"), **RUN)["metrics"]["step"] == 2
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    (dict(model=object()), "model= takes a hub name, a directory or a transformers PreTrainedModel; got object"),
+    (dict(data=[]), "data= takes a path, a hub dataset name, a datasets.Dataset or DatasetDict, or a list of example dicts; got list (empty)"),
+    (dict(tokenizer=object()), "tokenizer= goes with model= given as a model object"),
+])
+def test_objects_that_are_no_model_or_data_are_one_line(tmp_path, kwargs, needle):
+    with pytest.raises(BigfitError) as e:
+        bigfit.run(output_dir=str(tmp_path / "out"), **kwargs)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+    assert not (tmp_path / "out").exists()

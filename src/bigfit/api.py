@@ -22,11 +22,14 @@ from .config import TrainConfig
 from .errors import BigfitError
 
 
-def run(config: TrainConfig | None = None, /, **settings) -> dict:
+def run(config: TrainConfig | None = None, /, *, tokenizer=None, **settings) -> dict:
     """Train as `bigfit train` does, with a TrainConfig or settings by name (model=..., data=...,
-    strategy=..., batch_size=...). Returns {"output_dir", "metrics": the last step's record,
-    "eval": the last evaluation's or None, "model_dir" / "adapter_dir" where the run wrote one}.
-    A bad setting raises BigfitError with the one line the command prints, before any work."""
+    strategy=..., batch_size=...). `model` may be a transformers PreTrainedModel (with `tokenizer`,
+    else the byte-level one) and `data` a datasets.Dataset, a DatasetDict or a list of example dicts:
+    each is written once to bigfit's cache of inputs (inputs.py) for the workers to read. Returns
+    {"output_dir", "metrics": the last step's record, "eval": the last evaluation's or None,
+    "model_dir" / "adapter_dir" where the run wrote one}. A bad setting raises BigfitError with the
+    one line the command prints, before any work."""
     from .checks import validate
     from .launch import stamp_start
     from .settings import check_keys
@@ -35,7 +38,13 @@ def run(config: TrainConfig | None = None, /, **settings) -> dict:
         raise BigfitError("bigfit.run() takes a TrainConfig or settings by name, not both")
     if config is None:
         check_keys(settings, "bigfit.run()")
-        config = TrainConfig(**{k.replace("-", "_"): v for k, v in settings.items()})
+        settings = {k.replace("-", "_"): v for k, v in settings.items()}
+        objects = {k: None for k in ("model", "data") if not isinstance(settings.get(k), (str, type(None)))}
+        validate(TrainConfig(**{**settings, **objects}))  # every other setting's mistake before an object is written
+        settings.update(_paths(settings, tokenizer))
+        config = TrainConfig(**settings)
+    elif tokenizer is not None:
+        raise BigfitError("bigfit.run(): tokenizer= goes with model= given as a model object, not with a TrainConfig")
     validate(config)
     stamp_start()
     from .train.command import train_command  # the training stack, imported when a run starts
@@ -71,6 +80,21 @@ def plan(**flags) -> dict:
         raise BigfitError(f"bigfit.plan(): {said.getvalue().strip().splitlines()[-1]}") from None
     p, _, _ = compute_plan(ns)
     return json.loads(json.dumps(p.to_json()))  # lists and dicts alone, as --json prints it
+
+
+def _paths(settings: dict, tokenizer) -> dict:
+    """model= and data= objects as the paths the workers read (inputs.py); paths and names as given."""
+    from . import inputs
+
+    out = {}
+    if settings.get("model") is not None and not isinstance(settings["model"], str):
+        out["model"] = inputs.model_path(settings["model"], tokenizer)
+    elif tokenizer is not None:
+        raise BigfitError("bigfit.run(): tokenizer= goes with model= given as a model object; a model directory "
+                          "or hub name brings its own tokenizer files")
+    if settings.get("data") is not None and not isinstance(settings["data"], str):
+        out["data"] = inputs.data_path(settings["data"])
+    return out
 
 
 def _result(out: Path) -> dict:
