@@ -56,6 +56,8 @@ def test_every_dashboard_gets_the_numbers_metrics_jsonl_holds(model_dirs, pairs_
     assert [e.step for e in board.Scalars("train/loss")] == [1, 2, 3]
     assert [e.value for e in board.Scalars("train/loss")] == pytest.approx(losses, rel=1e-6)
     assert board.Scalars("eval/loss")[-1].value == pytest.approx(steps[-1]["eval_loss"], rel=1e-6)
+    predicted = _planned_peak(model_dirs, pairs_file)  # the planner's row for this run's layout
+    assert predicted > 0 and [e.value for e in board.Scalars("train/predicted_peak_gpu_gb")] == pytest.approx([predicted] * 3)
 
     client = mlflow.MlflowClient(tracking_uri=(out / "mlruns").resolve().as_uri())
     (run,) = client.search_runs([client.get_experiment_by_name("bigfit").experiment_id])
@@ -67,6 +69,16 @@ def test_every_dashboard_gets_the_numbers_metrics_jsonl_holds(model_dirs, pairs_
     history = {r["_step"]: r for r in _wandb_history(offline)}
     assert [history[s].get("train/loss") for s in (1, 2, 3)] == pytest.approx(losses, rel=1e-9)
     assert history[3]["eval/loss"] == pytest.approx(steps[-1]["eval_loss"], rel=1e-9)
+
+
+def _planned_peak(model_dirs, pairs_file) -> float:
+    """The planner's peak for _train's run (on this machine: the CPU as the run's device)."""
+    from bigfit.config import TrainConfig
+    from bigfit.planning.command import predicted_peak_gb
+    from bigfit.resolution import resolve
+
+    cfg = resolve(TrainConfig(model=str(model_dirs["t5"]), data=str(pairs_file), strategy="single", batch_size=4), 1)
+    return predicted_peak_gb(cfg, 1)
 
 
 def _wandb_history(path) -> list[dict]:

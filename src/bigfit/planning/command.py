@@ -212,6 +212,16 @@ def _auto(cfg, world: int, strategies: tuple[str, ...], layouts: dict | None):
     return plan_for_config(config, _this_machine(world, nvme_dir=nvme_dir), job, strategies, layouts)
 
 
+def predicted_peak_gb(cfg, world: int) -> float | None:
+    """The peak GB of the busiest device the planner predicts for the run's own strategy and degrees
+    (the dashboards draw it beside the measured peak); None where it rates no such row."""
+    fixed = {d: getattr(cfg, d) for d in DIMS if getattr(cfg, d, None)}
+    p = _auto(cfg, world, () if fixed else (cfg.strategy,), fixed or None)
+    rows = [c for c in p.candidates if c.estimate.name == cfg.strategy] if not fixed else [
+        c for c in p.layouts or () if c.strategy == cfg.strategy and _agrees(c.degrees, fixed)]
+    return round(rows[0].estimate.per_gpu["total"] / 1e9, 2) if rows else None
+
+
 def nvme_host_gb(cfg, world: int) -> float:
     """The GB per node of optimizer states `--strategy auto`'s zero2-offload-nvme row kept in RAM
     (estimate.nvme_fill), for the run it launches."""

@@ -28,7 +28,7 @@ from .job import Job, describe, prepare
 from .metrics import MetricsLog, StartClock, StepProgress, console, table
 from .ownership import claim
 from .step import global_targets, lr_at, train_step
-from .trackers import Trackers
+from .trackers import Trackers, predicted_peak
 
 
 def train(cfg: TrainConfig) -> dict:
@@ -112,8 +112,7 @@ def _train(job: Job, rt: Runtime, clock: StartClock) -> dict:
     batcher = Batcher(len(ds.train), cfg.batch_size, cfg.seed)
     write_assets = _assets_writer(job, applied.module)
     run = runinfo.read(out_dir) if rt.is_main else {}  # written by the claim: checkpoints carry the run's identity
-    boards = Trackers(reporters(cfg.report_to), out_dir, cfg.to_dict(), run.get("run_id") or out_dir.name) \
-        if rt.is_main else None  # dashboards beside metrics.jsonl (--report-to)
+    boards = _boards(cfg, out_dir, run, rt) if rt.is_main else None  # dashboards beside metrics.jsonl (--report-to)
 
     def run_eval() -> dict:
         applied.flush()  # a delayed update lands before anything reads the parameters
@@ -185,6 +184,15 @@ def _train(job: Job, rt: Runtime, clock: StartClock) -> dict:
                 summary["model_dir"] = consolidate(last_ckpt, out_dir / "model", overwrite=True, legacy=True)
         _print_summary(summary)
     return summary
+
+
+def _boards(cfg: TrainConfig, out_dir: Path, run: dict, rt: Runtime) -> Trackers:
+    """The dashboards of --report-to (none: an empty set), with the planner's peak for the run."""
+    names = reporters(cfg.report_to)
+    predicted, note = predicted_peak(cfg, rt.world_size) if names else (None, "")
+    if note:
+        console.print(f"[yellow]{note}[/yellow]")
+    return Trackers(names, out_dir, cfg.to_dict(), run.get("run_id") or out_dir.name, predicted)
 
 
 def _probe(job: Job, applied: Engine, rt: Runtime) -> dict:

@@ -1,7 +1,9 @@
 """Dashboards: `--report-to tensorboard,wandb,mlflow` (the Trainer's names and convention; `none`, the
 default, leaves metrics.jsonl alone). Rank 0 sends each step's numbers, the ones metrics.jsonl holds
 (loss, learning rate, gradient norm, tokens/s, peak GPU memory, the evaluation's figures at the steps
-that have one), and the run's settings once:
+that have one), the planner's predicted peak for the run's layout beside the measured one
+(train/predicted_peak_gpu_gb: planning/command.py's row for the strategy and degrees the run uses),
+and the run's settings once:
 - tensorboard: event files under OUTPUT/runs (torch.utils.tensorboard);
 - wandb: a run in OUTPUT/wandb, offline unless WANDB_MODE says otherwise or an API key is set
   (WANDB_PROJECT names the project, default "bigfit"); `wandb sync` uploads an offline one later;
@@ -16,12 +18,17 @@ import os
 from pathlib import Path
 
 class Trackers:
-    """The reporters of one run, on rank 0: `log` each record, `close` at the end."""
+    """The reporters of one run, on rank 0: `log` each record, `close` at the end. `predicted_gb`:
+    the planner's peak for the run's layout, drawn beside each step's measured peak."""
 
-    def __init__(self, names: tuple[str, ...], out_dir: Path, settings: dict, run_name: str):
+    def __init__(self, names: tuple[str, ...], out_dir: Path, settings: dict, run_name: str,
+                 predicted_gb: float | None = None):
         self.writers = [_OPEN[n](out_dir, settings, run_name) for n in names]
+        self.predicted = {} if predicted_gb is None else {"predicted_peak_gpu_gb": predicted_gb}
 
     def log(self, record: dict) -> None:
+        if "loss" in record:  # a step's record
+            record = {**record, **self.predicted}
         scalars = {k: float(v) for k, v in record.items()
                    if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
         for w in self.writers:
@@ -87,3 +94,15 @@ _OPEN = {"tensorboard": _TensorBoard, "wandb": _WandB, "mlflow": _MLflow}
 def _group(key: str) -> str:
     """The Trainer's layout: train/loss, eval/loss."""
     return f"eval/{key[5:]}" if key.startswith("eval_") else f"train/{key}"
+
+
+def predicted_peak(cfg, world: int) -> tuple[float | None, str]:
+    """(the planner's peak GB for this run, or None; a note saying so when it could not be rated). A
+    dashboard's extra: whatever the planner raises is a note, never the run's end."""
+    from ..planning.command import predicted_peak_gb
+
+    try:
+        gb = predicted_peak_gb(cfg, world)
+    except Exception as e:  # noqa: BLE001  the run goes on without the line
+        return None, f"the planner's peak memory is not on the dashboards ({type(e).__name__}: {e})"
+    return gb, "" if gb is not None else "the planner rates no row for this layout: no predicted peak on the dashboards"
