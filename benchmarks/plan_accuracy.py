@@ -41,7 +41,7 @@ def one(strategy: str, family: str, batch: int, seq: int, size: str, precision: 
     import torch
 
     from bigfit.distributed import init_runtime
-    from bigfit.train.calibrate import measure
+    from bigfit.training.calibrate import measure
     from bigfit.parallel import plan_for
 
     rt = init_runtime(group_for_one=plan_for(strategy, 1).engine == "fsdp")

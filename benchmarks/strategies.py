@@ -46,7 +46,7 @@ def run_one(strategy: str, size: str, mbs: int, seq: int, steps: int, warmup: in
     from bigfit.parallel.mesh import with_mesh
     from bigfit.resolution import plan_of, resolve
     from bigfit.strategies import build_optimizer
-    from bigfit.train.step import train_step
+    from bigfit.training.step import train_step
 
     h, layers, heads, kv, inter, vocab = SIZES[size]
     mc = LlamaConfig(hidden_size=h, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,

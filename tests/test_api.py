@@ -1,4 +1,4 @@
-"""bigfit.run and bigfit.plan: the commands from Python, returning data; mistakes are one BigfitError
+"""bigfit.train and bigfit.plan: the commands from Python, returning data; mistakes are one BigfitError
 before any work; several processes start as the command starts them (new processes, a settings file)."""
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ RUN = dict(batch_size=4, max_steps=2, eval_every=0, eval_samples=4, num_beams=1,
 
 def test_run_in_one_process_returns_the_metrics_and_the_model(model_dirs, pairs_file, tmp_path):
     out = tmp_path / "out"
-    result = bigfit.run(model=str(model_dirs["t5"]), data=str(pairs_file), strategy="single", output_dir=str(out), **RUN)
+    result = bigfit.train(model=str(model_dirs["t5"]), data=str(pairs_file), strategy="single", output_dir=str(out), **RUN)
     assert result["output_dir"] == str(out) and result["model_dir"] == str(out / "model")
     assert result["metrics"] == read_jsonl(out / "metrics.jsonl")[-1] and result["metrics"]["step"] == 2
     assert result["eval"]["step"] == 2 and "eval_bleu" in result["eval"]
@@ -25,7 +25,7 @@ def test_run_in_one_process_returns_the_metrics_and_the_model(model_dirs, pairs_
 def test_run_on_two_worker_processes_takes_a_train_config(model_dirs, pairs_file, tmp_path):
     cfg = bigfit.TrainConfig(model=str(model_dirs["llama"]), data=str(pairs_file), strategy="zero3", nproc=2,
                              output_dir=str(tmp_path / "out"), consolidate=False, **RUN)
-    result = bigfit.run(cfg)
+    result = bigfit.train(cfg)
     assert result["metrics"]["step"] == 2 and "model_dir" not in result
     run = json.loads((tmp_path / "out" / "run.json").read_text())
     assert run["starts"][-1]["world_size"] == 2
@@ -33,13 +33,13 @@ def test_run_on_two_worker_processes_takes_a_train_config(model_dirs, pairs_file
 
 
 @pytest.mark.parametrize("kwargs,needle", [
-    (dict(max_step=3), "unknown setting(s) 'max_step' (did you mean max_steps?) in bigfit.run()"),
+    (dict(max_step=3), "unknown setting(s) 'max_step' (did you mean max_steps?) in bigfit.train()"),
     (dict(strategy="zero4"), "strategy 'zero4' is not valid; choose one of: single, ddp"),
     (dict(batch_size="many"), "batch_size"),
 ])
 def test_a_bad_setting_raises_one_line_before_any_work(tmp_path, kwargs, needle):
     with pytest.raises(BigfitError) as e:
-        bigfit.run(output_dir=str(tmp_path / "out"), **kwargs)
+        bigfit.train(output_dir=str(tmp_path / "out"), **kwargs)
     assert needle in str(e.value) and "\n" not in str(e.value)
     assert not (tmp_path / "out").exists()
 
@@ -72,14 +72,14 @@ def test_run_takes_a_model_object_and_a_dataset_object(pairs_file, tmp_path):
     before = {k: v.clone() for k, v in model.state_dict().items()}
     data = datasets.Dataset.from_list(read_jsonl(pairs_file))
     args = dict(model=model, tokenizer=ByT5Tokenizer(), data=data, strategy="single", output_dir=str(tmp_path / "out"))
-    first = bigfit.run(**args, **{**RUN, "save_every": 1})
-    again = bigfit.run(**args, **{**RUN, "max_steps": 3}, resume="latest", allow_changed="max_steps")  # same model, data
+    first = bigfit.train(**args, **{**RUN, "save_every": 1})
+    again = bigfit.train(**args, **{**RUN, "max_steps": 3}, resume="latest", allow_changed="max_steps")  # same model, data
     assert first["metrics"]["step"] == 2 and again["metrics"]["step"] == 3
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # the user's model is untouched
     trained = AutoModelForCausalLM.from_pretrained(first["model_dir"])
     assert not torch.equal(trained.state_dict()["lm_head.weight"], before["lm_head.weight"])
     pairs = [{"source": "one two", "target": "12"}] * 40
-    assert bigfit.run(model=model, tokenizer=ByT5Tokenizer(), data=pairs, strategy="single", consolidate=False,
+    assert bigfit.train(model=model, tokenizer=ByT5Tokenizer(), data=pairs, strategy="single", consolidate=False,
                       output_dir=str(tmp_path / "out2"), **RUN)["metrics"]["step"] == 2
 
 
@@ -90,6 +90,12 @@ def test_run_takes_a_model_object_and_a_dataset_object(pairs_file, tmp_path):
 ])
 def test_objects_that_are_no_model_or_data_are_one_line(tmp_path, kwargs, needle):
     with pytest.raises(BigfitError) as e:
-        bigfit.run(output_dir=str(tmp_path / "out"), **kwargs)
+        bigfit.train(output_dir=str(tmp_path / "out"), **kwargs)
     assert needle in str(e.value) and "\n" not in str(e.value)
     assert not (tmp_path / "out").exists()
+
+
+def test_bigfit_train_is_the_call_even_with_the_training_package_imported():
+    import bigfit.training.loop  # noqa: F401  the package a submodule import would bind as bigfit.train
+
+    assert callable(bigfit.train) and bigfit.run is bigfit.train

@@ -93,7 +93,7 @@ def test_no_probe_under_torchrun(monkeypatch, model_dirs, capsys):
 
 
 def test_a_step_that_never_finishes_after_an_oom_ends_the_probe():
-    from bigfit.train.probe import _deadline
+    from bigfit.training.probe import _deadline
 
     expired = threading.Event()
     with _deadline(0.05, expire=expired.set):

@@ -98,7 +98,7 @@ def test_randomly_damaged_checkpoints_are_refused_in_one_line_and_nothing_is_tou
 
 
 def test_manifest_seal_finds_any_change_to_the_marker():
-    from bigfit.train import manifest
+    from bigfit.training import manifest
 
     text = manifest.seal({"step": 4, "world_size": 2, "time": 1.5, "files": {"a": [3, [7]]}})
     assert manifest.unseal(text)["files"] == {"a": [3, [7]]}

@@ -40,7 +40,7 @@ def _config(model_dirs, data, family: str, kind: str, pack: bool, cache: str):
 @pytest.mark.parametrize("family,kind,pack", CASES)
 def test_the_cache_holds_the_samples_made_in_memory(model_dirs, data, tmp_path, family, kind, pack):
     from bigfit.data.arrays import ArrowSamples
-    from bigfit.train.job import prepare
+    from bigfit.training.job import prepare
 
     plain = prepare(_config(model_dirs, data, family, kind, pack, "off"), 1).dataset
     mapped = prepare(_config(model_dirs, data, family, kind, pack, str(tmp_path)), 1).dataset
@@ -57,7 +57,7 @@ def test_the_cache_holds_the_samples_made_in_memory(model_dirs, data, tmp_path, 
 def _prepare_on_rank(cfg):
     import os
 
-    from bigfit.train.job import prepare
+    from bigfit.training.job import prepare
 
     job = prepare(cfg, 2)
     meta = json.loads((Path(job.dataset.cached) / "meta.json").read_text())

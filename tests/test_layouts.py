@@ -72,7 +72,7 @@ def reference(name: str, precision: str) -> str:
 
 
 def run_layouts(model_dirs, data, root, world: int) -> None:
-    from bigfit.train.loop import train
+    from bigfit.training.loop import train
 
     for family, name, precision in CASES:
         if LAYOUTS[name][3] == world:
@@ -93,7 +93,7 @@ def resume_job(model_dir, data, root, leg: str, strategy: str, degrees: dict, be
 
 
 def run_references(model_dirs, data, root) -> None:
-    from bigfit.train.loop import train
+    from bigfit.training.loop import train
 
     with torch_threads(threads_per_rank(2)):
         for family, name, precision in sorted(set(CASES)):
@@ -107,7 +107,7 @@ def run_references(model_dirs, data, root) -> None:
 
 @pytest.fixture(scope="module")
 def runs(model_dirs, pairs_file, tmp_path_factory):
-    from bigfit.train.loop import train
+    from bigfit.training.loop import train
 
     root = tmp_path_factory.mktemp("layouts")
     run_ranks(run_layouts, 2, model_dirs, pairs_file, root, 2,

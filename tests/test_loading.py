@@ -167,7 +167,7 @@ def load_on_ranks(dirs: dict, strategy: str, tp: int | None, world: int = 2):
     from bigfit.models import build_model
     from bigfit.parallel.apply import apply
     from bigfit.parallel.mesh import with_mesh
-    from bigfit.train.job import prepare
+    from bigfit.training.job import prepare
 
     out = {}
     for family, path in dirs.items():
@@ -276,7 +276,7 @@ def gathered_init(model_dirs: dict, strategy: str):
     from bigfit.models import build_model
     from bigfit.parallel.apply import apply
     from bigfit.parallel.mesh import with_mesh
-    from bigfit.train.job import prepare
+    from bigfit.training.job import prepare
 
     out = {}
     for family, path in model_dirs.items():

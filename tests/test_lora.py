@@ -40,7 +40,7 @@ def job(model_dir, data, out, strategy: str, **kw):
 
 
 def run(model_dirs, data, root, strategies) -> None:
-    from bigfit.train.loop import train
+    from bigfit.training.loop import train
 
     for strategy in strategies:
         for family in FAMILIES:
@@ -109,7 +109,7 @@ def test_lora_matches_single_process_lora(runs, family, strategy):
 @pytest.mark.parametrize("strategy", ("single", *DISTRIBUTED, "device_map"))
 @pytest.mark.parametrize("family", FAMILIES)
 def test_checkpoints_hold_the_adapters_alone_and_only_they_have_optimizer_state(runs, model_dirs, family, strategy):
-    from bigfit.train.ckptdir import frozen_of, trainer_state
+    from bigfit.training.ckptdir import frozen_of, trainer_state
 
     run_dir = runs / f"{family}-{strategy}"
     state = final_state(run_dir)
@@ -151,7 +151,7 @@ def test_merge_makes_the_seeded_base_again(runs, model_dirs, tmp_path, strategy,
     run's seed, the adapters injected first) and folds the checkpoint's adapters in, bit for bit."""
     from safetensors.torch import load_file
 
-    from bigfit.train.consolidate import consolidate
+    from bigfit.training.consolidate import consolidate
 
     run_dir = runs / f"{family}-{strategy}"
     out = consolidate(sorted((run_dir / "checkpoints").glob("step-*"))[-1], tmp_path / "merged", merge=True)
@@ -180,8 +180,8 @@ def test_the_disk_check_counts_the_adapters_peft_adds(model_dirs, family, target
 
 def test_the_disk_check_refuses_a_full_checkpoint_where_a_lora_one_fits(model_dirs, pairs_file, tmp_path, monkeypatch):
     from bigfit.errors import BigfitError
-    from bigfit.train import ownership, rundir
-    from bigfit.train.job import prepare
+    from bigfit.training import ownership, rundir
+    from bigfit.training.job import prepare
 
     monkeypatch.setattr(rundir, "free_bytes", lambda path: 100_000)  # the tiny Llama: 518 kB in full, 49 kB of adapters
     out = tmp_path / "out"
@@ -208,7 +208,7 @@ def test_bad_lora_settings_are_one_line_before_any_work(model_dirs, tmp_path, ca
 
 
 def _train_one(cfg) -> None:
-    from bigfit.train.loop import train
+    from bigfit.training.loop import train
 
     train(cfg)
 
@@ -220,7 +220,7 @@ def test_lora_on_saved_weights_reads_the_base_by_its_own_names(pairs_file, tmp_p
     every weight the file's, bit for bit, the targeted ones plus B A alpha / r."""
     from safetensors.torch import load_file
 
-    from bigfit.train.consolidate import consolidate
+    from bigfit.training.consolidate import consolidate
     from tiny import twin_models
 
     base, _ = twin_models("llama")
@@ -248,7 +248,7 @@ def test_a_frozen_base_under_autocast_is_stored_in_bf16_and_trains_as_the_fsdp2_
     from bigfit.lora import LoraSettings, inject
     from bigfit.parallel.apply import apply
     from bigfit.resolution import plan_of, resolve
-    from bigfit.train.loop import train
+    from bigfit.training.loop import train
     from tiny import twin_models
 
     model, _ = twin_models("llama")
@@ -265,8 +265,8 @@ def test_a_frozen_base_under_autocast_is_stored_in_bf16_and_trains_as_the_fsdp2_
 
 
 def test_a_lora_run_ends_with_its_adapter_directory_and_overwrite_replaces_it(model_dirs, pairs_file, tmp_path):
-    from bigfit.train import rundir
-    from bigfit.train.loop import train
+    from bigfit.training import rundir
+    from bigfit.training.loop import train
 
     out = tmp_path / "out"
     cfg = job(model_dirs["gpt2"], pairs_file, out, "single", max_steps=2, consolidate=True)

@@ -137,7 +137,7 @@ def checkpoint_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("family", ["llama", "gpt2", "t5"])
 def test_the_checkpoint_holds_the_adapters_alone(lora_outputs, family):
-    from bigfit.train.ckptdir import trainer_state
+    from bigfit.training.ckptdir import trainer_state
 
     o = lora_outputs(family)
     held, base = checkpoint_tensors(o.ckpt), load_file(o.base / "model.safetensors")

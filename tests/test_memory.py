@@ -19,7 +19,7 @@ def measure(model_dir, data, nvme_root):
     from bigfit.parallel.apply import apply
     from bigfit.parallel.mesh import with_mesh
     from bigfit.strategies import build_optimizer
-    from bigfit.train.job import prepare
+    from bigfit.training.job import prepare
 
     out = {}
     for strategy in STRATEGIES:

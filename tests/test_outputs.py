@@ -74,7 +74,7 @@ def test_a_replacement_that_fails_half_way_puts_the_users_files_back(run_copy, t
     """The user's files moved into the new directory go back when the swap itself fails."""
     import types
 
-    from bigfit.train import consolidate
+    from bigfit.training import consolidate
 
     out, _ = run_copy
     target = tmp_path / "model"
@@ -95,7 +95,7 @@ def test_a_replacement_that_fails_half_way_puts_the_users_files_back(run_copy, t
 
 
 def test_a_failed_consolidation_leaves_nothing_behind(run_copy, tmp_path, capsys, monkeypatch):
-    from bigfit.train import consolidate
+    from bigfit.training import consolidate
 
     out, _ = run_copy
 
@@ -134,7 +134,7 @@ def test_overwrite_removes_that_runs_files_and_nothing_else(run_copy, capsys):
 
 def test_a_run_into_a_locked_directory_names_the_holder(tmp_path, model_dirs, pairs_file, capsys):
     """The lock is the open file's flock: a second open of it conflicts even in this process."""
-    from bigfit.train.lock import RunLock
+    from bigfit.training.lock import RunLock
 
     out = tmp_path / "out"
     lock = RunLock(out).acquire()
@@ -152,7 +152,7 @@ def test_a_run_into_a_locked_directory_names_the_holder(tmp_path, model_dirs, pa
 
 
 def test_a_lock_left_by_a_dead_run_is_taken_over(tmp_path):
-    from bigfit.train.lock import RunLock
+    from bigfit.training.lock import RunLock
 
     (tmp_path / ".bigfit-lock").write_text(json.dumps({"pid": 999999, "host": "gone", "started": 0}))
     lock = RunLock(tmp_path).acquire()  # no process holds it: the kernel released it when its holder died
@@ -212,7 +212,7 @@ def test_output_dir_on_a_read_only_file_system(read_only_dir, model_dirs, pairs_
 
 
 def test_output_dir_without_room_for_one_checkpoint(tmp_path, model_dirs, capsys, monkeypatch):
-    from bigfit.train import rundir
+    from bigfit.training import rundir
 
     monkeypatch.setattr(rundir, "free_bytes", lambda path: 10_000)
     assert main(["train", "--model", str(model_dirs["t5"]), "--strategy", "single", "--output-dir",
@@ -226,7 +226,7 @@ def test_no_checkpoints_trains_without_room_for_one_and_writes_none(tmp_path, mo
                                                                       monkeypatch):
     """--no-checkpoints: a model whose states would not fit on the disk still trains; nothing is saved,
     so there is no model directory either, and the table says so."""
-    from bigfit.train import rundir
+    from bigfit.training import rundir
 
     monkeypatch.setattr(rundir, "free_bytes", lambda path: 10_000)
     out = tmp_path / "out"
@@ -240,7 +240,7 @@ def test_no_checkpoints_trains_without_room_for_one_and_writes_none(tmp_path, mo
 
 def test_a_model_marker_never_reaches_outside_its_directory(tmp_path):
     """--overwrite removes what bigfit-model.json lists: an edited marker cannot name another file."""
-    from bigfit.train.rundir import model_files
+    from bigfit.training.rundir import model_files
 
     (tmp_path / "victim.txt").write_text("mine")
     model = tmp_path / "model"
@@ -266,7 +266,7 @@ def test_output_dir_without_write_permission(tmp_path, model_dirs, capsys):
 def test_a_directory_this_user_cannot_write_is_named(tmp_path, monkeypatch):
     """The same check where this user is root (os.access answers as for another user)."""
     from bigfit.errors import BigfitError
-    from bigfit.train import rundir
+    from bigfit.training import rundir
 
     monkeypatch.setattr(rundir.os, "access", lambda path, mode: False)
     with pytest.raises(BigfitError, match=f"'{tmp_path}' is not writable by this user"):
@@ -278,7 +278,7 @@ def crash_while_claiming(out):
     import types
 
     from bigfit.distributed import init_runtime
-    from bigfit.train import ownership
+    from bigfit.training import ownership
 
     def fault(*args):
         raise OSError(5, "Input/output error")

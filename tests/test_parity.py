@@ -62,7 +62,7 @@ def job(model_dir, data, out, strategy: str, precision: str):
 
 
 def run_all(model_dirs, data, root, strategies, precisions, suffix=""):
-    from bigfit.train.loop import train
+    from bigfit.training.loop import train
 
     for precision in precisions:
         for strategy in strategies:

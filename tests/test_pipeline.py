@@ -82,7 +82,7 @@ def pipeline_jobs(dirs, data, root) -> list:
 
 
 def train_all(jobs) -> None:
-    from bigfit.train.loop import train
+    from bigfit.training.loop import train
 
     for cfg in jobs:
         train(cfg)

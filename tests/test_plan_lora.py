@@ -51,8 +51,8 @@ def measure_single(family: str, batch: int, seq: int) -> dict:
     from bigfit.planning.profile import profile_model
     from bigfit.resolution import plan_of, resolve
     from bigfit.strategies import build_optimizer
-    from bigfit.train.calibrate import _peak, _start
-    from bigfit.train.step import train_step
+    from bigfit.training.calibrate import _peak, _start
+    from bigfit.training.step import train_step
 
     torch.set_num_threads(1)
     assert family == "llama"

@@ -152,7 +152,7 @@ def measure_peaks(strategies, cases) -> list[dict]:
     from transformers import GPT2Config, LlamaConfig
 
     from bigfit.distributed import init_runtime
-    from bigfit.train.calibrate import measure
+    from bigfit.training.calibrate import measure
 
     torch.set_num_threads(1)
     configs = {"llama": LlamaConfig(hidden_size=384, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=6,

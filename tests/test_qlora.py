@@ -43,7 +43,7 @@ def test_the_4bit_base_is_the_seeded_init_rounded_and_only_adapters_train_and_ch
     from bigfit.parallel.apply import apply
     from bigfit.resolution import plan_of, resolve
     from bigfit.strategies import build_optimizer
-    from bigfit.train.step import train_step
+    from bigfit.training.step import train_step
     from test_lora import seeded_base
 
     with mock.patch("torch.cuda.is_available", return_value=True):  # the command's check, passed by hand
@@ -84,7 +84,7 @@ def test_a_checkpoint_of_adapters_alone_gives_their_adapter_tensors():
     """A QLoRA checkpoint holds no base weights: its adapter directory needs none."""
     from transformers import LlamaConfig, AutoModelForCausalLM
 
-    from bigfit.train.adapter import LoraCheckpoint
+    from bigfit.training.adapter import LoraCheckpoint
     from tiny import tiny_config
 
     with torch.device("meta"):

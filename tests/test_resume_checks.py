@@ -12,7 +12,7 @@ import pytest
 
 from bigfit.cli import main
 from bigfit.config import TrainConfig
-from bigfit.train import resume
+from bigfit.training import resume
 from conftest import one_line, read_jsonl, snapshot
 
 

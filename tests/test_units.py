@@ -11,7 +11,7 @@ from bigfit.resolution import resolve
 from bigfit.settings import load_config_file
 from bigfit.data import Batcher, read_examples
 from bigfit.errors import BigfitError
-from bigfit.train.step import lr_at
+from bigfit.training.step import lr_at
 
 
 @pytest.mark.parametrize("world,micro", [(1, 8), (1, 2), (2, 4), (2, 1), (4, 2)])

@@ -36,7 +36,7 @@ def _model():
 
 def _train(streamed: bool, steps: int = 4, micro: int = 2):
     """Losses, gradient norms and full parameters after `steps` steps of `micro` micro-batches
-    (gradient accumulation), the learning rate changing every step, as train/step.py's `_update`."""
+    (gradient accumulation), the learning rate changing every step, as training/step.py's `_update`."""
     import threading
 
     import torch

@@ -1,6 +1,7 @@
 """bigfit: train transformer models that do not fit on one device.
 
-Public API: `run` and `plan` (bigfit train and bigfit plan from Python, returning data: api.py),
+Public API: `train` and `plan` (bigfit train and bigfit plan from Python, returning data: api.py;
+`run` is `train`),
 `TrainConfig`, `consolidate` (sharded checkpoint -> Hugging Face directory), `ParallelPlan` / `plan_for` (a job's
 parallel layout, from a strategy name and degrees) and `apply_plan` (its transforms, in order),
 `parallelize` / `deparallelize` (device-map model parallelism in one process, bigfit.device_map).
@@ -11,17 +12,16 @@ from .errors import BigfitError
 from .parallel.plan import ParallelPlan, plan_for
 
 __all__ = ["BigfitError", "ParallelPlan", "TrainConfig", "apply_plan", "consolidate", "deparallelize", "parallelize",
-           "plan", "plan_for", "run"]
+           "plan", "plan_for", "run", "train"]
 
 
 def __getattr__(name):  # heavy imports (torch, transformers) only when used
-    # (`bigfit.train` is the training package, bigfit/train/: the API's training call is `run`)
-    if name in ("run", "plan"):
+    if name in ("train", "run", "plan"):  # the training package is bigfit.training: bigfit.train is the call
         from . import api
 
         return getattr(api, name)
     if name == "consolidate":
-        from .train.consolidate import consolidate
+        from .training.consolidate import consolidate
 
         return consolidate
     if name in ("parallelize", "deparallelize", "device_map"):

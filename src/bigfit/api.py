@@ -1,9 +1,9 @@
-"""bigfit from Python (a notebook, a script), without a subprocess of one's own: `run` and `plan` take
+"""bigfit from Python (a notebook, a script), without a subprocess of one's own: `train` and `plan` take
 the settings the command line takes, by their names (TrainConfig's fields for training, `bigfit plan
 --help`'s flags for planning), run the same code the commands run, and return data.
 
     import bigfit
-    result = bigfit.run(model="google-t5/t5-small", data="pairs.jsonl", strategy="auto", max_steps=2000)
+    result = bigfit.train(model="google-t5/t5-small", data="pairs.jsonl", strategy="auto", max_steps=2000)
     result["metrics"]["loss"], result["model_dir"]
     bigfit.plan(model="./my-llama", gpus="24GB,8GB", batch_size=8, seq_len=2048)["recommended"]
 
@@ -22,7 +22,7 @@ from .config import TrainConfig
 from .errors import BigfitError
 
 
-def run(config: TrainConfig | None = None, /, *, tokenizer=None, **settings) -> dict:
+def train(config: TrainConfig | None = None, /, *, tokenizer=None, **settings) -> dict:
     """Train as `bigfit train` does, with a TrainConfig or settings by name (model=..., data=...,
     strategy=..., batch_size=...). `model` may be a transformers PreTrainedModel (with `tokenizer`,
     else the byte-level one) and `data` a datasets.Dataset, a DatasetDict or a list of example dicts:
@@ -35,25 +35,28 @@ def run(config: TrainConfig | None = None, /, *, tokenizer=None, **settings) -> 
     from .settings import check_keys
 
     if config is not None and settings:
-        raise BigfitError("bigfit.run() takes a TrainConfig or settings by name, not both")
+        raise BigfitError("bigfit.train() takes a TrainConfig or settings by name, not both")
     if config is None:
-        check_keys(settings, "bigfit.run()")
+        check_keys(settings, "bigfit.train()")
         settings = {k.replace("-", "_"): v for k, v in settings.items()}
         objects = {k: None for k in ("model", "data") if not isinstance(settings.get(k), (str, type(None)))}
         validate(TrainConfig(**{**settings, **objects}))  # every other setting's mistake before an object is written
         settings.update(_paths(settings, tokenizer))
         config = TrainConfig(**settings)
     elif tokenizer is not None:
-        raise BigfitError("bigfit.run(): tokenizer= goes with model= given as a model object, not with a TrainConfig")
+        raise BigfitError("bigfit.train(): tokenizer= goes with model= given as a model object, not with a TrainConfig")
     validate(config)
     stamp_start()
-    from .train.command import train_command  # the training stack, imported when a run starts
+    from .training.command import train_command  # the training stack, imported when a run starts
 
     code = train_command(["train"], config)
     out = Path(config.output_dir)
     if code:
         raise BigfitError(f"training stopped (exit status {code}): the report is above; logs in {out / 'logs'}")
     return _result(out)
+
+
+run = train  # the same call, by the name it first had
 
 
 def plan(**flags) -> dict:
@@ -90,7 +93,7 @@ def _paths(settings: dict, tokenizer) -> dict:
     if settings.get("model") is not None and not isinstance(settings["model"], str):
         out["model"] = inputs.model_path(settings["model"], tokenizer)
     elif tokenizer is not None:
-        raise BigfitError("bigfit.run(): tokenizer= goes with model= given as a model object; a model directory "
+        raise BigfitError("bigfit.train(): tokenizer= goes with model= given as a model object; a model directory "
                           "or hub name brings its own tokenizer files")
     if settings.get("data") is not None and not isinstance(settings["data"], str):
         out["data"] = inputs.data_path(settings["data"])

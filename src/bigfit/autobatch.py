@@ -1,5 +1,5 @@
 """`--micro-batch-size auto` / `--batch-size auto`: the largest micro-batch the planner predicts to
-fit (planning/command.py), then the largest that runs, found by probe workers (train/probe.py).
+fit (planning/command.py), then the largest that runs, found by probe workers (training/probe.py).
 
 The probe starts at the prediction, grows past it while sizes run and bisects between the largest
 that ran and the smallest that failed (planning/sizes.py). Its workers build the model once and try

@@ -128,7 +128,7 @@ def _validate_pipeline(cfg: TrainConfig) -> None:
 
 
 def reporters(spec: str) -> tuple[str, ...]:
-    """The dashboards --report-to names (train/trackers.py), each installed, or one line saying why not."""
+    """The dashboards --report-to names (training/trackers.py), each installed, or one line saying why not."""
     import importlib.util
 
     names = tuple(dict.fromkeys(n.strip() for n in spec.split(",") if n.strip() and n.strip() != "none"))

@@ -190,7 +190,7 @@ def config_from_args(ns: argparse.Namespace) -> TrainConfig:
 
 
 def _deepspeed(path: str, so_far: dict) -> dict:
-    from .train.command import speaks, world  # imported here, as in main: world() asks torch for the GPUs
+    from .training.command import speaks, world  # imported here, as in main: world() asks torch for the GPUs
 
     mapping = load_deepspeed_config(path, world(so_far.get("nproc"), TrainConfig()))
     if speaks():
@@ -212,14 +212,14 @@ def main(argv: list[str] | None = None) -> int:
         if ns.command == "train":
             decided = launched_settings()  # a worker of bigfit's launcher runs what the launcher decided
             cfg = TrainConfig(**decided) if decided else config_from_args(ns)
-            from .train.command import train_command
+            from .training.command import train_command
 
             return train_command(argv, cfg)
         if ns.command == "plan":
             from .planning.command import plan_command
 
             return plan_command(ns)
-        from .train.consolidate import consolidate
+        from .training.consolidate import consolidate
 
         out = consolidate(ns.checkpoint, ns.out, overwrite=ns.overwrite, merge=ns.merge, base=ns.base)
         adapter = not ns.merge and os.path.isfile(os.path.join(out, "adapter_config.json"))

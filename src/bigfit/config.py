@@ -22,7 +22,7 @@ OPTIMIZERS = ("adamw", "adam")
 SCHEDULES = ("linear", "cosine", "constant")
 WARMUPS = ("linear", "log")
 REDUCE_DTYPES = ("fp32", "bf16", "fp16")
-REPORTERS = ("tensorboard", "wandb", "mlflow")  # --report-to: each the name of the package it needs (train/trackers.py)
+REPORTERS = ("tensorboard", "wandb", "mlflow")  # --report-to: each the name of the package it needs (training/trackers.py)
 # Fields that take "auto": stored as None and derived in `resolve`...
 AUTO = ("nproc", "precision")
 # ...or kept as "auto" until planning (and a probe) picks the value: bigfit train does this first.

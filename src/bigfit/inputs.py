@@ -1,4 +1,4 @@
-"""Python objects given to `bigfit.run` in place of paths: a model (a transformers PreTrainedModel,
+"""Python objects given to `bigfit.train` in place of paths: a model (a transformers PreTrainedModel,
 with its tokenizer), a datasets.Dataset or DatasetDict, or a list of example dicts. bigfit's workers
 are new processes (a notebook that touched CUDA must not fork), so each object is written once to a
 directory named by a digest of its content, under $XDG_CACHE_HOME/bigfit/inputs, and the run reads that

@@ -83,7 +83,7 @@ STARTED_ENV, LAUNCHED_ENV = "BIGFIT_STARTED_AT", "BIGFIT_LAUNCHED_AT"  # wall cl
 
 
 def stamp_start() -> None:
-    """Before torch is imported: the command's start, for the first step's breakdown (train/metrics.py
+    """Before torch is imported: the command's start, for the first step's breakdown (training/metrics.py
     StartClock; a worker of bigfit's launcher keeps the launcher's stamp, any other process, such as
     torchrun's workers, is its own), and torch's CPU allocator on 2 MB pages unless the user chose.
     The offload engine's host states are tens of GB, touched first at start: on 4 KB pages that is
@@ -98,7 +98,7 @@ def launch_local(argv: list[str], nproc: int, log_dir: Path, quiet: bool = False
     """Run `python -m bigfit <argv>` as `nproc` workers on this machine; returns the exit status.
     `quiet`: rank 0 writes a log too, and a failure is left to the caller to report (its message in
     log_dir/error.txt). `lock_fd`: the
-    output directory's lock (train/lock.py), inherited by every worker so that it stays held while
+    output directory's lock (training/lock.py), inherited by every worker so that it stays held while
     any of them lives, even if this launcher is killed. `settings`: the job's settings as this
     launcher decided them (strategy, degrees, batch sizes): the workers read them from a file
     (SETTINGS_ENV) instead of parsing `argv` again, so they run exactly what was printed."""

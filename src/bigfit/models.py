@@ -116,7 +116,7 @@ def build_model(src: ModelSource, config, seed: int, on_meta: bool = False) -> t
             config.use_cache = False
     # training mode: from_pretrained returns its model in eval mode, so a fine-tune from weights would
     # train with its dropout off; the Trainer puts the model in training mode too (evaluation puts it
-    # in eval mode and back, train/evaluate.py)
+    # in eval mode and back, training/evaluate.py)
     return model.train()
 
 

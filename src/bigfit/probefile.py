@@ -1,4 +1,4 @@
-"""The file that micro-batch auto's launcher (autobatch.py) and its probe workers (train/probe.py)
+"""The file that micro-batch auto's launcher (autobatch.py) and its probe workers (training/probe.py)
 share: the search (planning/sizes.py's ProbeSearch) with every outcome the workers agreed on, and
 the exit statuses a worker set ends with. A worker set that ends with OOM_EXIT was trying the
 search's next size, which is how the launcher learns that it failed."""

@@ -27,7 +27,7 @@ from ..errors import BigfitError
 from .arrays import ArrowSamples, blocks, drop_rows, lists_of, pack_columns, write
 from .digest import examples_sha256, file_sha256
 from .files import read_examples
-from .tables import is_table, read_table
+from .tables import is_table, looks_like_hub_name, read_table
 from .tokenize import Dataset, check_enough, held_out, kind_of, pad_id, sample_of
 
 VERSION = 1  # of the samples' layout: a change here makes new entries
@@ -47,8 +47,8 @@ def wanted(cfg) -> bool:
     if not _has_datasets():
         return False
     path = Path(cfg.data).expanduser()
-    if not path.exists():
-        return True  # a hub name (tables.py)
+    if not path.exists():  # a hub name (tables.py), or a missing file: read_examples' line says so
+        return looks_like_hub_name(cfg.data)
     files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
     return sum(p.stat().st_size for p in files) >= AUTO_BYTES
 

@@ -40,7 +40,7 @@ def weights_fingerprint(src: ModelSource) -> str | None:
     at the start, middle and end of each, hashed; None without any (a config-only model, a hub name
     not in the cache). 3 MiB a file, whatever the model's size, tells one checkpoint of an
     architecture from another: a LoRA run's base, which its checkpoints do not hold, must still be
-    the one it trained on when it resumes (train/resume.py)."""
+    the one it trained on when it resumes (training/resume.py)."""
     import hashlib
 
     directory = _weights_dir(src)

@@ -7,7 +7,7 @@
   `ZeroOneStages`), or FSDP2 shards each stage's blocks (`shard_stages`), or the offload engine
   takes the update over (strategies/offloading.py: this engine still runs the schedules).
 - Each micro-batch of the loop is one schedule step of `chunks` pipeline micro-batches. The loss
-  is the loop's own (train/step.py `token_loss`: summed token cross-entropy from fp32 logits)
+  is the loop's own (training/step.py `token_loss`: summed token cross-entropy from fp32 logits)
   computed on the last stage, times the loop's factor (loss scale / global-batch tokens), so the
   gradients are those of the token mean over the global batch, as for every other strategy.
 - A schedule's stages learn the shapes of what travels at their first step and keep them, so one

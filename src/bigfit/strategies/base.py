@@ -55,7 +55,7 @@ class Engine(Protocol):
     counts: bool  # this rank's losses and texts are counted: False on tensor-parallel peers, which repeat them
     sequence_multiple: int  # batches are padded to a multiple of this length (sequence parallelism: tp)
     # a step that ran out of memory can be dropped and the next one run in this process (micro-batch
-    # auto's probe, train/probe.py); the offload engine's bucket states cannot, so its probe restarts
+    # auto's probe, training/probe.py); the offload engine's bucket states cannot, so its probe restarts
     recovers_from_oom: bool
     # False: checkpoints hold the trainable parameters and the optimizer only (a LoRA run: its frozen
     # base is made again from its source on every start, so it need not be saved)

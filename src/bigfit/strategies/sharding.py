@@ -153,7 +153,7 @@ def apply_ddp(model: torch.nn.Module, plan: ParallelPlan, rt: Runtime, autocast:
 class ShardedStateOptimizer(ZeroRedundancyOptimizer):
     """ZeRO-1: torch's ZeroRedundancyOptimizer (each rank keeps the states of, and updates, the
     parameters it owns, then broadcasts them), plus a checkpoint format in which every parameter's
-    state is saved by its owner alone under the parameter's name (see train/checkpoint.py)."""
+    state is saved by its owner alone under the parameter's name (see training/checkpoint.py)."""
 
     def owned(self):
         """(parameter, its optimizer state) for the parameters this rank owns."""

@@ -196,7 +196,7 @@ def _boards(cfg: TrainConfig, out_dir: Path, run: dict, rt: Runtime) -> Trackers
 
 
 def _probe(job: Job, applied: Engine, rt: Runtime) -> dict:
-    """micro-batch auto's probe (train/probe.py): candidate micro-batches tried one after another on
+    """micro-batch auto's probe (training/probe.py): candidate micro-batches tried one after another on
     this model and engine, built once; the process exits after it, and the real job starts apart."""
     return probe.probe(job, applied, rt)
 

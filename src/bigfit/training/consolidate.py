@@ -1,6 +1,6 @@
 """`bigfit consolidate`: a sharded DCP checkpoint -> one Hugging Face model directory, or, for a
 `--lora` checkpoint, a peft adapter directory (or with `merge` a model with the adapters folded in:
-train/adapter.py, into the frozen base the checkpoint does not hold, made again: train/basesource.py).
+training/adapter.py, into the frozen base the checkpoint does not hold, made again: training/basesource.py).
 
 Streaming: tensors are read from the checkpoint a shard's worth at a time (DCP loads just the keys
 asked for, from every rank's files) and written as safetensors shards with an index, so this
