@@ -98,3 +98,16 @@ def test_auto_takes_the_cache_from_its_size_and_on_needs_datasets(model_dirs, da
     with pytest.raises(BigfitError, match=r"--data-cache on needs the datasets library: pip install 'bigfit\[data\]'"):
         cache.wanted(dataclasses.replace(cfg, data_cache="on"))
 
+
+
+def test_a_mistake_in_the_data_is_its_one_line_and_leaves_no_entry(model_dirs, tmp_path):
+    from bigfit.config import TrainConfig
+    from bigfit.errors import BigfitError
+    from bigfit.training.job import prepare
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"source": "one", "target": "1"}\n' * 2 + '{"source": "two", "target": \n')
+    cfg = TrainConfig(model=str(model_dirs["t5"]), data=str(bad), batch_size=1, data_cache=str(tmp_path / "cache"))
+    with pytest.raises(BigfitError, match=r"bad.jsonl' line 3 is not valid JSON"):
+        prepare(cfg, 1)
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [next((tmp_path / "cache").glob("*.lock")).name]

@@ -26,7 +26,7 @@ from pathlib import Path
 from ..errors import BigfitError
 from .arrays import ArrowSamples, blocks, drop_rows, lists_of, pack_columns, write
 from .digest import examples_sha256, file_sha256
-from .files import read_examples
+from .files import iter_examples
 from .tables import is_table, looks_like_hub_name, read_table
 from .tokenize import Dataset, check_enough, held_out, kind_of, pad_id, sample_of
 
@@ -74,7 +74,11 @@ def tokenized(cfg, tok, seq2seq: bool) -> tuple[Dataset, str, dict]:
     with open(where / f"{key}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released by the kernel however its holder ends
         if not (entry / "meta.json").exists():
-            _build(cfg, tok, seq2seq, entry)
+            tmp = entry.with_name(f"{entry.name}.tmp-{os.getpid()}")
+            try:
+                _build(cfg, tok, seq2seq, entry, tmp)
+            finally:  # a mistake in the data, or an interrupt: nothing half-built is left behind
+                shutil.rmtree(tmp, ignore_errors=True)
     meta = {**json.loads((entry / "meta.json").read_text()), "dir": str(entry)}
     check_enough(meta["train"], len(meta["eval"]), cfg.batch_size, cfg.max_source_len, cfg.pack)
     dataset = Dataset(train=ArrowSamples(entry / "train.arrow"), eval=meta["eval"], pad_id=pad_id(tok),
@@ -101,23 +105,22 @@ def _key(cfg, tok, seq2seq: bool, source: dict) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 
-def _build(cfg, tok, seq2seq: bool, entry: Path) -> None:
+def _build(cfg, tok, seq2seq: bool, entry: Path, tmp: Path) -> None:
+    """The entry, built in `tmp` and renamed into place whole."""
     t0 = time.perf_counter()
-    examples = read_examples(cfg.data, cfg.data_encoding, cfg.data_columns, cfg.data_split, cfg.data_config)
-    kind = kind_of(examples, seq2seq)
+    shutil.rmtree(tmp, ignore_errors=True)
+    raw = _examples(cfg, tmp)
+    kind = kind_of([raw[0]], seq2seq)
     if kind == "messages":
         from .chat import require_template
 
         require_template(tok, cfg.model)
-    digest = None if Path(cfg.data).expanduser().is_file() else examples_sha256(examples)
-    tmp = entry.with_name(f"{entry.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    _write_examples(examples, tmp)
-    del examples  # before the tokenizing processes fork: none inherits the Python objects
-    out = _tokenize(cfg, tok, kind, seq2seq, tmp)
+    file = Path(cfg.data).expanduser().is_file() and not is_table(cfg.data)
+    digest = None if file else examples_sha256(iter_examples(*_reading(cfg)))  # the run's identity of a dataset
+    out = _tokenize(cfg, tok, kind, seq2seq, raw, tmp)
     columns, evals, packed = _samples(cfg, out, kind)
     rows = write(tmp / "train.arrow", columns)
-    del out, columns
+    del raw, out, columns
     for part in ("examples", "tokens"):
         shutil.rmtree(tmp / part)
     meta = {"train": rows, "eval": evals, "packed": packed, "kind": kind, "examples_sha256": digest, "built_by": os.getpid(),
@@ -126,19 +129,29 @@ def _build(cfg, tok, seq2seq: bool, entry: Path) -> None:
     os.replace(tmp, entry)  # whole, or not there: a waiting rank never maps half an entry
 
 
-def _write_examples(examples: list[dict], tmp: Path) -> None:
-    """The examples in an Arrow file, which the tokenizing processes map their shards from (instead of
-    receiving a pickled copy)."""
+def _reading(cfg) -> tuple:
+    return cfg.data, cfg.data_encoding, cfg.data_columns, cfg.data_split, cfg.data_config
+
+
+def _examples(cfg, tmp: Path):
+    """--data's examples, read one at a time (files.iter_examples, each checked as it is read) into an
+    Arrow file under `tmp`: no list of them is held, and the tokenizing processes map their shards from
+    the file instead of receiving a pickled copy. A mistake in the data is its one line."""
     import datasets
 
-    datasets.Dataset.from_list(examples).save_to_disk(str(tmp / "examples"))
+    try:
+        return datasets.Dataset.from_generator(iter_examples, gen_kwargs=dict(zip(
+            ("path", "encoding", "columns", "split", "config"), _reading(cfg))), cache_dir=str(tmp / "examples"))
+    except datasets.exceptions.DatasetGenerationError as e:
+        if isinstance(e.__cause__, BigfitError):
+            raise e.__cause__ from None
+        raise
 
 
-def _tokenize(cfg, tok, kind: str, seq2seq: bool, tmp: Path):
+def _tokenize(cfg, tok, kind: str, seq2seq: bool, raw, tmp: Path):
     """The examples' samples (text: each document's ids) as a datasets.Dataset in files under `tmp`."""
     import datasets
 
-    raw = datasets.load_from_disk(str(tmp / "examples"))
     (tmp / "tokens").mkdir()
     ids = datasets.Sequence(datasets.Value("int32"))  # half of what Python ints would be stored as
     columns = {"input_ids": ids} if kind == "text" else {"input_ids": ids, "labels": ids}
