@@ -28,7 +28,7 @@ from .arrays import ArrowSamples, blocks, drop_rows, lists_of, pack_columns, wri
 from .digest import examples_sha256, file_sha256
 from .files import iter_examples
 from .tables import is_table, looks_like_hub_name, read_table
-from .tokenize import Dataset, check_enough, held_out, kind_of, pad_id, sample_of
+from .tokenize import Dataset, check_enough, held_out, ids_of, kind_of, pad_id, sample_of
 
 VERSION = 1  # of the samples' layout: a change here makes new entries
 AUTO_BYTES = 64 * 2**20  # --data-cache auto: data this large and larger goes through the cache
@@ -79,6 +79,9 @@ def tokenized(cfg, tok, seq2seq: bool) -> tuple[Dataset, str, dict]:
                 _build(cfg, tok, seq2seq, entry, tmp)
             finally:  # a mistake in the data, or an interrupt: nothing half-built is left behind
                 shutil.rmtree(tmp, ignore_errors=True)
+            built = json.loads((entry / "meta.json").read_text())
+            print(f"tokenized {cfg.data} into {entry}: {built['train']} training samples, {built['bytes'] / 1e9:.2f} GB "
+                  f"in {built['built_s']} s", flush=True)
     meta = {**json.loads((entry / "meta.json").read_text()), "dir": str(entry)}
     check_enough(meta["train"], len(meta["eval"]), cfg.batch_size, cfg.max_source_len, cfg.pack)
     dataset = Dataset(train=ArrowSamples(entry / "train.arrow"), eval=meta["eval"], pad_id=pad_id(tok),
@@ -96,8 +99,7 @@ def _source(cfg) -> dict:
 
 
 def _key(cfg, tok, seq2seq: bool, source: dict) -> str:
-    fast = getattr(tok, "backend_tokenizer", None)
-    vocab = fast.to_str() if fast is not None else json.dumps(sorted(tok.get_vocab().items()))
+    vocab = tok.backend_tokenizer.to_str() if tok.is_fast else json.dumps(sorted(tok.get_vocab().items()))
     parts = dict(version=VERSION, source=source, seq2seq=seq2seq, tokenizer=[type(tok).__name__, vocab,
                  tok.eos_token_id, tok.bos_token_id, getattr(tok, "chat_template", None)],
                  **{k: getattr(cfg, k) for k in ("max_source_len", "max_target_len", "pack", "eval_samples", "seed",
@@ -192,8 +194,6 @@ class _Tokenize:
         self.tok, self.kind, self.seq2seq, self.lens = tok, kind, seq2seq, (max_source_len, max_target_len)
 
     def __call__(self, batch: dict) -> dict:
-        from .tokenize import ids_of
-
         if self.kind == "text":
             return {"input_ids": [ids_of(self.tok, t) for t in batch["text"]]}
         rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
