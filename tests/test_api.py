@@ -61,7 +61,7 @@ def test_plan_returns_what_plan_json_prints(model_dirs, capsys):
 def test_run_takes_a_model_object_and_a_dataset_object(pairs_file, tmp_path):
     """The objects are written once to bigfit's cache of inputs (XDG_CACHE_HOME: conftest.py), read by
     the run as paths, and given again are the same paths: the second run resumes the first."""
-    import datasets
+    datasets = pytest.importorskip("datasets")
     import torch
     from transformers import AutoModelForCausalLM, ByT5Tokenizer
 

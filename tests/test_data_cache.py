@@ -14,6 +14,8 @@ from conftest import read_jsonl
 from dist import run_ranks
 from test_chat_data import TALK, TEMPLATE
 
+pytest.importorskip("datasets")  # the cache's library, the `bigfit[data]` extra (the test command installs it)
+
 CASES = [("t5", "pairs", False), ("llama", "pairs", True), ("gpt2", "text", False), ("llama", "text", True),
          ("llama", "messages", True)]
 
