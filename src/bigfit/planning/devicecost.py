@@ -17,6 +17,10 @@ from collections.abc import Iterable
 # with the optimizer's and autocast's parameter traffic below, which 0.6 and 0.7 had stood in for.
 MFU = 0.9
 MEM_EFFICIENCY = 0.55
+# LoRA's memory-bound kernels, as the same profile read them: peft's adapter matmuls' neighbours (the
+# dropout, the scaling, the sum into the base layer's output) and a frozen base's backward, which
+# computes no weight gradient, stream nearer the bandwidth than a full fine-tune's mix.
+LORA_MEM_EFFICIENCY = 0.8
 # The forward's bytes once, the backward's about twice: each operator's gradient reads the incoming
 # gradient and what it saved, and writes a gradient for each input.
 PASSES = 3
@@ -39,7 +43,7 @@ def traffic_seconds(prof, hw, job, blocks: Iterable[int], outside: bool, samples
     moved = sum(prof.block_traffic[g] for g in blocks) * (COMPILED if job.compile else 1.0)
     moved *= (PASSES + 1) / PASSES if job.checkpointing else 1.0
     moved += prof.other_traffic if outside else 0
-    memory = moved / (hw.gpu_mem_gbps * 1e9 * MEM_EFFICIENCY)
+    memory = moved / (hw.gpu_mem_gbps * 1e9 * (LORA_MEM_EFFICIENCY if job.lora else MEM_EFFICIENCY))
     return PASSES * (memory + _fp32_seconds(prof, hw, job, blocks)) * samples / traced
 
 
