@@ -99,3 +99,17 @@ def test_bigfit_train_is_the_call_even_with_the_training_package_imported():
     import bigfit.training.loop  # noqa: F401  the package a submodule import would bind as bigfit.train
 
     assert callable(bigfit.train) and bigfit.run is bigfit.train
+
+
+def test_plan_keeps_in_ram_what_the_ram_leaves_unless_told(model_dirs):
+    """`bigfit plan` rates zero2-offload-nvme as `--strategy auto` does (the states RAM can hold stay
+    there) unless --nvme-host-gb says how many; 0 puts every state on the disk."""
+    flags = dict(model=str(model_dirs["llama"]), gpus="1x2GB", cpu_ram="8GB", nvme="10GB", batch_size=4, seq_len=64)
+
+    def row(**more):
+        (r,) = [s for s in bigfit.plan(**flags, **more)["strategies"] if s["name"] == "zero2-offload-nvme"]
+        return r
+
+    chosen, on_disk = row(), row(nvme_host_gb=0)
+    assert chosen["per_host_bytes"]["optimizer"] > 0 and chosen["per_node_nvme_bytes"] == 0  # a tiny model: all in RAM
+    assert on_disk["per_host_bytes"]["optimizer"] == 0 and on_disk["per_node_nvme_bytes"] > 0

@@ -130,8 +130,9 @@ def _plan_parser(sub) -> argparse.ArgumentParser:
                    help="composed plans with --tp: the residual stream split by sequence")
     p.add_argument("--offload-grads", default="host", choices=("host", "device"),
                    help="zero2-offload: gradients wait for the host step in RAM (host) or on the GPU (device)")
-    p.add_argument("--nvme-host-gb", type=_number(float), default=0.0,
-                   help="zero2-offload-nvme: GB of states per node kept in RAM")
+    p.add_argument("--nvme-host-gb", type=_number(float), default=None,
+                   help="zero2-offload-nvme: GB of states per node kept in RAM; 0: every state on the disk; "
+                        "default: what the RAM leaves, as --strategy auto chooses")
     for dim, what in (("tp", "tensor-parallel"), ("pp", "pipeline"), ("dp-shard", "sharded data-parallel"),
                       ("dp-replicate", "replicated data-parallel")):
         p.add_argument(f"--{dim}", type=_number(int), help=f"composed plans: only those with this {what} degree")

@@ -83,7 +83,7 @@ def compute_plan(ns):
         if getattr(ns, name) is not None:
             _above_0(ns, name)
     for name in AT_LEAST_0:
-        if getattr(ns, name) < 0:
+        if getattr(ns, name) is not None and getattr(ns, name) < 0:
             raise BigfitError(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(ns, name)}")
     config = load_config(locate(ns.model))  # a bad --model is reported before any measuring
     if ns.calibrate:
