@@ -32,7 +32,7 @@ dm4-t5l-2gpu-b32-flat dm6-b64-unsplit dm6-b64-tail-c2 dm6-b64-tail-c2-after dm6-
 dm6-b64-tail-c4-after dm6-b128-unsplit dm6c4-b64-unsplit dm6c4-b64-tail-c2 dm6c4-b128-unsplit-compiled
 dm2-t5l-2gpu-flat dm2-t5l-2gpu-split dm4-t5l-2gpu-b32-flat-c4 dm4-t5l-2gpu-b32-split-c4 dm6-b128-tail-c4
 dm6-b128-tail-c4-after dm6c4-b64-tail-c2-compiled pp2-interleaved-m4 pp2-interleaved-m8
-pack-1b-single-8x2048""".split()
+pack-1b-single-8x2048 nvme-10.9b-steps10-19""".split()
 
 
 @pytest.fixture(scope="module")

@@ -142,13 +142,10 @@ def _peak(common: dict, **moments: dict) -> dict[str, int]:
 
 
 def step_time(strategy: str, prof, hw, c: int, checkpointing: bool, tokens_per_step: int, accum: int,
-              nvme_host: float = 0.0, grad_bytes: int = 4, issue: float = 0.0, traffic: float = 0.0,
-              host_bytes: float = 0.0) -> dict:
+              nvme_host: float = 0.0, grad_bytes: int = 4, issue: float = 0.0, traffic: float = 0.0) -> dict:
     """Seconds per optimizer step of each cost; the step is their overlapped combination. `issue`: the
     host's seconds to issue the step's kernels (hostcost.py), a floor under the GPU's compute;
-    `traffic`: the GPU's seconds of memory-bound operators (devicecost.py), on top of its FLOPs;
-    `host_bytes`: the node's RAM the run holds (memory()'s per-host total), beside which the kernel's
-    page cache keeps NVMe files."""
+    `traffic`: the GPU's seconds of memory-bound operators (devicecost.py), on top of its FLOPs."""
     n, t, w = prof.params, prof.trainable_params, hw.world_size
     flops = prof.flops_per_token * tokens_per_step * (4 / 3 if checkpointing else 1)
     compute = flops / (w * hw.gpu_tflops * 1e12 * MFU) + traffic
@@ -175,13 +172,8 @@ def step_time(strategy: str, prof, hw, c: int, checkpointing: bool, tokens_per_s
             cpu *= HOST_STEP_BYTES[grad_bytes] / HOST_STEP_BYTES[4]
         else:  # torch's AdamW over FSDP2's host shards, at its measured share of the fused step's rate
             cpu /= FSDP_HOST_ADAM
-    if strategy.endswith("nvme"):
-        # each step rewrites every state in the files (the kernel writes the dirty pages back at the disk's
-        # speed) and reads them: from the page cache as far as the RAM the run leaves free holds them. The
-        # 10.9B run on the H200 machine (19.4 GB of files, about 18 GB of RAM free): 19.0 s a step against
-        # 15 s of writes (docs/planning.md)
-        files = nvme_bytes(t, hw, nvme_host)
-        disk = (files + max(0.0, files - max(0.0, hw.cpu_ram - host_bytes))) / (hw.nvme_gbps * 1e9)
+    if strategy.endswith("nvme"):  # read and write back 12 bytes per parameter, the node's ranks together
+        disk = 2 * nvme_bytes(t, hw, nvme_host) / (hw.nvme_gbps * 1e9)
     return {"compute": compute, "host issue": issue, "communication": comm, "pcie": pcie, "cpu_optimizer": cpu,
             "nvme": disk}
 

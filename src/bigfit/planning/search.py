@@ -98,7 +98,7 @@ def plan(prof, hw, job: Job, strategies=ALL, autocast_prof=None, split_prof=None
         costs = step_time(name, prof, hw, c, job.checkpointing, tokens, accum, nvme_host=kept, grad_bytes=gb,
                           issue=issue_seconds(prof, hw, job, accum, fsdp=name in FSDP),
                           traffic=step_traffic(traced, hw, job, job.batch_size / world) + dequant
-                          + _parameter_traffic(name, traced, hw, job, accum), host_bytes=host["total"])
+                          + _parameter_traffic(name, traced, hw, job, accum))
         step_s = combine(costs, engine=_engine_mode(job) if name.startswith("zero2-offload") else None, accum=accum)
         e = Estimate(name, gpu, host, step_s, costs,
                      nvme_bytes(prof.trainable_params, hw, kept) if name.endswith("nvme") else 0)
