@@ -25,7 +25,7 @@ from pathlib import Path
 
 from ..errors import BigfitError
 from .arrays import ArrowSamples, blocks, drop_rows, lists_of, pack_columns, write
-from .digest import examples_sha256, file_sha256
+from .digest import examples_digest, file_sha256
 from .files import iter_examples
 from .tables import is_table, looks_like_hub_name, read_table
 from .tokenize import Dataset, check_enough, held_out, ids_of, kind_of, pad_id, sample_of
@@ -117,8 +117,7 @@ def _build(cfg, tok, seq2seq: bool, entry: Path, tmp: Path) -> None:
         from .chat import require_template
 
         require_template(tok, cfg.model)
-    file = Path(cfg.data).expanduser().is_file() and not is_table(cfg.data)
-    digest = None if file else examples_sha256(iter_examples(*_reading(cfg)))  # the run's identity of a dataset
+    digest = examples_digest(cfg.data, iter_examples(*_reading(cfg)))  # a file's: read by nobody here
     out = _tokenize(cfg, tok, kind, seq2seq, raw, tmp)
     columns, evals, packed = _samples(cfg, out, kind)
     rows = write(tmp / "train.arrow", columns)

@@ -21,3 +21,9 @@ def examples_sha256(examples: list[dict]) -> str:
     for e in examples:
         h.update(json.dumps(e, sort_keys=True, ensure_ascii=False).encode())
     return h.hexdigest()
+
+
+def examples_digest(path: str, examples) -> str | None:
+    """The run's identity of --data besides its path: None for one file (runinfo hashes the file's
+    bytes), else the examples' sha256. The in-memory and the cached paths both use this rule."""
+    return None if Path(path).expanduser().is_file() else examples_sha256(examples)

@@ -15,7 +15,7 @@ from ..userfiles import read_text
 from ..data import Dataset, build_dataset, digits_task, read_examples
 from ..data import cache
 from ..data.chat import require_template
-from ..data.digest import examples_sha256
+from ..data.digest import examples_digest
 from ..lora import LoraSettings, check_targets
 from ..models import ModelSource, build_model, is_seq2seq, load_config, load_tokenizer, locate
 from . import ckptdir
@@ -67,7 +67,7 @@ def _dataset(cfg: TrainConfig, tokenizer, seq2seq: bool) -> tuple[Dataset, str |
     digest = None
     if cfg.data:
         examples = read_examples(cfg.data, cfg.data_encoding, cfg.data_columns, cfg.data_split, cfg.data_config)
-        digest = None if Path(cfg.data).expanduser().is_file() else examples_sha256(examples)
+        digest = examples_digest(cfg.data, examples)
         if "messages" in examples[0]:
             require_template(tokenizer, cfg.model)
     else:
