@@ -115,11 +115,9 @@ def rate_map(config, hw, jb, layout: dict) -> tuple[float, int, str]:
 
     prof, main = profile_for(config, jb), "cuda:0"
     assignment = measured_map(prof, layout, main)
-    chunks = jb.chunks or 1
-    stage = split.stage_seconds(prof, hw, jb, assignment, main, chunks)
-    step = (split._compute(stage, chunks) + split._copies(prof, hw, jb, assignment, main)
-            + split._host_params(prof, assignment, main) / hw.cpu_adam_params_per_s)
-    parts = device_parts(assignment, profile_costs(prof, jb), main)
+    costs, stage = split.map_costs(prof, hw, jb, assignment, main)
+    step = sum(costs.values())
+    parts = device_parts(assignment, profile_costs(prof, jb), main, jb.chunks)
     gpu = max(sum(v.values()) for d, v in parts.items() if not d.startswith("cpu"))
     slowest = max(stage, key=stage.get)
     return step, gpu, f"{slowest} {stage[slowest]:.3f} s of {len(stage)} stages"
@@ -134,6 +132,8 @@ def predict(r: dict) -> dict:
     out = {"strategy": strategy, "step_s": e.step_time_s, "gpu_bytes": e.per_gpu["total"],
            "host_bytes": e.per_host["total"], "bottleneck": e.bottleneck, "fits": c.fits, "why_not": c.why_not,
            "costs": {k: round(v, 4) for k, v in e.costs.items()}, "rated": "plan row"}
+    if strategy == "pipeline" and r.get("measured_rank") is not None:  # strategies.py's rank 0 reports its own peak
+        out["gpu_bytes"] = p.pipeline["devices"][f"rank {r['measured_rank']}"]["predicted_bytes"]
     layout = r["flags"]["device_map"]
     if strategy == "device_map" and layout and layout["layout"] in ("flat", "split", "tail"):
         balancer = f"balancer's map: {e.step_time_s:.3f} s, {e.per_gpu['total'] / 1e9:.1f} GB"
@@ -193,7 +193,18 @@ def row_of(r: dict, p: dict) -> dict:
             "gpu_error_pct": None if r["peak_gpu_bytes"] is None else
             round(100 * (p["gpu_bytes"] - r["peak_gpu_bytes"]) / r["peak_gpu_bytes"], 1),
             "bottleneck": p["bottleneck"], "fits": p["fits"], "why_not": p["why_not"], "rated": p["rated"],
-            "costs": p["costs"]}
+            "costs": p["costs"], "superseded_by": r.get("superseded_by")}
+
+
+def target_line(records: list[dict], rows: list[dict]) -> str:
+    """How many of bigfit's current rows (peers and rows re-measured since, `superseded_by`, apart) are
+    inside the target: step time within 20%, peak GPU memory within 10%."""
+    by = {r["id"]: r for r in records}
+    current = [w for w in rows if by[w["id"]]["peer"] is None and not by[w["id"]].get("superseded_by")]
+    inside = [w for w in current if abs(w["step_error_pct"] or 0) <= 20 and abs(w["gpu_error_pct"] or 0) <= 10]
+    old = sum(1 for w in rows if by[w["id"]].get("superseded_by"))
+    return (f"{len(inside)} of {len(current)} current bigfit rows inside the target (step 20%, memory 10%); "
+            f"{old} rows superseded by a re-measurement of the same case, not counted")
 
 
 def print_table(rows: list[dict]) -> None:
@@ -203,7 +214,8 @@ def print_table(rows: list[dict]) -> None:
     for w in rows:
         meas = num(w["measured_step_s"], ".3f") + ("*" if w["step_derived"] else "")
         mg = w["measured_gpu_bytes"] and w["measured_gpu_bytes"] / 1e9
-        print(f"| {w['id']} | {w['model']} | {w['strategy']} | {w['flags']} | {w['batch']} | {meas} | "
+        name = w["id"] + (f" (since: {w['superseded_by']})" if w["superseded_by"] else "")
+        print(f"| {name} | {w['model']} | {w['strategy']} | {w['flags']} | {w['batch']} | {meas} | "
               f"{w['predicted_step_s']:.3f} | {err(w['predicted_step_s'], w['measured_step_s'])} | {num(mg, '.1f')} | "
               f"{w['predicted_gpu_bytes'] / 1e9:.1f} | {err(w['predicted_gpu_bytes'], w['measured_gpu_bytes'])} | "
               f"{w['bottleneck']}" + (" (measured map)" if w["rated"] == "measured map" else "") + " |")
@@ -290,6 +302,7 @@ def main() -> None:
     print("\nlargest step-time errors: " + "; ".join(f"{w['id']} {w['step_error_pct']:+.0f}%" for w in worst))
     print(f"step error |median| {sorted(abs(w['step_error_pct']) for w in timed)[len(timed) // 2]:.0f}% over "
           f"{len(timed)} rows; " + ", ".join(f"{k}: {v}" for k, v in Counter(w['rated'] for w in rows).items()))
+    print(target_line(records, rows))
     print(f"{len(rows)} records rated in {time.perf_counter() - t0:.1f} s")
     if a.json:
         Path(a.json).write_text(json.dumps({"rows": rows, "groups": groups, "failed": failed}, indent=1))

@@ -33,7 +33,13 @@ def test_operators_are_counted_per_block_whatever_the_batch():
     assert abs(small.other_ops - large.other_ops) <= 2  # (batch 1 skips one reshape of the loss)
     assert len(set(small.block_ops)) == 1 and 50 < small.block_ops[0] < 1000 and small.other_ops > 0
     mixed = profile_model(small_llama(), 1, 16, 0, "bf16", autocast=True)
-    assert mixed.block_ops[0] > small.block_ops[0]  # autocast's casts are operators too
+    assert mixed.block_ops[0] > small.block_ops[0]  # autocast's casts are operators too...
+    from bigfit.device_map.auto import profile_for
+
+    # ...but the plain trace's are the unit `--calibrate` prices: device maps and pipelines issue those
+    split = profile_for(small_llama(), Job(batch_size=1, seq_len=16, precision="bf16"))
+    assert (split.block_ops, split.other_ops) == (small.block_ops, small.other_ops)
+    assert split.block_saved == mixed.block_saved  # its memory: autocast's
     t5 = profile_model(T5Config(d_model=64, d_ff=128, d_kv=16, num_heads=4, num_layers=2, num_decoder_layers=3,
                                 vocab_size=384), 1, 16, 16, "bf16")
     encoder, decoder = t5.block_ops[1], t5.block_ops[-1]
@@ -60,7 +66,8 @@ def test_a_small_step_is_bound_by_the_host_issuing_it():
     assert e.step_time_s == pytest.approx(issue)
     faster = _single(replace(hw, host_op_us=hw.host_op_us / 2), job)
     assert faster.step_time_s == pytest.approx(issue / 2)
-    assert _single(hw, replace(job, compile=True)).step_time_s < issue / 2  # compiled blocks issue far less
+    # compiled blocks issue less (hostcost.COMPILED, measured: 0.54-0.67 of eager)
+    assert _single(hw, replace(job, compile=True)).step_time_s < issue * 0.7
     assert _single(hw, replace(job, checkpointing=True)).step_time_s > issue  # the recompute issues again
 
 
@@ -95,6 +102,7 @@ def test_calibration_is_kept_per_device_and_used(tmp_path, monkeypatch, capsys):
     assert out.startswith("calibrated: the host issues a forward operator with its backward in ")
     record = json.loads((tmp_path / "bigfit" / "host.json").read_text())["cpu"]
     assert record["host_op_us"] > 0 and record["operators"] > 100 and record["torch"]
+    assert 0.1 < record["forward_share"] < 0.9 and record["compiled"] is False  # forward and backward both issue
     assert calibrated_host_op_us("cpu") == pytest.approx(record["host_op_us"])
     assert calibrated_host_op_us("cuda") is None  # a CPU's figure never stands in for a GPU host's
     (tmp_path / "bigfit" / "host.json").write_text("{not json")

@@ -3,9 +3,9 @@ by benchmarks/plan_vs_measured.py, the same code `bigfit plan` runs): the rows i
 (step time within 20%, peak GPU memory within 10%) must stay inside it, so a change that breaks the
 model's accuracy fails here. docs/planning.md's accuracy table lists every row with its error; the
 rows outside the target are named there with why (T5 at small batches, bound by a host whose speed
-varied between runs; device maps whose host computes blocks; offload rows made by superseded code).
-QLoRA's rows (`--lora --load-in-4bit`) are held from their own table below, with the rows outside the
-target named in KNOWN_MISSES by their measured error."""
+varied between machine starts; rows made by code since changed, each with its re-measurement in
+`superseded_by`, not held). QLoRA's rows (`--lora --load-in-4bit`) are held from their own table
+below, with the rows outside the target named in KNOWN_MISSES by their measured error."""
 from __future__ import annotations
 
 import json
@@ -17,22 +17,27 @@ import pytest
 ROOT = Path(__file__).parent.parent
 STEP, MEMORY = 0.20, 0.10
 HELD = """s1-single s1-zero2 s1-zero3 s1-zero3-offload x2-single x2-zero2-offload pa2-single-gpt2-x2 pa2-single-gpt2-x8
-pa2-zero2-gpt2-x2 pa2-zero2-gpt2-x8 pa2-zero3-gpt2-x2 pa2-single-llama-x2 pa2-single-llama-x8
-pa2-zero2-llama-x2 pa2-zero2-llama-x8 pa3-zero3-llama-x2 pa3-zero3-llama-x8 pa3-zero3-gpt2-x8
-pa3-zero2-offload-llama-x2 pa3-zero2-offload-llama-x8 pa3-zero2-offload-gpt2-x2 pa3-zero2-offload-gpt2-x8
-x4c1-single x4c1-zero2-offload-eager x4c4-zero2-offload-delayed x4c1-acc4-delayed x4c1-acc4-eager
-x4c1-acc4-zero2-offload sc-ddp-1gpu sc-zero1-1gpu sc-zero2-1gpu sc-zero3-1gpu sc-ddp-2gpu sc-zero1-2gpu
-sc-zero2-2gpu sc-zero3-2gpu dm4-t5l-cpu-b8-unsplit dm6-b8-unsplit x2a-acc4-delayed pp2-gpipe-m8 pp2-1f1b-m4
-pp2-1f1b-m8 pp2-zero3-m8 k2-delayed k3-delayed k3-zero2-offload k5-delayed k2-acc4-delayed
-k2-zero3-offload-eager k2-zero3-offload 8b-zero2 8b-zero3 p6-delayed p6-delayed-torchpinned ss1-single
-ss1-zero2 ss1-zero3 ss1-zero2-offload ss1-zero3-offload ss1-device_map ss2-zero2-offload ss2-single ss3-single
-ss3-zero3 ss3-zero2-offload ss3-zero3-offload dm2-t5l-cpu-split-c4 dm4-t5l-cpu-b8-split-c4 pp2-zero3-m4
-dm2-t5l-2gpu-unsplit dm4-t53-2gpu-b8-flat-c4 dm4-t53-2gpu-b8-split-c4 dm4-t5l-2gpu-b32-unsplit
-dm4-t5l-2gpu-b32-flat dm6-b64-unsplit dm6-b64-tail-c2 dm6-b64-tail-c2-after dm6-b64-tail-c4
+pa2-zero2-gpt2-x2 pa2-zero2-gpt2-x8 pa2-zero3-gpt2-x2 pa2-single-llama-x2 pa2-single-llama-x8 pa2-zero2-llama-x2
+pa2-zero2-llama-x8 pa3-zero3-llama-x2 pa3-zero3-llama-x8 pa3-zero3-gpt2-x8 pa3-zero2-offload-llama-x2
+pa3-zero2-offload-llama-x8 pa3-zero2-offload-gpt2-x2 pa3-zero2-offload-gpt2-x8 x4c1-single x4c1-zero2-offload-eager
+x4c4-zero2-offload-delayed x4c1-acc4-delayed x4c1-acc4-eager x4c1-acc4-zero2-offload sc-ddp-1gpu sc-zero1-1gpu
+sc-zero2-1gpu sc-zero3-1gpu sc-ddp-2gpu sc-zero1-2gpu sc-zero2-2gpu sc-zero3-2gpu dm4-t5l-cpu-b8-unsplit
+dm6-b8-unsplit x2a-acc4-delayed pp2-gpipe-m8 pp2-1f1b-m4 pp2-1f1b-m8 pp2-zero3-m8 k2-delayed k3-delayed
+k3-zero2-offload k5-delayed k2-acc4-delayed k2-zero3-offload-eager k2-zero3-offload 8b-zero2 8b-zero3 p6-delayed
+p6-delayed-torchpinned ss1-single ss1-zero2 ss1-zero3 ss1-zero2-offload ss1-zero3-offload ss1-device_map
+ss2-zero2-offload ss2-single ss3-single ss3-zero3 ss3-zero2-offload ss3-zero3-offload dm2-t5l-cpu-split-c4
+dm4-t5l-cpu-b8-split-c4 pp2-zero3-m4 dm2-t5l-2gpu-unsplit dm4-t53-2gpu-b8-flat-c4 dm4-t53-2gpu-b8-split-c4
+dm4-t5l-2gpu-b32-unsplit dm4-t5l-2gpu-b32-flat dm6-b64-unsplit dm6-b64-tail-c2 dm6-b64-tail-c2-after dm6-b64-tail-c4
 dm6-b64-tail-c4-after dm6-b128-unsplit dm6c4-b64-unsplit dm6c4-b64-tail-c2 dm6c4-b128-unsplit-compiled
-dm2-t5l-2gpu-flat dm2-t5l-2gpu-split dm4-t5l-2gpu-b32-flat-c4 dm4-t5l-2gpu-b32-split-c4 dm6-b128-tail-c4
-dm6-b128-tail-c4-after dm6c4-b64-tail-c2-compiled pp2-interleaved-m4 pp2-interleaved-m8
-pack-1b-single-8x2048 nvme-10.9b-steps10-19""".split()
+dm2-t5l-2gpu-flat dm4-t5l-2gpu-b32-flat-c4 dm4-t5l-2gpu-b32-split-c4 dm6-b128-tail-c4 dm6-b128-tail-c4-after
+dm6c4-b64-tail-c2-compiled pp2-interleaved-m4 pp2-interleaved-m8 pack-1b-single-8x2048 nvme-10.9b-steps10-19
+dm2-t5l-cpu-flat dm2-t5l-cpu-split dm3-t5l-cpu-b8-flat dm3-t5l-cpu-b8-split-c4 dm4-t5l-cpu-b8-flat
+dm4-t5l-cpu-b8-split dm4-t5l-cpu-b8-flat-c4 dm6-b64-tail dm6-b128-tail dm6-b128-tail-c2 dm6-b128-tail-c2-after
+dm6-b8-flat dm6-b8-flat-c4 dm6-b8-flat-c4-after dm6c4-b64-tail dm6c4-b64-unsplit-compiled dm6c4-b64-tail-compiled
+dm6c4-b64-tail-c2-after-compiled dm6c4-b128-tail-compiled pp2-gpipe-m4 o4-3b-clip o4-3b-eager o4-3b-delayed
+o4-3b-devgrads o4-3b-delayed-devgrads o4-3b-torchadam o4-3b-delayed-torchadam o4-1b-clip o4-1b-torchadam dm7-b16-flat
+dm7-b16-split dm7-b16-flat-c2 dm7-b16-split-c2 dm8-b64-unsplit-compiled dm8-b64-tail-compiled o4-3b-torchadam-eager
+o4-3b-torchadam-devgrads o4-3b-delayed-torchadam-devgrads""".split()
 
 
 @pytest.fixture(scope="module")

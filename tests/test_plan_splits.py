@@ -39,12 +39,15 @@ def test_device_map_bytes_per_device_follow_the_balancer(mixed_plan):
     cost = profile_costs(prof, job)
     expected = balance(cost.blocks, plan_budgets(hw), main_bytes=cost.main, boundaries=cost.boundaries)
     assert p.device_map["assignment"] == expected == ["cuda:0"] * 9 + ["cuda:1"] * 3  # the larger GPU, more blocks
-    want = loads(expected, cost.blocks, "cuda:0", cost.main)
+    want = loads(expected, cost.blocks, "cuda:0", cost.main)  # what the balancer fits: every kind at once
     devices = p.device_map["devices"]
-    assert {d: v["predicted_bytes"] for d, v in devices.items()} == want
-    assert all(v["predicted_bytes"] <= v["budget_bytes"] for v in devices.values())
+    for d, v in devices.items():  # the peak moment: a block's gradients or its activations, not both
+        mine = [part for part, dev in zip(cost.parts, expected) if dev == d]
+        either = min(sum(b["grads"] for b in mine), sum(b["activations"] for b in mine))
+        assert want[d] - either <= v["predicted_bytes"] < want[d] and v["predicted_bytes"] <= v["budget_bytes"]
     row = {c.estimate.name: c for c in p.candidates}["device_map"]
-    assert row.fits and row.estimate.per_gpu["total"] == want["cuda:0"] == max(want.values())  # the fullest GPU
+    shown = devices["cuda:0"]["predicted_bytes"]
+    assert row.fits and row.estimate.per_gpu["total"] == shown == max(v["predicted_bytes"] for v in devices.values())
     on_0 = sum(prof.block_params[:9]) + prof.root_params  # its 9 blocks, embeddings and head
     assert row.estimate.per_gpu["params"] == 4 * on_0 and row.estimate.per_gpu["optimizer"] == 8 * on_0
     assert row.estimate.per_gpu["total"] > min(hw.gpu_bytes)  # more than the smallest GPU holds: not bounded by it
@@ -111,7 +114,48 @@ def test_device_map_step_time_sequential_or_gpipe():
 
     stages = {"cuda:0": 3.0, "cuda:1": 1.0}
     assert _compute(stages, 1) == 4.0  # one device at a time
-    assert _compute(stages, 4) == pytest.approx(3.0 * (4 + 2 - 1) / 4)  # GPipe: paced by the slowest stage
+    # GPipe: the slowest stage's 4 chunks, the other's one as the clock fills and drains
+    assert _compute(stages, 4) == pytest.approx(3 * 0.75 + (0.75 + 0.25))
+    even = {"cuda:0": 2.0, "cuda:1": 2.0}
+    assert _compute(even, 4) == pytest.approx(2.0 * (4 + 2 - 1) / 4)  # balanced: N + p - 1 clocks
+
+
+def test_the_hosts_blocks_are_host_work_beside_the_gpus_issuing(mixed_plan):
+    """Blocks mapped to the host: their FLOPs at cpu_tflops plus a sweep of their weights every pass
+    (micro-batch or chunk), and the one host also issues the GPU's kernels, so even with chunks the
+    step is at least the two together."""
+    from dataclasses import replace
+
+    from bigfit.planning.split import HOST_SWEEP_S, map_costs
+
+    hw, job, _, prof = mixed_plan
+    cpu_blocks = list(range(8, 12))
+    assignment = ["cuda:0"] * 8 + ["cpu"] * 4
+    on_host = sum(prof.block_params[g] for g in cpu_blocks)
+    costs, stage = {}, {}
+    for chunks in (1, 2, 4):
+        costs[chunks], stage[chunks] = map_costs(prof, hw, replace(job, chunks=chunks), assignment, "cuda:0")
+    assert stage[2]["cpu"] - stage[1]["cpu"] == pytest.approx(on_host * HOST_SWEEP_S)  # one more pass, one more sweep
+    assert stage[4]["cpu"] - stage[1]["cpu"] == pytest.approx(3 * on_host * HOST_SWEEP_S)
+    for chunks in (2, 4):  # the host's chunks, then the GPU's issuing of them: never less than their sum
+        assert costs[chunks]["compute"] >= stage[chunks]["cpu"] + stage[chunks]["cuda:0"] * 0.99
+    assert costs[4]["compute"] > costs[2]["compute"] > costs[1]["compute"]  # chunks only cost here
+
+
+def test_a_device_peaks_with_either_a_blocks_gradients_or_its_activations():
+    """Gradients are made as backward frees each block's activations (device_map.auto._peak_moment)."""
+    from bigfit.device_map.auto import _peak_moment
+
+    def blocks(g, a):
+        return [{"grads": g, "activations": a}] * 3
+
+    fixed = {"grads": 1, "activations": 2}  # outside the blocks: held throughout
+    total = lambda bs: {k: fixed[k] + sum(b[k] for b in bs) for k in fixed}  # noqa: E731
+    big_acts, big_grads = blocks(1, 4), blocks(4, 1)
+    assert _peak_moment(big_acts, total(big_acts), 1) == (1, 2 + 12)  # when backward starts
+    assert _peak_moment(big_grads, total(big_grads), 1) == (1 + 12, 2)  # the optimizer's step
+    # 2 GPipe chunks: the first chunk through backward makes every gradient, frees half the activations
+    assert _peak_moment(blocks(3, 4), total(blocks(3, 4)), 2) == (1 + 9, 2 + 6)
 
 
 def test_strategy_auto_choosing_device_map_trains_with_the_auto_map(monkeypatch, tmp_path, capsys, pairs_file):
@@ -217,18 +261,27 @@ def llama4():
     return config, job, profile_for(config, job)
 
 
-def test_pipeline_bubble_gpipe_1f1b_and_interleaved(llama4):
+def test_pipeline_bubble_gpipe_1f1b_and_interleaved(llama4, monkeypatch):
     """Over m chunks and p ranks the slowest rank works m + (p - 1) / v chunk-times: GPipe and 1F1B
     (v 1) leave (p - 1) / (m + p - 1) idle, interleaved v stages per rank divide that by v. 1F1B keeps
-    p - s chunks in flight on stage s where GPipe keeps all m."""
+    p - s chunks in flight on stage s where GPipe keeps all m. Each stage action costs the host
+    PIPELINE_ACTION_S, so interleaved, with v times the actions, issues longer."""
     from dataclasses import replace
 
+    from bigfit.planning import stages
     from bigfit.planning.stages import pipeline_row
 
     _, job, prof = llama4
     hw = Hardware(gpu_bytes=(80 * GB,) * 2)
-    rows = {s: pipeline_row(prof, hw, replace(job, chunks=4, pipeline_schedule=s))
-            for s in ("gpipe", "1f1b", "interleaved")}
+
+    def rows_of(schedule):
+        return pipeline_row(prof, hw, replace(job, chunks=4, pipeline_schedule=schedule))
+
+    acting = {s: rows_of(s).estimate.costs["compute"] for s in ("1f1b", "interleaved")}
+    monkeypatch.setattr(stages, "PIPELINE_ACTION_S", 0.0)
+    rows = {s: rows_of(s) for s in ("gpipe", "1f1b", "interleaved")}
+    # tiny blocks: the host's actions, twice as many interleaved, outweigh its shorter bubble
+    assert acting["interleaved"] > acting["1f1b"] > rows["1f1b"].estimate.costs["compute"]
     gpipe, ofob, inter = (rows[s].estimate for s in ("gpipe", "1f1b", "interleaved"))
     # the label the bottleneck takes when compute dominates (tiny models spend longer on their optimizer step)
     assert (gpipe.labels["compute"], inter.labels["compute"]) == ("compute (pipeline bubble 20%)",

@@ -15,9 +15,10 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, LlamaConfig
 
 from .hardware import calibration_path
+from .models import is_seq2seq
 from .planning.profile import profile_model
 
 CONFIG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -25,31 +26,45 @@ CONFIG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_at
 SEQ, STEPS, WARMUP = 16, 30, 5
 
 
-def measure(device: torch.device) -> dict:
-    """Seconds per forward-and-backward of the small model, over the traced forward operators. On a GPU
-    under bf16 autocast with fp32 weights (as `single` trains), on a CPU in fp32."""
+def measure(device: torch.device, config=None, seq: int = SEQ, steps: int = STEPS, compile: bool = False) -> dict:
+    """Seconds per forward-and-backward of the small model (or of `config`, benchmarks/host_issue.py), over
+    the traced forward operators, and the forward's share of them: autograd issues each GPU's backward
+    from a thread of its own, so a device map's GPUs issue their backwards at once but their forwards in
+    turn (planning/split.py). On a GPU under bf16 autocast with fp32 weights (as `single` trains), on a
+    CPU in fp32; `compile`: each block compiled as `--compile` does (hostcost.COMPILED's measure)."""
     gpu = device.type == "cuda"
-    config = LlamaConfig(**CONFIG)
+    config = config or LlamaConfig(**CONFIG)
+    seq2seq = is_seq2seq(config)
     # the plain trace's operators, which the planner multiplies (search.py): autocast's casts run
     # inside the dispatcher, so their cost is in the figure per operator, not counted apart
-    ops = profile_model(config, 1, SEQ, 0, "bf16" if gpu else "fp32", device.type)
+    ops = profile_model(config, 1, seq, seq if seq2seq else 0, "bf16" if gpu else "fp32", device.type)
     count = sum(ops.block_ops) + ops.other_ops
-    model = AutoModelForCausalLM.from_config(config).to(device).train()
-    ids = torch.randint(0, config.vocab_size, (1, SEQ), device=device)
+    auto = AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM
+    model = auto.from_config(config).to(device).train()
+    if compile:
+        from .strategies.compiling import apply_compile
+
+        apply_compile(model)
+    ids = torch.randint(0, config.vocab_size, (1, seq), device=device)
+    batch = dict(input_ids=ids, labels=ids) if seq2seq else dict(input_ids=ids, use_cache=False)
     autocast = torch.autocast("cuda", torch.bfloat16) if gpu else torch.autocast("cpu", enabled=False)
-    for i in range(WARMUP + STEPS):
+    forward = 0.0
+    for i in range(WARMUP + steps):
         if i == WARMUP:
             _sync(gpu)
             start = time.perf_counter()
+        begun = time.perf_counter()
         with autocast:
-            logits = model(input_ids=ids, use_cache=False).logits
+            logits = model(**batch).logits
+        forward += (time.perf_counter() - begun) * (i >= WARMUP)
         torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), ids.flatten()).backward()
         model.zero_grad(set_to_none=True)
     _sync(gpu)
-    step = (time.perf_counter() - start) / STEPS
+    step = (time.perf_counter() - start) / steps
     name = torch.cuda.get_device_name(device) if gpu else "cpu"
-    return {"host_op_us": step / count * 1e6, "step_s": step, "operators": count, "device": name,
-            "torch": torch.__version__, "measured": datetime.datetime.now().isoformat(timespec="seconds")}
+    return {"compiled": compile, "host_op_us": step / count * 1e6, "forward_share": forward / steps / step, "step_s": step,
+            "operators": count, "device": name, "torch": torch.__version__,
+            "measured": datetime.datetime.now().isoformat(timespec="seconds")}
 
 
 def _sync(gpu: bool) -> None:

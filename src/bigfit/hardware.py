@@ -13,14 +13,15 @@ from .units import gpu_cap, parse_size  # noqa: F401  parse_size: hardware's pub
 
 # Defaults for what cannot be detected, from measurements on the lent H200 machine (NOTES-machines.md):
 # pinned PCIe ~55 GB/s each way, bf16 dense matmul ~760 TFLOP/s, fused CPU AdamW ~4 G params/s on 16 cores,
-# ~1 TFLOP/s of training (forward + backward, bf16 autocast) on those cores: T5-large's decoder mapped to
-# the host took ~1.1 s a step for ~1.2 TFLOP of model FLOPs (benchmarks/RESULTS.md, device maps).
+# 2.2 TFLOP/s of training (forward + backward, bf16 autocast) on those cores beside a sweep of the blocks'
+# weights each pass (planning/split.py HOST_SWEEP_S), fitted together on T5-large's device maps over
+# cuda:0 + cpu at batch 8-128 (benchmarks/RESULTS.md, 2026-12-04).
 # host_op_us: the host's microseconds per forward operator of an eager training step, its backward
 # included (planning/hostcost.py): T5-large's ~10,300 traced forward operators took the H200 machine's
 # host about 0.3 s per micro-batch (29 us), `bigfit plan --calibrate` 22-24 us there on a small Llama;
 # it measures this machine's.
 DEFAULTS = dict(gpu_tflops=760.0, pcie_gbps=55.0, intra_gbps=300.0, inter_gbps=25.0, cpu_adam_params_per_s=4e9,
-                nvme_gbps=3.0, cpu_tflops=1.0, host_op_us=25.0, gpu_mem_gbps=4800.0)  # nvme: a typical PCIe 4 drive, not measured here
+                nvme_gbps=3.0, cpu_tflops=2.2, host_op_us=25.0, gpu_mem_gbps=4800.0)  # nvme: a typical PCIe 4 drive, not measured here
 # Beyond these a description is a typo, far past any real machine (and a list of 10**11 GPU sizes would
 # not fit in RAM: parse_gpus builds one per node).
 MAX_GPUS_PER_NODE = 1024

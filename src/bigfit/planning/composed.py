@@ -28,6 +28,7 @@ from ..pipeline.cut import PipelineLayout
 from ..precision import DTYPES
 from .adapters import outside_frozen_share, scaled_frozen
 from .estimate import FSDP_HOST_ADAM, HOST_STEP_BYTES, KEYS, Estimate, _bytes, grad_bytes, memory
+from .hostcost import PIPELINE_ACTION_S
 from .split import stage_seconds
 from .stages import holders, rank_bytes, received
 
@@ -175,7 +176,8 @@ def _costs(plan, rank, hw, job, c: int, micro: int, accum: int, pipe: Pipe | Non
         last, m, idle = layout.rank_of(layout.stages - 1), layout.chunks, (layout.world - 1) / layout.stages_per_rank
     else:
         where, last, m, idle = [0] * rank.n_blocks, 0, 1, 0.0
-    busy = stage_seconds(rank, hw, per_rank, [f"cuda:{r}" for r in where], f"cuda:{last}", accum * m)
+    actions = 2 * pipe.layout.stages_per_rank * PIPELINE_ACTION_S if pipe else 0.0
+    busy = stage_seconds(rank, hw, per_rank, [f"cuda:{r}" for r in where], f"cuda:{last}", accum * m, actions)
     stretch = (m + idle) / m  # the fill and drain of the pipeline: its bubble
     tokens = per_rank.batch_size * (job.seq_len + job.target_len)
     costs = {"compute": max(busy.values()) / TP_EFFICIENCY ** math.log2(plan.tp) * stretch,

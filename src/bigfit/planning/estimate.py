@@ -25,6 +25,11 @@ HOST_STEP_BYTES = {4: 40, 2: 32}
 # the clipping norm over host gradients) against hw.cpu_adam_params_per_s: 1.2-1.4 G parameters/s on
 # the H200 machine's 16 cores at 1.5B and 1.2B (tests/data/h200_measured.json s1, k2, ss3), a third.
 FSDP_HOST_ADAM = 0.35
+# The offload engine's host step with torch's fused AdamW (no C compiler for bigfit's kernel, or
+# BIGFIT_CPU_ADAM=0) against the bytes alone: 3.6B and 1.5B Llama at 4 x 2048 on the H200 machine
+# (2026-12-04, tests/data/h200_measured.json o4-*torchadam*) took 16-27% longer than the bytes predict, in
+# every mode (after backward with clipping, during backward, delayed, gradients on the device).
+TORCH_ENGINE_ADAM = 0.8
 
 
 @dataclass
@@ -57,7 +62,7 @@ def _bytes(**kw) -> dict[str, int]:
 
 def memory(strategy: str, prof, hw, c: int, checkpointing: bool, accum: int = 1, backend: str = "nccl",
            grads_on_device: bool = False, nvme_host: float = 0.0, grad_bytes: int = 4,
-           shards: int | None = None, four_bit: bool = False) -> tuple[dict, dict]:
+           shards: int | None = None, four_bit: bool = False, delayed: bool = False) -> tuple[dict, dict]:
     """(per-GPU bytes, per-host bytes) for one rank's GPU and one node's host RAM.
 
     The GPU figure is the step's peak: the largest of three moments, each counted with what is alive
@@ -75,7 +80,8 @@ def memory(strategy: str, prof, hw, c: int, checkpointing: bool, accum: int = 1,
     `backend` "gloo" adds the copies gloo's reduce-scatter makes (CPU runs, the tests). The host
     always holds rank 0's full fp32 model while it is sharded (a transient, counted under buffers).
     zero2-offload: `grads_on_device` (offload_grads device) keeps the gradients on the GPU until the
-    host step (gradslots.py); `nvme_host` is the node's bytes of optimizer states kept in RAM (nvme);
+    host step (gradslots.py), with `delayed` (--delayed-update) through the next step's forward too, as
+    the host steps on them meanwhile; `nvme_host` is the node's bytes of optimizer states kept in RAM (nvme);
     `grad_bytes` is the size of a gradient value while it waits: 2 where it travels in bf16 (bf16
     compute and bigfit's host Adam kernel, cpu_adam.py), else 4. `shards`: the data-parallel ranks the
     states are divided over, when not every GPU (composed layouts: dp_shard; layouts.py). `four_bit`
@@ -105,8 +111,11 @@ def memory(strategy: str, prof, hw, c: int, checkpointing: bool, accum: int = 1,
         bucket = (c + 4 + 4 / w) * max(ut, vt)  # a bucket's gradients, packed in fp32, reduce-scattered
         rows = grad_bytes * t / w  # this rank's reduced gradient rows, as they wait for the host step
         waiting = dict(update=dict(grads=4 * t * held + rows, buffers=bucket)) if grads_on_device else {}
+        # the last step's rows wait on the device through this step's forward (3.6B Llama on the H200,
+        # 2026-12-04: 6.3 GB over the same job stepping after backward, 12.5 GB with fp32 rows)
+        late = rows if grads_on_device and delayed else 0
         # compute-dtype parameters (frozen ones too: placement.place_frozen); fp32 accumulators
-        gpu = _peak(dict(params=c * n, grads=4 * t * held),
+        gpu = _peak(dict(params=c * n, grads=4 * t * held + late),
                     loss=dict(activations=act, buffers=2 * l32), head=dict(activations=loss_act, buffers=lc + bucket),
                     **waiting)
         # the gradients' rows, or three slots of the largest bucket
@@ -169,7 +178,7 @@ def step_time(strategy: str, prof, hw, c: int, checkpointing: bool, tokens_per_s
         pcie = moved / (hw.pcie_gbps * 1e9)
         cpu = t / w * hw.gpus_per_node / hw.cpu_adam_params_per_s  # the node's ranks share its cores
         if strategy.startswith("zero2-offload"):  # memory-bound: bytes a parameter, against torch's 40 (its rate)
-            cpu *= HOST_STEP_BYTES[grad_bytes] / HOST_STEP_BYTES[4]
+            cpu *= HOST_STEP_BYTES[grad_bytes] / HOST_STEP_BYTES[4] / (1.0 if hw.cpu_adam_kernel else TORCH_ENGINE_ADAM)
         else:  # torch's AdamW over FSDP2's host shards, at its measured share of the fused step's rate
             cpu /= FSDP_HOST_ADAM
     if strategy.endswith("nvme"):  # read and write back 12 bytes per parameter, the node's ranks together

@@ -11,10 +11,12 @@ from collections.abc import Iterable
 
 # The recompute of activation checkpointing issues each block's forward again: a third more, as its FLOPs.
 RECOMPUTE = 4 / 3
-# What a compiled block (torch.compile, inductor) keeps of eager's issue cost: its forward and backward
-# become a few fused graphs. Assumed, not measured (compiling costs 40-60 s a model, kept out of
-# calibration); inductor fuses a T5 or Llama block's ~200 operators into a few dozen kernels.
-COMPILED = 0.1
+# What a compiled block (torch.compile, inductor, dynamic shapes as strategies/compiling.py compiles it)
+# keeps of eager's issue cost: its kernels are fewer, but each call still runs the compiled code's
+# guards and shape arithmetic and autograd's wrapper. Measured on the H200 machine on 2026-12-04
+# (benchmarks/host_issue.py --compile 0,1, one short sample): a 1.2B Llama 0.54, T5-large 0.67 (it was
+# assumed 0.1 before, which read compiled T5-large maps 24-44% fast).
+COMPILED = 0.6
 
 
 def pass_seconds(prof, hw, job, blocks: Iterable[int], outside: bool = True) -> float:
@@ -32,6 +34,19 @@ def pass_seconds(prof, hw, job, blocks: Iterable[int], outside: bool = True) -> 
 # than single on a 16-block 1.2B Llama at 4 x 1024 on the H200 machine, host-bound rows
 # (tests/data/h200_measured.json ss1, ss3), about 0.8 ms for each of its 17 units.
 FSDP_UNIT_S = 0.8e-3
+
+
+# The forward's share of a step's issue cost, the rest its backward's (benchmarks/host_issue.py, the H200
+# machine, two calls on 2026-12-04, one short sample: T5-large 0.45 and 0.37, a 1.2B Llama 0.31 and
+# 0.34, the calibration's small Llama 0.50).
+FORWARD_SHARE = 0.4
+
+
+# torch.distributed.pipelining's host work per stage action (one chunk's forward or backward through a
+# stage: the schedule's Python, the stage's input and output handling, its sends and receives). On 2
+# GPUs (3.6B Llama, 4 and 8 chunks, 2026-11-29) the interleaved schedule, with twice 1F1B's actions,
+# took 0.389 and 0.744 s against 1F1B's 0.382 and 0.694 although its bubble is half as long.
+PIPELINE_ACTION_S = 3e-3
 
 
 # The device map's hooks per block and pass (moving inputs to the block's device, casts): a 1.2B Llama

@@ -89,7 +89,7 @@ def plan(prof, hw, job: Job, strategies=ALL, autocast_prof=None, split_prof=None
                 else nvme_fill(prof, hw, job.offload_grads == "device", gb))
         traced = autocast_prof if name in AUTOCAST and autocast_prof else prof
         gpu, host = memory(name, traced, hw, c, job.checkpointing, accum, grads_on_device=job.offload_grads == "device",
-                           nvme_host=kept, grad_bytes=gb, four_bit=job.load_in_4bit)
+                           nvme_host=kept, grad_bytes=gb, four_bit=job.load_in_4bit, delayed=job.delayed_update)
         # a 4-bit base's matmuls each dequantize their weight too: memory-bound, beside the trace's operators
         dequant = quantized.dequant_seconds(prof, hw, job, accum) if job.load_in_4bit else 0.0
         # the issue cost from the plain trace's operators: autocast's casts run inside the dispatcher,

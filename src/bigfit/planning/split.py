@@ -2,14 +2,16 @@
 with the blocks placed by the same balancer `--device-map auto` uses (device_map/auto.py). Pure, from
 a ModelProfile traced at the one process's whole micro-batch (nothing is divided over ranks).
 
-Memory: each device's bytes as the balancer counts them: its blocks' fp32 weights, gradients, AdamW
-moments, autocast's compute-dtype copy and saved activations, all at once (the main device adds the
-non-block parameters, what is saved outside blocks and the logits' gradient). The row's per-GPU figure
-is the GPU holding the most; it fits when every device fits its budget (the plan's `device_map`
-section has every device). Time (docs/planning.md): the devices take turns, so a step is the sum of
-each device's compute, plus the copies at each change of device, plus the host's AdamW for
-parameters mapped to `cpu`; with GPipe chunks the slowest stage sets the pace. With LoRA a frozen
-parameter has no gradient and no moments (adapters.frozen_costs) and the host steps its adapters alone.
+Memory: the balancer fits each device's blocks' fp32 weights, gradients, AdamW moments, autocast's
+compute-dtype copy and saved activations all at once (the main device adds the non-block parameters,
+what is saved outside blocks and the logits' gradient); the plan's `device_map` section shows every
+device at its peak moment, when its gradients and activations are not all alive together
+(device_map.auto.device_parts). The row's per-GPU figure is the GPU holding the most. Time
+(docs/planning.md): the devices take turns, so a step is the sum of each device's compute, plus the
+copies at each change of device, plus the host's AdamW for parameters mapped to `cpu`; with GPipe
+chunks the slowest stage sets the pace; the one host computes its own blocks and issues every GPU's
+kernels in turn. With LoRA a frozen parameter has no gradient and no moments (adapters.frozen_costs)
+and the host steps its adapters alone.
 """
 from __future__ import annotations
 
@@ -18,9 +20,16 @@ from dataclasses import dataclass
 from ..device_map.auto import device_parts, plan_budgets, profile_costs, split_plan
 from .devicecost import MFU, traffic_seconds
 from .estimate import Estimate, _bytes
-from .hostcost import HOOK_S, pass_seconds
+from .hostcost import FORWARD_SHARE, HOOK_S, pass_seconds
 
 NAME = "device_map"
+# Host seconds per parameter of a block mapped to the host, each pass (micro-batch or chunk) whatever its
+# size: autocast's bf16 copy of every fp32 weight, backward's read of it and the gradient's accumulation
+# into fp32 sweep the weights (about 18 bytes a parameter, memory-bound in torch's CPU kernels). Fitted
+# with hardware.DEFAULTS' cpu_tflops on T5-large's maps over cuda:0 + cpu on the H200 machine (the rows
+# of 2026-11-29 and 2026-12-01 in tests/data/h200_measured.json, batch 8-128, 1-4 chunks): a flat map
+# at batch 8 took 1.6 s unchunked and 3.5 s in 4 chunks, which FLOPs alone rate alike.
+HOST_SWEEP_S = 1.5e-9
 
 
 @dataclass
@@ -42,7 +51,7 @@ def device_map_row(prof, hw, job) -> SplitRow:
     if section["map"] is None:  # nothing fits: show the whole job on the first device, and its time there
         main, cost = budgets(hw)[0][0], profile_costs(prof, job)
         assignment = [main] * len(cost.parts)
-        parts = device_parts(assignment, cost, main)
+        parts = device_parts(assignment, cost, main, chunks)
     else:
         main, assignment = section["main"], section["assignment"]
         parts = {d: v["parts"] for d, v in section["devices"].items()}
@@ -50,34 +59,58 @@ def device_map_row(prof, hw, job) -> SplitRow:
     gpus = {d: p for d, p in parts.items() if not d.startswith("cpu")} or parts
     shown = max(gpus, key=lambda d: sum(gpus[d].values()))
     section["shown"] = shown
-    passes = max(1, job.batch_size // job.micro(1)) * chunks
-    stage = stage_seconds(prof, hw, job, assignment, main, passes)
-    # one thread issues every GPU's kernels: chunks overlap the GPUs' work, never their issuing
-    gpu_blocks = [g for g, d in enumerate(assignment) if not d.startswith("cpu")]
-    issued = passes * (pass_seconds(prof, hw, job, gpu_blocks, outside=not main.startswith("cpu"))
-                       + len(gpu_blocks) * HOOK_S)
-    costs = {"compute": max(_compute(stage, chunks), issued), "copies": _copies(prof, hw, job, assignment, main),
-             "cpu_optimizer": _host_params(prof, assignment, main) / hw.cpu_adam_params_per_s}
+    costs, stage = map_costs(prof, hw, job, assignment, main)
     e = Estimate(NAME, _bytes(**parts[shown]), _host(prof, parts.get("cpu")), sum(costs.values()), costs,
                  labels={"compute": _label(stage, chunks, hw.gpus_per_node)})
     return SplitRow(e, section, section.get("why_not"), _no_split(set(stage), hw, e))
 
 
-def stage_seconds(prof, hw, job, assignment: list[str], main: str, passes: int) -> dict[str, float]:
+def map_costs(prof, hw, job, assignment: list[str], main: str) -> tuple[dict[str, float], dict[str, float]]:
+    """A map's step by cost (compute, copies, the host's AdamW) and each device's compute (`stage_seconds`).
+    One host computes its own blocks and issues every GPU's kernels: the step is at least the sum of
+    the two, chunks or not."""
+    chunks = job.chunks or 1
+    passes = max(1, job.batch_size // job.micro(1)) * chunks
+    stage = stage_seconds(prof, hw, job, assignment, main, passes)
+    issued = passes * _issue_per_pass(prof, hw, job, assignment, main, chunks)
+    host = sum(t for d, t in stage.items() if d.startswith("cpu"))
+    costs = {"compute": max(_compute(stage, chunks), host + issued), "copies": _copies(prof, hw, job, assignment, main),
+             "cpu_optimizer": _host_params(prof, assignment, main) / hw.cpu_adam_params_per_s}
+    return costs, stage
+
+
+def _issue_per_pass(prof, hw, job, assignment: list[str], main: str, chunks: int) -> float:
+    """Host seconds to issue one pass's GPU kernels with the map's hooks. One thread runs every forward;
+    autograd gives each GPU a thread of its own for backward, so with chunks (the GPUs then work at once)
+    the GPUs' backwards are issued side by side (hostcost.FORWARD_SHARE); unchunked they take turns."""
+    gpus = {d for d in [*assignment, main] if not d.startswith("cpu")}
+    each = {d: pass_seconds(prof, hw, job, [g for g, x in enumerate(assignment) if x == d], outside=d == main)
+            for d in gpus}
+    hooks = sum(1 for d in assignment if not d.startswith("cpu")) * HOOK_S
+    if chunks == 1 or len(each) < 2:
+        return sum(each.values()) + hooks
+    return FORWARD_SHARE * sum(each.values()) + (1 - FORWARD_SHARE) * max(each.values()) + hooks
+
+
+def stage_seconds(prof, hw, job, assignment: list[str], main: str, passes: int,
+                  host_per_pass: float = 0.0) -> dict[str, float]:
     """Each device's compute per step: its blocks' model FLOPs (`block_flops`); the main device adds the
     non-embedding rest (an untied head) on the output tokens. GPUs at MFU of their peak plus their blocks'
     memory-bound operators (devicecost.py), but no faster than the host issues their kernels for `passes`
-    micro-batches or chunks a step (hostcost.py); the host at cpu_tflops."""
+    micro-batches or chunks a step (hostcost.py), with `host_per_pass` more host seconds each (a
+    pipeline schedule's); the host at cpu_tflops plus its weights' sweeps."""
     flops = {main: prof.outside_flops_per_token() * (job.target_len or job.seq_len)}
     for dev, f in zip(assignment, block_flops(prof, job)):
         flops[dev] = flops.get(dev, 0.0) + f
-    samples = job.batch_size * (4 / 3 if job.checkpointing else 1)
-    out = {d: f * samples / _flops_per_s(d, hw) for d, f in flops.items()}
+    recompute = 4 / 3 if job.checkpointing else 1
+    out = {d: f * job.batch_size * recompute / _flops_per_s(d, hw) for d, f in flops.items()}
     for d in out:
-        if not d.startswith("cpu"):  # the host's own blocks: its compute is its issuing
-            mine = [g for g, dev in enumerate(assignment) if dev == d]
-            out[d] += traffic_seconds(prof, hw, job, mine, d == main, job.batch_size)
-            out[d] = max(out[d], passes * pass_seconds(prof, hw, job, mine, outside=d == main))
+        mine = [g for g, dev in enumerate(assignment) if dev == d]
+        if d.startswith("cpu"):  # the host's own blocks: its compute is its issuing, plus their weights' sweeps
+            out[d] += passes * recompute * sum(prof.block_params[g] for g in mine) * HOST_SWEEP_S
+            continue
+        out[d] += traffic_seconds(prof, hw, job, mine, d == main, job.batch_size)
+        out[d] = max(out[d], passes * (pass_seconds(prof, hw, job, mine, outside=d == main) + host_per_pass))
     return out
 
 
@@ -96,11 +129,15 @@ def _flops_per_s(device: str, hw) -> float:
 
 
 def _compute(stage: dict[str, float], chunks: int) -> float:
-    """One device works at a time: the sum. GPipe over N chunks and p stages: N + p - 1 clocks of the
-    slowest stage's time per chunk (the fill and drain of forward and of backward)."""
+    """One device works at a time: the sum. GPipe over N chunks: the slowest device's N chunk-times and
+    each other device's one as the clock fills and drains, (N - 1) x the slowest chunk-time + the sum of
+    every device's; for p equal stages the (N + p - 1) clocks of a balanced pipeline. T5-large flat over
+    cuda:0 + cpu at batch 16 in 2 chunks took 2.90 s, about the host's two chunks: the balanced clock's
+    slowest-stage x (N + p - 1) / N said 4.30."""
     if chunks == 1:
         return sum(stage.values())
-    return max(stage.values()) * (chunks + len(stage) - 1) / chunks
+    per_chunk = [t / chunks for t in stage.values()]
+    return (chunks - 1) * max(per_chunk) + sum(per_chunk)
 
 
 def _copies(prof, hw, job, assignment: list[str], main: str) -> float:

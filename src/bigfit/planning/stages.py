@@ -25,6 +25,7 @@ from ..pipeline.cut import PipelineLayout, balance, check_depth
 from ..precision import DTYPES
 from .adapters import outside_frozen_share, without_frozen
 from .estimate import KEYS, RESERVE, Estimate, _bytes
+from .hostcost import PIPELINE_ACTION_S
 from .split import stage_seconds
 
 NAME = "pipeline"
@@ -162,7 +163,8 @@ def _costs(prof, hw, job, layout, runs, ranks) -> tuple[dict[str, float], float]
     devices = [f"cuda:{layout.rank_of(s)}" for s, (a, b) in enumerate(runs) for _ in range(a, b)]
     m, idle = layout.chunks, (layout.world - 1) / layout.stages_per_rank
     link, accum = hw.intra_gbps * 1e9, max(1, job.batch_size // job.micro(1))
-    busy = stage_seconds(prof, hw, job, devices, f"cuda:{layout.rank_of(layout.stages - 1)}", accum * m)
+    busy = stage_seconds(prof, hw, job, devices, f"cuda:{layout.rank_of(layout.stages - 1)}", accum * m,
+                         2 * layout.stages_per_rank * PIPELINE_ACTION_S)
     tied = [(n, len(held)) for n, held in holders(prof, layout, runs) if len(held) > 1]
     trains = 1 - outside_frozen_share(prof)  # a frozen tied parameter has no gradient to sum
     costs = {"compute": max(busy.values()) * (m + idle) / m,
