@@ -35,6 +35,10 @@ def validate(cfg: TrainConfig) -> None:
     for name in ("save_every", "eval_every", "warmup_steps", "eval_samples", "keep_checkpoints"):
         if getattr(cfg, name) < 0:
             raise BigfitError(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(cfg, name)}")
+    if cfg.max_train_samples is not None and (cfg.max_train_samples < 1 or (
+            cfg.batch_size != "auto" and cfg.max_train_samples < cfg.batch_size)):
+        raise BigfitError(f"--max-train-samples must be at least the global batch ({cfg.batch_size}), got "
+                          f"{cfg.max_train_samples}")
     if cfg.dataset_num_proc is not None and cfg.dataset_num_proc < 1:
         raise BigfitError(f"--dataset-num-proc must be at least 1, got {cfg.dataset_num_proc}")
     if cfg.nproc is not None and cfg.nproc < 1:

@@ -1,4 +1,4 @@
-"""The `bigfit` command: `bigfit train` and `bigfit consolidate`.
+"""The `bigfit` command: `bigfit train`, `bigfit plan`, `bigfit bench` and `bigfit consolidate`.
 
 Settings come from the TrainConfig defaults, then a --config file, then flags actually given on
 the command line, in that order. User mistakes exit with status 2 and one line, no traceback.
@@ -56,10 +56,10 @@ def _number(base: type):
     return convert
 
 
-def _field_help() -> dict[str, str]:
-    """The trailing comment of each field in config.py is its help text."""
+def _field_help(cls=TrainConfig) -> dict[str, str]:
+    """The trailing comment of each field of a settings class (config.py's TrainConfig) is its help text."""
     helps = {}
-    for line in inspect.getsource(TrainConfig).splitlines():
+    for line in inspect.getsource(cls).splitlines():
         name, _, rest = line.strip().partition(":")
         if "#" in rest:
             helps[name] = rest.split("#", 1)[1].strip()
@@ -70,9 +70,44 @@ def _train_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train or fine-tune a model", argument_default=argparse.SUPPRESS)
     p.add_argument("--config", help="YAML or JSON file of settings (any of the flags below)")
     p.add_argument("--deepspeed-config", help="a DeepSpeed JSON config: mapped onto bigfit's settings (flags win)")
+    _train_fields(p, ("extra", "resume", "consolidate", "checkpoints", "eval_on_start", "probe_only"))
+    p.add_argument("--resume", nargs="?", const="latest", help=_field_help()["resume"])
+    p.add_argument("--probe-only", dest="probe_only", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--no-consolidate", dest="consolidate", action="store_false",
+                   help="skip writing OUTPUT/model at the end")
+    p.add_argument("--no-checkpoints", dest="checkpoints", action="store_false",
+                   help="save no checkpoint, the end's neither (so no OUTPUT/model): nothing to resume")
+    p.add_argument("--no-eval-on-start", dest="eval_on_start", action="store_false",
+                   help="skip the evaluation before the first step")
+    return p
+
+
+def _bench_parser(sub) -> argparse.ArgumentParser:
+    from .bench.settings import BENCH_OWN, BenchSettings  # no torch
+
+    p = sub.add_parser("bench", argument_default=argparse.SUPPRESS,
+                       help="measure every strategy x precision on this machine: max batch, train and eval time",
+                       description="For each strategy x precision: the largest micro-batch that runs, the time to "
+                                   "train --train-samples samples and to evaluate --eval-samples with beam search, "
+                                   "the metric, memory and speed, the planner's prediction beside each.")
+    helps = _field_help(BenchSettings)
+    for f in dataclasses.fields(BenchSettings):
+        flag = "--" + f.name.replace("_", "-")
+        if f.type in (bool, "bool"):
+            p.add_argument(flag, dest=f.name, action="store_true", help=helps.get(f.name))
+        else:
+            p.add_argument(flag, dest=f.name, type=_number(float if f.name.endswith("_s") else int)
+                           if f.name.endswith(("_s", "_samples", "_steps")) else str, help=helps.get(f.name))
+    p.add_argument("--config", help="YAML or JSON file of training settings (any of the flags below)")
+    _train_fields(p, BENCH_OWN)
+    return p
+
+
+def _train_fields(p: argparse.ArgumentParser, skip: tuple[str, ...]) -> None:
+    """A flag for each TrainConfig field not in `skip`, its help the field's comment."""
     helps = _field_help()
     for f in dataclasses.fields(TrainConfig):
-        if f.name in ("extra", "resume", "consolidate", "checkpoints", "eval_on_start", "probe_only"):
+        if f.name in skip:
             continue
         if field_type(f.name)[0] is bool:
             p.add_argument("--" + f.name.replace("_", "-"), dest=f.name, action="store_true", help=helps.get(f.name))
@@ -83,15 +118,6 @@ def _train_parser(sub) -> argparse.ArgumentParser:
         if f.name == "precision":
             kw["help"] += f" ({', '.join(PRECISIONS)})"
         p.add_argument("--" + f.name.replace("_", "-"), dest=f.name, **kw)
-    p.add_argument("--resume", nargs="?", const="latest", help=helps["resume"])
-    p.add_argument("--probe-only", dest="probe_only", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--no-consolidate", dest="consolidate", action="store_false",
-                   help="skip writing OUTPUT/model at the end")
-    p.add_argument("--no-checkpoints", dest="checkpoints", action="store_false",
-                   help="save no checkpoint, the end's neither (so no OUTPUT/model): nothing to resume")
-    p.add_argument("--no-eval-on-start", dest="eval_on_start", action="store_false",
-                   help="skip the evaluation before the first step")
-    return p
 
 
 def _plan_parser(sub) -> argparse.ArgumentParser:
@@ -146,8 +172,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     """The command line; a mistake in it exits with one line and status 2 (`_Parser`)."""
     parser = _Parser(prog="bigfit", description="Train models that do not fit on one device.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser,
-                                metavar="{train,plan,consolidate}")  # what "required" errors name
-    commands = {"train": _train_parser(sub), "plan": _plan_parser(sub)}
+                                metavar="{train,plan,bench,consolidate}")  # what "required" errors name
+    commands = {"train": _train_parser(sub), "plan": _plan_parser(sub), "bench": _bench_parser(sub)}
     c = commands["consolidate"] = sub.add_parser(
         "consolidate", help="sharded checkpoint -> one Hugging Face model directory (a --lora one: a peft adapter)",
         description="Write a checkpoint as a Hugging Face model directory (safetensors, config, tokenizer). A "
@@ -220,6 +246,12 @@ def main(argv: list[str] | None = None) -> int:
             from .planning.command import plan_command
 
             return plan_command(ns)
+        if ns.command == "bench":
+            from .bench.command import bench_command
+
+            from .bench.settings import from_args
+
+            return bench_command(*from_args(ns))
         from .training.consolidate import consolidate
 
         out = consolidate(ns.checkpoint, ns.out, overwrite=ns.overwrite, merge=ns.merge, base=ns.base)

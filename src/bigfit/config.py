@@ -101,6 +101,7 @@ class TrainConfig:
     eval_every: int = 200  # evaluate every N steps (and at step 0 and at the end); 0: only at the end
     eval_on_start: bool = True  # evaluate before the first step too (the baseline); --no-eval-on-start: not
     eval_samples: int = 64  # held-out samples used for evaluation
+    max_train_samples: int | None = None  # train on the first N samples only (after the held-out ones); None: all
     num_beams: int = 4  # beam width for generate() during evaluation
     max_new_tokens: int = 32  # generation length limit during evaluation
     resume: str | None = None  # "latest" (newest complete checkpoint in output_dir) or a checkpoint dir

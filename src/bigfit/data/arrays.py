@@ -123,6 +123,11 @@ class Reordered(Sequence):
         return self.samples[int(self.order[i])]
 
 
+def first(samples: Sequence[dict], n: int) -> Sequence[dict]:
+    """The first n samples (--max-train-samples): a list's slice, or a view of memory-mapped ones."""
+    return samples[:n] if isinstance(samples, list) else Reordered(samples, np.arange(n))
+
+
 def longest_first(samples: Sequence[dict]) -> Reordered:
     """The samples by input_ids plus labels tokens, longest first, ties in their order."""
     if isinstance(samples, ArrowSamples):

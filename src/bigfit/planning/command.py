@@ -212,6 +212,12 @@ def _auto(cfg, world: int, strategies: tuple[str, ...], layouts: dict | None):
     return plan_for_config(config, _this_machine(world, nvme_dir=nvme_dir), job, strategies, layouts)
 
 
+def plan_here(cfg, world: int, strategies: tuple[str, ...]):
+    """The plan of cfg's job on this machine over `strategies` (named ones), as `--strategy auto` makes
+    it: `bigfit bench`'s candidates, predictions and the pick it compares with the fastest measured."""
+    return _auto(cfg, world, strategies, None)
+
+
 def predicted_peak_gb(cfg, world: int) -> float | None:
     """The peak GB of the busiest device the planner predicts for the run's own strategy and degrees
     (the dashboards draw it beside the measured peak); None where it rates no such row."""

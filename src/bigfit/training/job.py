@@ -4,6 +4,7 @@ before spawning workers (so a user mistake is reported once, before any work), a
 runs it again to get the same resolved job."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from ..resolution import plan_of, resolve
 from ..userfiles import read_text
 from ..data import Dataset, build_dataset, digits_task, read_examples
 from ..data import cache
+from ..data.arrays import first
 from ..data.chat import require_template
 from ..data.digest import examples_digest
 from ..lora import LoraSettings, check_targets
@@ -52,6 +54,8 @@ def prepare(cfg: TrainConfig, world_size: int) -> Job:
                           "an encoder-decoder, whose sources and targets are separate sequences: leave --pack out")
     resume_from = ckptdir.resolve_resume(cfg.resume, cfg.output_dir) if cfg.resume else None
     dataset, digest = _dataset(cfg, tokenizer, seq2seq)
+    if cfg.max_train_samples is not None and cfg.max_train_samples < len(dataset.train):
+        dataset = dataclasses.replace(dataset, train=first(dataset.train, cfg.max_train_samples))
     lora = LoraSettings.from_config(cfg)
     if lora:  # its targets against the model's linear layers, on a weightless copy: one line before any work
         check_targets(build_model(source, model_config, cfg.seed, on_meta=True), lora)

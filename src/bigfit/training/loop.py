@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import resource
 import time
 from pathlib import Path
 
@@ -115,9 +116,11 @@ def _train(job: Job, rt: Runtime, clock: StartClock) -> dict:
     boards = _boards(cfg, out_dir, run, rt) if rt.is_main else None  # dashboards beside metrics.jsonl (--report-to)
 
     def run_eval() -> dict:
+        began = time.perf_counter()
         applied.flush()  # a delayed update lands before anything reads the parameters
-        return evaluate(applied, ds.eval, tokenizer=job.tokenizer, pad_id=ds.pad_id, seq2seq=job.seq2seq, rt=rt,
-                        batch_size=cfg.micro_batch_size, num_beams=cfg.num_beams, max_new_tokens=cfg.max_new_tokens)
+        out = evaluate(applied, ds.eval, tokenizer=job.tokenizer, pad_id=ds.pad_id, seq2seq=job.seq2seq, rt=rt,
+                       batch_size=cfg.micro_batch_size, num_beams=cfg.num_beams, max_new_tokens=cfg.max_new_tokens)
+        return {**out, "eval_s": round(time.perf_counter() - began, 3)}  # bigfit bench's evaluation time
 
     first_eval = run_eval() if step == 0 and cfg.eval_on_start else {}
     if first_eval:
@@ -140,6 +143,7 @@ def _train(job: Job, rt: Runtime, clock: StartClock) -> dict:
         record = {"step": step, **record, "tokens_per_s": record["tokens"] / (time.perf_counter() - t0)}
         if rt.device.type == "cuda":  # this rank's peak since the start (torchtitan logs the same)
             record["peak_gpu_gb"] = round(torch.cuda.max_memory_allocated(rt.device) / 1e9, 2)
+        record["host_rss_gb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9, 2)  # its peak
         if clock is not None:  # the first step of this process: where the wait for it went
             clock.mark("first step")
             record["startup_s"] = clock.record()

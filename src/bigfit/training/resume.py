@@ -12,7 +12,7 @@ setting cannot be forgotten:
 from __future__ import annotations
 
 MATH = ("model", "data", "data_encoding", "data_columns", "data_split", "data_config", "chat_template", "batch_size",
-        "seed", "max_source_len", "max_target_len", "pack", "eval_samples",
+        "seed", "max_source_len", "max_target_len", "pack", "eval_samples", "max_train_samples",
         "max_steps", "optimizer", "lr", "adam_beta1", "adam_beta2", "adam_eps", "weight_decay", "lr_schedule",
         "warmup_steps", "warmup_type", "warmup_min_lr", "min_lr", "max_grad_norm", "precision", "reduce_dtype",
         "loss_scale", "loss_scale_window", "hysteresis", "min_loss_scale", "delayed_update",

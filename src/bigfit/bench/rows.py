@@ -1,0 +1,105 @@
+"""One row of `bigfit bench`: a process of its own (`python -m bigfit.bench.rows SPEC`), so that a
+strategy that crashes, runs out of memory or hangs ends its row, never the bench. It probes the
+largest micro-batch that runs (autobatch.py: worker sets of its own, the model built once per set),
+then trains on --train-samples samples (--max-train-samples) at it, after the untimed steps, for as
+many steps as they make (at least MIN_TIMED), and evaluates once at the end, all through `bigfit
+train`'s own code (training/command.py), in ROW/probe and ROW/train. Its train time is the median
+timed step x samples / global batch. What it learns goes to ROW/row.json as it learns it, so a row
+cut short keeps what it measured; `collect` reads that, metrics.jsonl and eval.jsonl back into one
+flat record."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+
+ROW_FILE = "row.json"
+MIN_TIMED = 3  # timed steps at least, for a median, where --train-samples is one or two batches
+
+
+def run(spec: dict) -> int:
+    """Probe, predict, train; returns `bigfit train`'s exit status (2: a refused setting)."""
+    from ..autobatch import choose_micro_batch
+    from ..checks import validate
+    from ..config import TrainConfig
+    from ..errors import BigfitError
+    from ..planning.command import auto_micro_batch, plan_here
+    from ..probefile import load, path
+    from ..training.command import train_command
+
+    row, nproc = Path(spec["row_dir"]), spec["nproc"]
+    cfg = TrainConfig(**spec["train"])
+    found: dict = {}
+    try:
+        validate(cfg)
+        pred = auto_micro_batch(cfg, nproc)
+        found.update(predicted_micro=pred.size, predicted_micro_gb=round(pred.need / 1e9, 2))
+        _write(row, found)
+        micro, batch = choose_micro_batch(["train"], cfg, nproc, speaks=True)
+        peak = load(path(cfg.output_dir)).peak(micro)
+        steps = spec["warmup"] + max(MIN_TIMED, math.ceil(spec["samples"] / batch))
+        job = dataclasses.replace(cfg, micro_batch_size=micro, batch_size=batch, max_steps=steps, eval_every=steps,
+                                  output_dir=str(row / "train"), probe_only=False)
+        plan = plan_here(job, nproc, (job.strategy,))
+        e = plan.candidates[0].estimate
+        found.update(params=plan.params, micro=micro, batch=batch, steps=steps, probe_peak_gb=peak and round(peak / 1e9, 2),
+                     predicted_step_s=round(e.step_time_s, 4), predicted_peak_gb=round(e.per_gpu["total"] / 1e9, 2))
+        _write(row, found)
+        code = train_command(["train"], job)
+    except BigfitError as e:
+        found["error"] = str(e)
+        code = 2
+    _write(row, {**found, "exit": code})
+    return code
+
+
+def _write(row: Path, found: dict) -> None:
+    tmp = row / (ROW_FILE + ".tmp")
+    tmp.write_text(json.dumps(found, indent=1))
+    tmp.replace(row / ROW_FILE)
+
+
+def collect(row: Path, warmup: int, samples: int) -> dict:
+    """What a row measured: its row.json, the median step after the warm-up (tokens over tokens/s), the
+    train time of `samples` samples at that step, the final evaluation's time and score, the peaks."""
+    found = _read(row / ROW_FILE) or {}
+    steps = _jsonl(row / "train" / "metrics.jsonl")
+    timed = [s["tokens"] / s["tokens_per_s"] for s in steps[warmup:] if s.get("tokens_per_s")]
+    out = {k: found.get(k) for k in ("micro", "batch", "predicted_micro", "predicted_step_s", "predicted_peak_gb",
+                                     "probe_peak_gb")}
+    if timed:
+        step = statistics.median(timed)
+        tokens = statistics.median(s["tokens"] for s in steps[warmup:])
+        out.update(step_s=round(step, 4), train_s=round(step * samples / found["batch"], 2),
+                   tokens_per_s=round(tokens / step, 1))
+        # model FLOPs of the trained tokens: 6 x parameters a target token (an encoder's source tokens aside)
+        out["tflops"] = round(6 * found["params"] * out["tokens_per_s"] / 1e12, 4) if found.get("params") else None
+    last = steps[-1] if steps else {}
+    out.update(peak_gpu_gb=last.get("peak_gpu_gb"), host_rss_gb=last.get("host_rss_gb"))
+    evals = _jsonl(row / "train" / "eval.jsonl")
+    if evals:
+        out.update(eval_s=evals[-1].get("eval_s"), bleu=evals[-1].get("eval_bleu"), ppl=evals[-1].get("eval_ppl"))
+    out["error"] = found.get("error")
+    out["exit"] = found.get("exit")
+    return out
+
+
+def _read(p: Path) -> dict | None:
+    try:
+        return json.loads(p.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _jsonl(p: Path) -> list[dict]:
+    try:
+        return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+    except (OSError, ValueError):
+        return []
+
+
+if __name__ == "__main__":
+    sys.exit(run(json.loads(Path(sys.argv[1]).read_text())))

@@ -1,0 +1,114 @@
+"""`bigfit bench` (bigfit/bench/): its table and files from rows, a failed row among measured ones,
+Ctrl-C keeping the rows so far, its one-line refusals, and real runs on the embedded tiny T5 on this
+CPU: the probe's exact largest micro-batch (an injected out-of-memory above 16), and a method that
+crashes becoming a row with its reason while the bench goes on."""
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+
+from conftest import bigfit, one_line
+
+OK = {"method": "zero2 fp32", "strategy": "zero2", "precision": "fp32", "micro": 64, "batch": 128, "train_s": 1.5,
+      "step_s": 0.37, "eval_s": 0.4, "bleu": 12.5, "ppl": 3.1, "tokens_per_s": 900.0, "tflops": 0.01,
+      "host_rss_gb": 0.8, "predicted_micro": 80, "predicted_step_s": 0.3, "predicted_peak_gb": 1.1, "status": "ok",
+      "reason": None}
+OOM = {"method": "zero3 fp32", "strategy": "zero3", "precision": "fp32", "status": "exit 1",
+       "reason": "torch.OutOfMemoryError: CUDA out of memory", "predicted_micro": 40}
+
+
+def test_the_table_and_files_hold_every_row_failed_ones_with_their_reason(tmp_path):
+    from bigfit.bench import report
+
+    rows = [OK, OOM]
+    assert report.cells(OK)[:5] == ["zero2 fp32", "64", "1.50", "0.40", "BLEU 12.5"]  # the seed's columns first
+    assert report.cells(OOM)[1:5] == ["", "", "", ""] and report.cells(OOM)[-1] == "exit 1"
+    said = report.recommendation(rows, "zero3")
+    assert said == "fastest measured: zero2 fp32 (1.50 s to train, micro-batch 64); --strategy auto would pick zero3 instead"
+    assert report.recommendation(rows, "zero2").endswith("--strategy auto picks it too (zero2)")
+    assert report.recommendation([OOM], "zero2") == "no method ran to the end: nothing to recommend"
+    paths = report.write(tmp_path, rows, {"model": "m", "recommendation": said})
+    assert sorted(p.name for p in paths) == ["bench.csv", "bench.json", "bench.md", "bench.png"]
+    md = (tmp_path / "bench.md").read_text()
+    assert "| method | max BS | train s | eval s |" in md and "| zero3 fp32 |" in md and said in md
+    table = list(csv.DictReader(open(tmp_path / "bench.csv")))
+    assert [r["status"] for r in table] == ["ok", "exit 1"] and table[1]["reason"].startswith("torch.OutOfMemoryError")
+    assert json.loads((tmp_path / "bench.json").read_text())["rows"][1]["reason"] == OOM["reason"]
+
+
+def test_ctrl_c_keeps_the_rows_measured_so_far(tmp_path, monkeypatch):
+    from bigfit.bench import command
+    from bigfit.bench.settings import BenchSettings
+    from bigfit.config import TrainConfig
+
+    calls = []
+
+    def run_row(out, bench, base, strategy, precision):
+        if calls:
+            raise KeyboardInterrupt
+        calls.append(strategy)
+        return {**OK, "method": f"{strategy} {precision}", "strategy": strategy}
+
+    monkeypatch.setattr(command, "_rows", lambda bench, base: [("ddp", "fp32"), ("zero2", "fp32"), ("zero3", "fp32")])
+    monkeypatch.setattr(command, "_auto_pick", lambda base, names: ("ddp", "planned"))
+    monkeypatch.setattr(command, "_run_row", run_row)
+    out = tmp_path / "b"
+    assert command.bench_command(BenchSettings(output_dir=str(out)), TrainConfig()) == 130
+    saved = json.loads((out / "bench.json").read_text())
+    assert [r["method"] for r in saved["rows"]] == ["ddp fp32"] and saved["interrupted"] == "Ctrl-C after 1 of 3 rows"
+    assert "--strategy auto picks it too (ddp)" in saved["recommendation"]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--strategies", "zero4"], "error: --strategies 'zero4': zero4; valid: auto, all, or a list of "),
+    (["--precisions", "fp8"], "error: --precisions 'fp8': fp8; valid: fp32, bf16, fp16"),
+    (["--train-samples", "0"], "error: --train-samples must be positive, got 0"),
+    (["--max-steps", "3"], "error: unrecognized arguments: --max-steps 3; "),
+])
+def test_bench_refuses_bad_input_in_one_line(tmp_path, argv, message):
+    r = bigfit("bench", "--output-dir", tmp_path / "b", *argv)
+    assert r.returncode == 2 and one_line(r.stderr).startswith(message), r.stderr
+    assert not (tmp_path / "b" / "rows").exists()  # refused before any row ran
+
+
+def test_bench_never_replaces_a_directory_it_did_not_write(tmp_path):
+    mine = tmp_path / "results"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    for extra in ([], ["--overwrite"]):
+        r = bigfit("bench", "--output-dir", mine, *extra)
+        assert r.returncode == 2 and "is not empty (it is not a bench directory)" in one_line(r.stderr)
+    assert (mine / "notes.txt").read_text() == "mine"
+
+
+def test_a_real_bench_finds_the_exact_largest_micro_batch_and_keeps_a_crashed_method_as_a_row(tmp_path):
+    small = ["--strategies", "single", "--train-samples", "64", "--eval-samples", "8", "--num-beams", "2",
+             "--max-new-tokens", "4", "--untimed-steps", "1"]
+    r = bigfit("bench", "--output-dir", tmp_path / "b", *small, fault="oom-above:16")  # the probe's OOM above 16
+    assert r.returncode == 0, r.stdout + r.stderr
+    (row,) = json.loads((tmp_path / "b" / "bench.json").read_text())["rows"]
+    assert row["status"] == "ok" and row["micro"] == 16 and row["batch"] == 16  # exact, not a power of two's guess
+    assert row["train_s"] == pytest.approx(row["step_s"] * 64 / 16, rel=0.01) and row["eval_s"] > 0
+    assert row["bleu"] is not None and row["predicted_micro"] >= 16 and row["predicted_step_s"] > 0
+    assert "fastest measured: single fp32" in r.stdout and (tmp_path / "b" / "bench.png").is_file()
+    r = bigfit("bench", "--output-dir", tmp_path / "c", *small, fault="step:2:0:raise")  # every row's step 2
+    assert r.returncode == 0, r.stdout + r.stderr
+    (row,) = json.loads((tmp_path / "c" / "bench.json").read_text())["rows"]
+    assert row["status"] != "ok" and "injected fault at step 2" in row["reason"]
+    assert "no method ran to the end" in r.stdout
+
+
+def test_max_train_samples_keeps_the_first_samples_after_the_held_out_ones(tmp_path):
+    from bigfit.config import TrainConfig
+    from bigfit.training.job import prepare
+
+    def dataset(**kw):
+        return prepare(TrainConfig(output_dir=str(tmp_path), batch_size=8, eval_samples=16, **kw), 1).dataset
+
+    whole, first = dataset(), dataset(max_train_samples=40)
+    assert len(first.train) == 40 and first.train == whole.train[:40] and first.eval == whole.eval
+    r = bigfit("train", "--output-dir", tmp_path / "o", "--batch-size", "8", "--max-train-samples", "4")
+    assert r.returncode == 2 and one_line(r.stderr) == ("error: --max-train-samples must be at least the global "
+                                                        "batch (8), got 4")
