@@ -188,3 +188,23 @@ def test_an_engine_that_cannot_go_on_after_an_oom_probes_on_in_new_processes(mod
     failed = sum(1 for _, ran, _ in search.outcomes if not ran)
     assert search.worker_sets == failed + 1 - (not search.outcomes[-1][1])  # one set after each OOM but a last
     assert "in new probe processes (the last ones could not go on after an out-of-memory error)" in printed.out
+
+
+def test_an_oom_inside_the_first_optimizer_step_leaves_no_half_made_state():
+    """torch's Adam makes exp_avg before exp_avg_sq: an OOM between them left a state that the next
+    probe step read as a KeyError (T5-large fp32 on an H200). The probe drops the states after an OOM."""
+    import torch
+
+    from bigfit.strategies.base import Applied
+
+    model = torch.nn.Linear(4, 4)
+    engine = Applied(model=model, module=model, strategy="single")
+    engine.attach_optimizer(torch.optim.Adam, lr=0.0)
+    half = engine.optimizer.state[model.weight]
+    half.update(step=torch.tensor(0.0), exp_avg=torch.zeros(4, 4))  # where the OOM struck
+    model(torch.ones(2, 4)).sum().backward()
+    with pytest.raises(KeyError):
+        engine.optimizer.step()
+    engine.drop_optimizer_states()
+    engine.optimizer.step()  # made again, whole
+    assert set(engine.optimizer.state[model.weight]) == {"step", "exp_avg", "exp_avg_sq"}

@@ -108,8 +108,8 @@ PARSER_CASES = [  # argv, stderr's one line
     (["train", "--max-stepz", "5"], "error: unrecognized arguments: --max-stepz 5; did you mean --max-steps?"),
     (["plan", "--nodes", "two"], "error: argument --nodes: 'two' is not an integer (give a whole number)"),
     (["plan", "--precision", "fp8"], "error: argument --precision: invalid choice: 'fp8' (choose from"),
-    (["trian"], "error: argument {train,plan,consolidate}: invalid choice: 'trian' (choose from"),
-    ([], "error: the following arguments are required: {train,plan,consolidate}"),
+    (["trian"], "error: argument {train,plan,bench,consolidate}: invalid choice: 'trian' (choose from"),
+    ([], "error: the following arguments are required: {train,plan,bench,consolidate}"),
 ]
 
 

@@ -94,6 +94,10 @@ class Engine(Protocol):
 
     def reshard(self) -> None: ...
 
+    def drop_optimizer_states(self) -> None:
+        """After an out-of-memory error in micro-batch auto's probe: the optimizer's states may be half
+        made (one inside its first step), so none are kept; the next step makes them again."""
+
 
 @dataclass
 class Applied:
@@ -113,6 +117,12 @@ class Applied:
     optimizer: torch.optim.Optimizer | None = None
 
     # -- the optimizer -------------------------------------------------------------------------
+    def drop_optimizer_states(self) -> None:
+        # torch's Adam makes a parameter's exp_avg, then its exp_avg_sq: an OOM between them leaves a
+        # state its next step reads as a KeyError (seen on an H200, T5-large fp32, 2026-12-04)
+        if self.optimizer is not None:
+            self.optimizer.state.clear()
+
     def attach_optimizer(self, cls: type, **kw) -> None:
         # one group per kind of tensor: fused kernels refuse plain tensors beside DTensors (tensor parallel);
         # frozen parameters (a LoRA base) are no optimizer's: no state, nothing in its checkpoint

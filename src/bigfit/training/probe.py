@@ -46,7 +46,9 @@ def probe(job: Job, engine: Engine, rt: Runtime) -> dict:
         with _deadline(max(STUCK_MIN_S, STUCK_FACTOR * slowest) if failed else None):
             ran, peak = _attempt(job, engine, rt, longest, micro, twice=not stepped)
         slowest = max(slowest, time.perf_counter() - t0)
-        stepped, failed = stepped or ran, failed or not ran
+        if not ran and engine.recovers_from_oom:  # its states may be half made: dropped, so step twice again
+            engine.drop_optimizer_states()
+        stepped, failed = ran or (stepped and not engine.recovers_from_oom), failed or not ran
         search.outcomes.append([micro, ran, _largest(peak, rt) if ran else None])
         _agreed_save(where, search, rt)
         if rt.is_main:
