@@ -73,7 +73,7 @@ def collect(row: Path, warmup: int, samples: int) -> dict:
     if timed:
         step = statistics.median(timed)
         tokens = statistics.median(s["tokens"] for s in steps[warmup:])
-        out.update(step_s=round(step, 4), train_s=round(step * samples / found["batch"], 2),
+        out.update(step_s=round(step, 4), train_s=round(step * samples / found["batch"], 3),
                    tokens_per_s=round(tokens / step, 1))
         # model FLOPs of the trained tokens: 6 x parameters a target token (an encoder's source tokens aside)
         out["tflops"] = round(6 * found["params"] * out["tokens_per_s"] / 1e12, 4) if found.get("params") else None
