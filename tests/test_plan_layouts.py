@@ -221,7 +221,8 @@ def test_plan_command_restricts_the_search_to_the_degrees_given(model_dirs, caps
     assert {"strategy", "degrees", "zero", "pipeline"} <= set(p["composed"][0])
     assert all("tp2" in r["name"] for r in p["composed_rejected"])
     assert set(p["strategies"][0]) == {"name", "fits", "per_gpu_bytes", "per_host_bytes", "step_time_s",
-                                       "tokens_per_s", "bottleneck", "why_not", "per_node_nvme_bytes"}
+                                       "tokens_per_s", "bottleneck", "why_not", "per_node_nvme_bytes",
+                                       "optimizer_states"}
 
 
 @pytest.mark.parametrize("flags, named", [(["--tp", "3"], "--tp 3"), (["--tp", "4"], "--tp 4"),

@@ -2,7 +2,7 @@
 BigfitError that names the bad value and what would be valid (config.py holds the settings)."""
 from __future__ import annotations
 
-from .config import (OPTIMIZERS, PIPELINE_SCHEDULES, PIPELINE_STRATEGIES, PRECISIONS, REDUCE_DTYPES, REPORTERS, SCHEDULES,
+from .config import (OPTIMIZER_STATES, OPTIMIZERS, PIPELINE_SCHEDULES, PIPELINE_STRATEGIES, PRECISIONS, REDUCE_DTYPES, REPORTERS, SCHEDULES,
                      SPLIT_STRATEGIES, STRATEGIES, WARMUPS, TrainConfig)
 from .data.columns import Columns
 from .errors import BigfitError, one_of
@@ -94,6 +94,11 @@ def _validate_offload(cfg: TrainConfig) -> None:
     if cfg.nvme_host_gb < 0 or (cfg.nvme_host_gb and cfg.strategy != "zero2-offload-nvme"):
         raise BigfitError(f"--nvme-host-gb must be 0 or more and belongs to --strategy zero2-offload-nvme; got "
                           f"{cfg.nvme_host_gb} with {cfg.strategy}")
+    if cfg.optimizer_states not in (*OPTIMIZER_STATES, "auto"):
+        raise one_of("--optimizer-states", cfg.optimizer_states, (*OPTIMIZER_STATES, "auto"))
+    if cfg.optimizer_states not in ("fp32", "auto") and not cfg.strategy.startswith(("zero2-offload", "auto")):
+        raise BigfitError(f"--optimizer-states {cfg.optimizer_states} belongs to --strategy zero2-offload(-nvme), "
+                          f"whose host step keeps the moments in it; {cfg.strategy} keeps fp32 states")
 
 
 def _validate_compile(cfg: TrainConfig) -> None:

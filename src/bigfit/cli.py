@@ -13,7 +13,8 @@ import os
 import sys
 
 from .checks import validate
-from .config import PIPELINE_SCHEDULES, PIPELINE_STRATEGIES, PRECISIONS, SPLIT_STRATEGIES, STRATEGIES, TrainConfig
+from .config import (OPTIMIZER_STATES, PIPELINE_SCHEDULES, PIPELINE_STRATEGIES, PRECISIONS, SPLIT_STRATEGIES,
+                     STRATEGIES, TrainConfig)
 from .deepspeed_config import load_deepspeed_config
 from .settings import HOW, NOUNS, as_type, field_type, load_config_file, normalise, setting_value
 from .errors import BigfitError
@@ -159,6 +160,9 @@ def _plan_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--nvme-host-gb", type=_number(float), default=None,
                    help="zero2-offload-nvme: GB of states per node kept in RAM; 0: every state on the disk; "
                         "default: what the RAM leaves, as --strategy auto chooses")
+    p.add_argument("--optimizer-states", default="auto", choices=(*OPTIMIZER_STATES, "auto"),
+                   help="zero2-offload: the host's Adam moments (fp32, bf16, int8: with the master 12, 8, ~6 bytes a "
+                        "parameter); auto: the most exact that fits, as --strategy auto chooses")
     for dim, what in (("tp", "tensor-parallel"), ("pp", "pipeline"), ("dp-shard", "sharded data-parallel"),
                       ("dp-replicate", "replicated data-parallel")):
         p.add_argument(f"--{dim}", type=_number(int), help=f"composed plans: only those with this {what} degree")

@@ -19,6 +19,10 @@ PIPELINE_STRATEGIES = ("pipeline",)
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved")
 PRECISIONS = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("adamw", "adam")
+# zero2-offload's host Adam moments (strategies/statefmt.py): bytes a parameter with the fp32 master
+# weights 12, 8, about 6
+OPTIMIZER_STATES = ("fp32", "bf16", "int8")
+STATE_BYTES = {"fp32": 12.0, "bf16": 8.0, "int8": 6.0 + 8 / 256}  # int8: a 4-byte scale per 256 for each moment
 SCHEDULES = ("linear", "cosine", "constant")
 WARMUPS = ("linear", "log")
 REDUCE_DTYPES = ("fp32", "bf16", "fp16")
@@ -93,6 +97,8 @@ class TrainConfig:
     delayed_update: bool = False  # zero2-offload: the host optimizer step overlaps the next step (one-step-stale parameters)
     offload_grads: str = "host"  # zero2-offload: where gradients wait for the host step: host (2 more bytes/param of RAM in bf16, 4 in fp32) or device
     nvme_host_gb: float = 0.0  # zero2-offload-nvme: GB of optimizer states kept in host RAM (first blocks); the rest in files
+    # bf16 moments are stochastically rounded; int8 ones are 8-bit codes with a scale per block of 256 (statefmt.py)
+    optimizer_states: str = "auto"  # zero2-offload: Adam's moments in host RAM: fp32, bf16 or int8 (with the fp32 master 12, 8, ~6 bytes a parameter); auto: fp32, or what --strategy auto picks
     max_source_len: int = 128  # tokens kept per source / text sample
     max_target_len: int = 128  # tokens kept per target (encoder-decoder models)
     pack: bool = False  # decoder-only: samples end to end in sequences of max_source_len tokens, attention kept within each

@@ -38,7 +38,9 @@ def resolve(cfg: TrainConfig, world_size: int) -> TrainConfig:
         raise BigfitError(f"--chunks {cfg.chunks} splits each micro-batch of {micro} samples; use at most {micro} "
                           "(or a larger --micro-batch-size)")
     out = dataclasses.replace(cfg, micro_batch_size=micro, precision=cfg.precision or auto_precision(),
-                              chunks=cfg.chunks or 1, extra=dict(cfg.extra))
+                              chunks=cfg.chunks or 1, extra=dict(cfg.extra),
+                              # auto is --strategy auto's to decide (training/command.py); a named strategy keeps fp32
+                              optimizer_states="fp32" if cfg.optimizer_states == "auto" else cfg.optimizer_states)
     if degrees.pp > 1 or cfg.strategy == "pipeline":
         out = _resolve_pipeline(dataclasses.replace(out, chunks=cfg.chunks), degrees.pp, micro)
     plan = plan_for(cfg.strategy, world_size, tp=cfg.tp, pp=cfg.pp, dp_shard=cfg.dp_shard,

@@ -177,6 +177,7 @@ def apply_offloading(engine: Applied, plan: ParallelPlan, cfg, rt: Runtime, weig
                              nvme_dir=_nvme_dir(plan, cfg), eager=eager,
                              nvme_host_bytes=cfg.nvme_host_gb * 1e9 / _local_ranks(),
                              grads_on_device=cfg.offload_grads == "device", stages=stages,
+                             state_format=cfg.optimizer_states,
                              tied=[(p, counted) for p, _, counted in stages.tied_params()] if stages else ())
     if plan.offload_params and eager and plan.pp == 1:  # stages: the step follows the schedule
         return stream_host_steps(engine, rt.device)

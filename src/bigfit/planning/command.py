@@ -101,7 +101,8 @@ def compute_plan(ns):
               else 0, micro_batch=ns.micro_batch_size, precision=ns.precision, checkpointing=ns.activation_checkpointing,
               chunks=ns.chunks, pipeline_schedule=ns.pipeline_schedule, stages_per_rank=ns.stages_per_rank,
               delayed_update=ns.delayed_update, offload_grads=ns.offload_grads, nvme_host_gb=ns.nvme_host_gb,
-              sequence_parallel=ns.sequence_parallel, compile=ns.compile, lora=lora, load_in_4bit=four_bit)
+              sequence_parallel=ns.sequence_parallel, compile=ns.compile, lora=lora, load_in_4bit=four_bit,
+              optimizer_states=_states(getattr(ns, "optimizer_states", "auto")))
     p = plan_for_config(config, hw, job, layouts=fixed)
     if fixed and not p.layouts and p.layout_rejected:  # the degrees asked for rule out every composed plan
         r = p.layout_rejected[0]
@@ -162,7 +163,15 @@ def _job(cfg, config, batch: int, micro: int | None) -> Job:
                clipping=cfg.max_grad_norm > 0, chunks=cfg.chunks,
                pipeline_schedule=cfg.pipeline_schedule, stages_per_rank=cfg.stages_per_rank,
                sequence_parallel=cfg.sequence_parallel, compile=cfg.compile, lora=LoraSettings.from_config(cfg),
-               load_in_4bit=cfg.load_in_4bit)
+               load_in_4bit=cfg.load_in_4bit,
+               # auto: --strategy auto's to choose; a named strategy keeps fp32 (resolution.resolve)
+               optimizer_states=_states(cfg.optimizer_states) if cfg.strategy == "auto" else
+               ("fp32" if cfg.optimizer_states == "auto" else cfg.optimizer_states))
+
+
+def _states(value: str) -> str | None:
+    """--optimizer-states for the planner: "auto" is None, the most exact format that fits."""
+    return None if value == "auto" else value
 
 
 def auto_strategy(cfg, world: int, one_process: bool = True) -> tuple[str, str]:
@@ -226,6 +235,12 @@ def predicted_peak_gb(cfg, world: int) -> float | None:
     rows = [c for c in p.candidates if c.estimate.name == cfg.strategy] if not fixed else [
         c for c in p.layouts or () if c.strategy == cfg.strategy and _agrees(c.degrees, fixed)]
     return round(rows[0].estimate.per_gpu["total"] / 1e9, 2) if rows else None
+
+
+def optimizer_states(cfg, world: int, strategy: str) -> str:
+    """The moments' format `--strategy auto`'s row of `strategy` (an offload engine's) was rated with:
+    the most exact that fits, for the run it launches."""
+    return _auto(cfg, world, (strategy,), None).candidates[0].estimate.states
 
 
 def nvme_host_gb(cfg, world: int) -> float:

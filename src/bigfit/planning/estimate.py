@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..config import STATE_BYTES
 from . import quantized
 from .devicecost import MFU
 
@@ -21,6 +22,18 @@ RESERVE = 1 << 30  # per GPU: CUDA context and allocator slack the plan never ha
 # the DMA writes fp32 gradients and reads masters (40); bigfit's kernel reads bf16 gradients and
 # leaves them (32). hw.cpu_adam_params_per_s is torch's rate; the step is memory-bound (RESULTS.md).
 HOST_STEP_BYTES = {4: 40, 2: 32}
+
+
+def host_step_bytes(grad_bytes: int, states: str = "fp32") -> float:
+    """Host-memory bytes a parameter of the offload engine's step: HOST_STEP_BYTES for fp32 moments;
+    compact ones (strategies/statefmt.py, bigfit's kernel only) read and write the master (8), their
+    moments (twice their bytes), read the gradient after the DMA wrote it, and the DMA reads the
+    master (4). Rated by bytes: on the CPU machine's 2 cores the int8 kernel ran at 0.75 to 0.9 of
+    the fp32 one's parameters a second, the bf16 one at 0.9 to 1.0 (benchmarks/host_adam.py); the
+    16-core host's rates are not measured yet."""
+    if states == "fp32":
+        return HOST_STEP_BYTES[grad_bytes]
+    return 12 + 2 * (STATE_BYTES[states] - 4) + 2 * grad_bytes
 # zero3-offload's host step (FSDP2's CPUOffloadPolicy: torch's AdamW on each unit's host shards, with
 # the clipping norm over host gradients) against hw.cpu_adam_params_per_s: 1.2-1.4 G parameters/s on
 # the H200 machine's 16 cores at 1.5B and 1.2B (tests/data/h200_measured.json s1, k2, ss3), a third.
@@ -40,6 +53,8 @@ class Estimate:
     step_time_s: float
     costs: dict[str, float]  # seconds per step of compute, communication, pcie, cpu_optimizer, nvme
     nvme: float = 0.0  # bytes of optimizer files per node (zero2-offload-nvme)
+    states: str = "fp32"  # the offload engine's moments' format (zero2-offload rows)
+    why_states: str = ""  # why a compact format: what fp32 states would not fit
     labels: dict[str, str] = field(default_factory=dict)  # a cost's name as shown, where it says more (device_map)
 
     @property
@@ -62,7 +77,8 @@ def _bytes(**kw) -> dict[str, int]:
 
 def memory(strategy: str, prof, hw, c: int, checkpointing: bool, accum: int = 1, backend: str = "nccl",
            grads_on_device: bool = False, nvme_host: float = 0.0, grad_bytes: int = 4,
-           shards: int | None = None, four_bit: bool = False, delayed: bool = False) -> tuple[dict, dict]:
+           shards: int | None = None, four_bit: bool = False, delayed: bool = False,
+           states: str = "fp32") -> tuple[dict, dict]:
     """(per-GPU bytes, per-host bytes) for one rank's GPU and one node's host RAM.
 
     The GPU figure is the step's peak: the largest of three moments, each counted with what is alive
@@ -83,7 +99,8 @@ def memory(strategy: str, prof, hw, c: int, checkpointing: bool, accum: int = 1,
     host step (gradslots.py), with `delayed` (--delayed-update) through the next step's forward too, as
     the host steps on them meanwhile; `nvme_host` is the node's bytes of optimizer states kept in RAM (nvme);
     `grad_bytes` is the size of a gradient value while it waits: 2 where it travels in bf16 (bf16
-    compute and bigfit's host Adam kernel, cpu_adam.py), else 4. `shards`: the data-parallel ranks the
+    compute and bigfit's host Adam kernel, cpu_adam.py), else 4; `states` the moments' format
+    (config.STATE_BYTES: with the fp32 master 12, 8 or about 6 bytes a parameter). `shards`: the data-parallel ranks the
     states are divided over, when not every GPU (composed layouts: dp_shard; layouts.py). `four_bit`
     (single, ddp): the LoRA base layers in 4 bits, one of them dequantized at a time (quantized.py)."""
     n, w, u, r, v = prof.params, shards or hw.world_size, prof.largest_unit_params, prof.root_params, prof.head_params
@@ -120,7 +137,8 @@ def memory(strategy: str, prof, hw, c: int, checkpointing: bool, accum: int = 1,
                     **waiting)
         # the gradients' rows, or three slots of the largest bucket
         slots = (3 * max(ut, vt) / w if grads_on_device else t / w) * grad_bytes * g
-        optim = min(nvme_host, 3 * tshard * g) if strategy.endswith("nvme") else 3 * tshard * g
+        states_bytes = STATE_BYTES[states] * t / w * g
+        optim = min(nvme_host, states_bytes) if strategy.endswith("nvme") else states_bytes
         # rank 0's fp32 copy is not on top of the states: placing the model swaps each parameter's
         # host data for the device copy (placement._put) before the moments are allocated (attach)
         return gpu, _bytes(grads=slots, optimizer=optim, buffers=max(0.0, init - slots - optim))
@@ -151,7 +169,8 @@ def _peak(common: dict, **moments: dict) -> dict[str, int]:
 
 
 def step_time(strategy: str, prof, hw, c: int, checkpointing: bool, tokens_per_step: int, accum: int,
-              nvme_host: float = 0.0, grad_bytes: int = 4, issue: float = 0.0, traffic: float = 0.0) -> dict:
+              nvme_host: float = 0.0, grad_bytes: int = 4, issue: float = 0.0, traffic: float = 0.0,
+              states: str = "fp32") -> dict:
     """Seconds per optimizer step of each cost; the step is their overlapped combination. `issue`: the
     host's seconds to issue the step's kernels (hostcost.py), a floor under the GPU's compute;
     `traffic`: the GPU's seconds of memory-bound operators (devicecost.py), on top of its FLOPs."""
@@ -178,11 +197,12 @@ def step_time(strategy: str, prof, hw, c: int, checkpointing: bool, tokens_per_s
         pcie = moved / (hw.pcie_gbps * 1e9)
         cpu = t / w * hw.gpus_per_node / hw.cpu_adam_params_per_s  # the node's ranks share its cores
         if strategy.startswith("zero2-offload"):  # memory-bound: bytes a parameter, against torch's 40 (its rate)
-            cpu *= HOST_STEP_BYTES[grad_bytes] / HOST_STEP_BYTES[4] / (1.0 if hw.cpu_adam_kernel else TORCH_ENGINE_ADAM)
+            cpu *= host_step_bytes(grad_bytes, states) / HOST_STEP_BYTES[4] / (
+                1.0 if hw.cpu_adam_kernel else TORCH_ENGINE_ADAM)
         else:  # torch's AdamW over FSDP2's host shards, at its measured share of the fused step's rate
             cpu /= FSDP_HOST_ADAM
-    if strategy.endswith("nvme"):  # read and write back 12 bytes per parameter, the node's ranks together
-        disk = 2 * nvme_bytes(t, hw, nvme_host) / (hw.nvme_gbps * 1e9)
+    if strategy.endswith("nvme"):  # read and write back every state on the disk, the node's ranks together
+        disk = 2 * nvme_bytes(t, hw, nvme_host, states) / (hw.nvme_gbps * 1e9)
     return {"compute": compute, "host issue": issue, "communication": comm, "pcie": pcie, "cpu_optimizer": cpu,
             "nvme": disk}
 
@@ -192,20 +212,20 @@ def step_time(strategy: str, prof, hw, c: int, checkpointing: bool, tokens_per_s
 PROCESS_BYTES = 4 * 10**9
 
 
-def nvme_fill(prof, hw, grads_on_device: bool, grad_bytes: int) -> float:
+def nvme_fill(prof, hw, grads_on_device: bool, grad_bytes: int, states: str = "fp32") -> float:
     """One node's bytes of optimizer states zero2-offload-nvme keeps in RAM when the planner chooses
     (`--strategy auto` with no --nvme-host-gb): what 90% of the RAM leaves beside the gradients'
     slots (memory()'s) and the process, at most every state."""
     t, w, g = prof.trainable_params, hw.world_size, hw.gpus_per_node
     bucket = max(prof.largest_trainable_unit, prof.trainable_head)
     slots = (3 * bucket / w if grads_on_device else t / w) * grad_bytes * g
-    return max(0.0, min(12 * t / w * g, 0.9 * hw.cpu_ram - slots - PROCESS_BYTES))
+    return max(0.0, min(STATE_BYTES[states] * t / w * g, 0.9 * hw.cpu_ram - slots - PROCESS_BYTES))
 
 
-def nvme_bytes(n: float, hw, nvme_host: float = 0.0) -> float:
+def nvme_bytes(n: float, hw, nvme_host: float = 0.0, states: str = "fp32") -> float:
     """One node's optimizer files under zero2-offload-nvme for n trainable parameters: fp32 master
-    weights and two moments, less the `nvme_host` bytes kept in RAM."""
-    return max(0.0, 12 * n / hw.world_size * hw.gpus_per_node - nvme_host)
+    weights and two moments in `states`' format, less the `nvme_host` bytes kept in RAM."""
+    return max(0.0, STATE_BYTES[states] * n / hw.world_size * hw.gpus_per_node - nvme_host)
 
 
 def combine(costs: dict, engine: str | None = None, accum: int = 1) -> float:

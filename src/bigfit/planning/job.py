@@ -18,6 +18,8 @@ class Job:
     delayed_update: bool = False  # zero2-offload's host step overlaps the next step
     offload_grads: str = "host"  # zero2-offload: where gradients wait for the host step (host or device)
     nvme_host_gb: float | None = 0.0  # zero2-offload-nvme: GB of states per node kept in RAM; None: what RAM leaves
+    # zero2-offload(-nvme): the host moments' format (config.OPTIMIZER_STATES); None: the most exact that fits
+    optimizer_states: str | None = "fp32"
     clipping: bool = True  # a global gradient norm is needed before the host step (max_grad_norm > 0)
     chunks: int | None = None  # GPipe / pipeline micro-batches per micro-batch; None: device_map 1, pipeline one per stage
     pipeline_schedule: str | None = None  # pipeline: gpipe, 1f1b, interleaved; None: 1f1b (config.pipeline_defaults)

@@ -23,7 +23,8 @@ def _table(title: str, first: str) -> Table:
 def _add(t: Table, c, bold: bool) -> None:
     e = c.estimate
     mark = "[green]yes[/green]" if c.fits else "[red]no[/red]"
-    t.add_row(f"[bold]{e.name}[/bold]" if bold else e.name, mark, *(_gb(e.per_gpu[k]) for k in KEYS),
+    name = e.name + (f" ({e.states} states)" if e.states != "fp32" else "")  # --optimizer-states auto's choice
+    t.add_row(f"[bold]{name}[/bold]" if bold else name, mark, *(_gb(e.per_gpu[k]) for k in KEYS),
               _gb(e.per_gpu["total"]), _gb(e.per_host["total"]), f"{e.step_time_s:.3f}", f"{c.tokens_per_s:,.0f}",
               e.bottleneck)
 

@@ -16,7 +16,7 @@ class Candidate:
     def to_json(self) -> dict:
         e = self.estimate
         return {"name": e.name, "fits": self.fits, "per_gpu_bytes": e.per_gpu, "per_host_bytes": e.per_host,
-                "per_node_nvme_bytes": e.nvme,
+                "per_node_nvme_bytes": e.nvme, "optimizer_states": e.states,
                 "step_time_s": e.step_time_s, "tokens_per_s": self.tokens_per_s, "bottleneck": e.bottleneck,
                 "why_not": self.why_not}
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from ..config import PIPELINE_STRATEGIES, SPLIT_STRATEGIES, STRATEGIES
+from ..config import OPTIMIZER_STATES, PIPELINE_STRATEGIES, SPLIT_STRATEGIES, STATE_BYTES, STRATEGIES
 from ..device_map.auto import profile_for
 from ..precision import DTYPES
 from . import quantized
@@ -84,24 +84,11 @@ def plan(prof, hw, job: Job, strategies=ALL, autocast_prof=None, split_prof=None
             why, sections[name] = row.no_fit or _host_fit(row.estimate, hw), row.section
             out.append(Candidate(row.estimate, why is None, why or row.not_candidate, tokens / row.estimate.step_time_s))
             continue
-        gb = grad_bytes(job.precision, hw.cpu_adam_kernel) if name.startswith("zero2-offload") else 4
-        kept = (job.nvme_host_gb * 1e9 if job.nvme_host_gb is not None
-                else nvme_fill(prof, hw, job.offload_grads == "device", gb))
-        traced = autocast_prof if name in AUTOCAST and autocast_prof else prof
-        gpu, host = memory(name, traced, hw, c, job.checkpointing, accum, grads_on_device=job.offload_grads == "device",
-                           nvme_host=kept, grad_bytes=gb, four_bit=job.load_in_4bit, delayed=job.delayed_update)
-        # a 4-bit base's matmuls each dequantize their weight too: memory-bound, beside the trace's operators
-        dequant = quantized.dequant_seconds(prof, hw, job, accum) if job.load_in_4bit else 0.0
-        # the issue cost from the plain trace's operators: autocast's casts run inside the dispatcher,
-        # cheaply (single measured faster than zero2 and zero3 in every host-bound H200 row); the GPU's
-        # memory traffic from the trace as it runs (autocast's fp32 residual stream and casts move bytes)
-        costs = step_time(name, prof, hw, c, job.checkpointing, tokens, accum, nvme_host=kept, grad_bytes=gb,
-                          issue=issue_seconds(prof, hw, job, accum, fsdp=name in FSDP),
-                          traffic=step_traffic(traced, hw, job, job.batch_size / world) + dequant
-                          + _parameter_traffic(name, traced, hw, job, accum))
-        step_s = combine(costs, engine=_engine_mode(job) if name.startswith("zero2-offload") else None, accum=accum)
-        e = Estimate(name, gpu, host, step_s, costs,
-                     nvme_bytes(prof.trainable_params, hw, kept) if name.endswith("nvme") else 0)
+        rated = [_row(name, states, prof, autocast_prof, hw, job, c, accum, tokens) for states in _formats(name, job)]
+        # the most exact format that fits (--optimizer-states auto), else the most frugal's reason
+        e = next((r for r in rated if _fit(r, hw) is None), rated[-1])
+        if e.states != rated[0].states:
+            e.why_states = f"with {rated[0].states} states it {_fit(rated[0], hw)}"
         why = _fit(e, hw)
         out.append(Candidate(e, why is None, why, tokens / e.step_time_s))
     ok = sorted((c for c in out if not c.why_not), key=_rank)
@@ -115,6 +102,38 @@ def plan(prof, hw, job: Job, strategies=ALL, autocast_prof=None, split_prof=None
         result.layouts, result.layout_rejected = layout_rows(prof, hw, job, layouts)
         result.layout_pick, result.layout_reason = choose(out, result.layouts)
     return result
+
+
+def _formats(name: str, job: Job) -> tuple[str, ...]:
+    """The moments' formats a data-parallel row is rated with: the job's, or for the offload engine's
+    rows with none given each from the most exact; fp32 for the rows that keep torch's states."""
+    if not name.startswith("zero2-offload"):
+        return ("fp32",)
+    return (job.optimizer_states,) if job.optimizer_states else OPTIMIZER_STATES
+
+
+def _row(name: str, states: str, prof, autocast_prof, hw, job: Job, c: int, accum: int, tokens: int) -> Estimate:
+    """A data-parallel row's bytes and time, its offload engine's moments in `states`."""
+    world = hw.world_size
+    gb = grad_bytes(job.precision, hw.cpu_adam_kernel) if name.startswith("zero2-offload") else 4
+    kept = (job.nvme_host_gb * 1e9 if job.nvme_host_gb is not None
+            else nvme_fill(prof, hw, job.offload_grads == "device", gb, states))
+    traced = autocast_prof if name in AUTOCAST and autocast_prof else prof
+    gpu, host = memory(name, traced, hw, c, job.checkpointing, accum, grads_on_device=job.offload_grads == "device",
+                       nvme_host=kept, grad_bytes=gb, four_bit=job.load_in_4bit, delayed=job.delayed_update,
+                       states=states)
+    # a 4-bit base's matmuls each dequantize their weight too: memory-bound, beside the trace's operators
+    dequant = quantized.dequant_seconds(prof, hw, job, accum) if job.load_in_4bit else 0.0
+    # the issue cost from the plain trace's operators: autocast's casts run inside the dispatcher,
+    # cheaply (single measured faster than zero2 and zero3 in every host-bound H200 row); the GPU's
+    # memory traffic from the trace as it runs (autocast's fp32 residual stream and casts move bytes)
+    costs = step_time(name, prof, hw, c, job.checkpointing, tokens, accum, nvme_host=kept, grad_bytes=gb,
+                      issue=issue_seconds(prof, hw, job, accum, fsdp=name in FSDP),
+                      traffic=step_traffic(traced, hw, job, job.batch_size / world) + dequant
+                      + _parameter_traffic(name, traced, hw, job, accum), states=states)
+    step_s = combine(costs, engine=_engine_mode(job) if name.startswith("zero2-offload") else None, accum=accum)
+    return Estimate(name, gpu, host, step_s, costs,
+                    nvme_bytes(prof.trainable_params, hw, kept, states) if name.endswith("nvme") else 0, states=states)
 
 
 # device_map's and pipeline's times leave out what no GPU run has measured yet (small chunks run
@@ -137,6 +156,10 @@ def _reason(best: Candidate, cands: list[Candidate], world: int) -> str:
     where = "on its fullest GPU" if e.name in WHOLE else "per GPU"
     text = (f"{e.name} is the fastest that fits: {e.step_time_s:.3f} s/step, {_gb(e.per_gpu['total'])} {where}, "
             f"bound by {e.bottleneck}")
+    if e.states != "fp32":  # a compact format (--optimizer-states auto's choice: say what fp32 would need)
+        text += (f", with {e.states} optimizer states ({STATE_BYTES[e.states]:.0f} bytes a parameter in host RAM "
+                 f"with the fp32 master, {_gb(e.per_host['total'])} a node" + (f"; {e.why_states})" if e.why_states
+                                                                                 else ")"))
     if e.name in WHOLE:
         others = sorted((c.estimate for c in cands if not c.why_not and c.estimate.name not in WHOLE),
                         key=lambda o: o.step_time_s)

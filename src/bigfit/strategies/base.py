@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -42,6 +42,16 @@ def syncing(owner, sync: bool):
 def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of a tensor: the local shard of a DTensor, the tensor itself otherwise."""
     return t.to_local() if isinstance(t, torch.distributed.tensor.DTensor) else t
+
+
+@dataclass
+class Loading:
+    """What a checkpoint loads into: `state` (as `checkpoint_state(loading=True)`), then each of
+    `pieces` in turn, a state and what to do once it is loaded (states the checkpoint holds in another
+    form than the engine keeps them, converted a part at a time), and `note`, a line saying so."""
+    state: dict
+    pieces: list[tuple[dict, Callable[[], None]]] = field(default_factory=list)
+    note: str | None = None
 
 
 class Engine(Protocol):
@@ -81,6 +91,9 @@ class Engine(Protocol):
 
     def checkpoint_state(self, loading: bool = False) -> dict:
         """{"model": ..., "optim": ...} keyed by parameter names, for DCP; `loading`: to load into."""
+
+    def loading(self, saved: Mapping) -> Loading:
+        """What to load a checkpoint into, given its entries (DCP's metadata by flattened key)."""
 
     def after_load(self, state: dict) -> None:
         """Take the values DCP wrote into `checkpoint_state(loading=True)`'s tensors."""
@@ -204,6 +217,9 @@ class Applied:
     def checkpoint_state(self, loading: bool = False) -> dict:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self.state_options())
         return {"model": self.saved_model(model_sd), "optim": optim_sd}
+
+    def loading(self, saved: Mapping) -> Loading:
+        return Loading(self.checkpoint_state(loading=True))
 
     def after_load(self, state: dict) -> None:
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],

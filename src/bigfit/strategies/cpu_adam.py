@@ -28,7 +28,9 @@ import torch
 
 from ..distributed import cores_per_rank
 
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fPIC", "-shared"]
+# -ffp-contract=off: each operation rounds as torch's do (no fused multiply-adds), so the compact
+# formats' plain-torch reference (statefmt.py) matches the kernel bit for bit
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", "-fPIC", "-shared"]
 
 
 def _cpu_features() -> str:
@@ -62,20 +64,30 @@ def _build(source: bytes) -> str | None:
 
 
 @functools.lru_cache(maxsize=None)
-def kernel():
-    """The kernel's function (ctypes releases the GIL while it runs), or None."""
+def library():
+    """The built kernels (ctypes releases the GIL while they run), or None."""
     if os.environ.get("BIGFIT_CPU_ADAM", "1") == "0":
         return None
     try:
         path = _build(resources.files("bigfit").joinpath("csrc/cpu_adam.c").read_bytes())
-        fn = ctypes.CDLL(path).bigfit_adam_step if path else None
+        lib = ctypes.CDLL(path) if path else None
     except OSError:
         return None
-    if fn is not None:
-        f, i, i64, ptr = ctypes.c_float, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
-        fn.argtypes = [ptr, ptr, i, ptr, ptr, i64, i, f, f, f, f, f, f, f, f, f, i]
-        fn.restype = i
-    return fn
+    if lib is not None:
+        f, i, i64, u32, ptr = ctypes.c_float, ctypes.c_int, ctypes.c_int64, ctypes.c_uint32, ctypes.c_void_p
+        hyper = [i, f, f, f, f, f, f, f, f, f]
+        lib.bigfit_adam_step.argtypes = [ptr, ptr, i, ptr, ptr, i64, *hyper, i]
+        lib.bigfit_adam_step_bf16.argtypes = [ptr, ptr, i, ptr, ptr, i64, i64, u32, *hyper, i]
+        lib.bigfit_adam_step_int8.argtypes = [ptr, ptr, i, ptr, ptr, ptr, ptr, i64, i64, *hyper, i]
+        for fn in (lib.bigfit_adam_step, lib.bigfit_adam_step_bf16, lib.bigfit_adam_step_int8):
+            fn.restype = i
+    return lib
+
+
+def kernel():
+    """The fp32 kernel's function, or None."""
+    lib = library()
+    return lib.bigfit_adam_step if lib is not None else None
 
 
 def supports(inner: torch.optim.Optimizer) -> bool:
@@ -89,18 +101,23 @@ def _decoupled(inner: torch.optim.Optimizer) -> bool:
     return bool(inner.param_groups[0].get("decoupled_weight_decay", isinstance(inner, torch.optim.AdamW)))
 
 
+def hyper(inner: torch.optim.Optimizer, t: float, grad_scale: float) -> tuple:
+    """The kernels' coefficients after `t` steps, in double as torch computes them, in their order:
+    decoupled, decay, l2, 1 - beta1, beta2, 1 - beta2, eps, step size, sqrt(bias correction 2), grad scale."""
+    group = inner.param_groups[0]
+    (beta1, beta2), lr, wd = group["betas"], group["lr"], group["weight_decay"]
+    decoupled = _decoupled(inner)
+    return (int(decoupled), 1 - lr * wd, 0.0 if decoupled else wd, 1 - beta1, beta2, 1 - beta2, group["eps"],
+            lr / (1 - beta1 ** t), math.sqrt(1 - beta2 ** t), grad_scale)
+
+
 def step(inner: torch.optim.Optimizer, master: torch.Tensor, grad: torch.Tensor, grad_scale: float) -> None:
     """One step of `inner`'s single flat fp32 `master` with `grad` (fp32 or bf16) divided by
     `grad_scale`, through the kernel; `inner`'s hyperparameters and state (exp_avg, exp_avg_sq, step)."""
-    group, st = inner.param_groups[0], inner.state[master]
+    st = inner.state[master]
     for t in (master, st["exp_avg"], st["exp_avg_sq"]):
         assert t.dtype == torch.float32 and t.is_contiguous() and t.numel() == master.numel()
     assert grad.dtype in (torch.float32, torch.bfloat16) and grad.is_contiguous() and grad.numel() == master.numel()
     st["step"] += 1
-    t = float(st["step"])
-    (beta1, beta2), lr, wd = group["betas"], group["lr"], group["weight_decay"]
-    decoupled = _decoupled(inner)
     kernel()(master.data_ptr(), grad.data_ptr(), int(grad.dtype == torch.bfloat16), st["exp_avg"].data_ptr(),
-             st["exp_avg_sq"].data_ptr(), master.numel(), int(decoupled), 1 - lr * wd, 0.0 if decoupled else wd,
-             1 - beta1, beta2, 1 - beta2, group["eps"], lr / (1 - beta1 ** t), math.sqrt(1 - beta2 ** t),
-             grad_scale, cores_per_rank())
+             st["exp_avg_sq"].data_ptr(), master.numel(), *hyper(inner, float(st["step"]), grad_scale), cores_per_rank())

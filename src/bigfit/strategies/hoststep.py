@@ -14,13 +14,13 @@ import time
 
 import torch
 
-from . import cpu_adam
+from . import cpu_adam, statefmt
 from .buckets import Bucket, unpack
 
 
 class HostSteps:
     """Mixed into OffloadEngine, whose state it uses: buckets, inners, masters, io, slots, store,
-    param_groups, dtype, trace, _worker, _error."""
+    param_groups, dtype, state_format, kernel, trace, _worker, _error."""
 
     def _start_host_step(self, grad_scale: float, order: list[Bucket], upload: bool) -> None:
         self._join()
@@ -81,6 +81,9 @@ class HostSteps:
 
     def _adam(self, b: Bucket, grad: torch.Tensor) -> None:
         inner, master = self.inners[b.index], self.masters[b.index]
+        if self.state_format != "fp32":  # the kernel, else its plain-torch reference (slower)
+            statefmt.step(inner, master, grad, self._grad_scale, b, self.io.rank, self.kernel)
+            return
         if self.kernel:
             cpu_adam.step(inner, master, grad, self._grad_scale)
             return

@@ -1,5 +1,6 @@
-"""The NVMe tier of zero2-offload-nvme: fp32 master weights and Adam's two moments in files on a fast
-local disk, mapped into memory. One file per offload bucket (a block, see buckets.py) and kind. The
+"""The NVMe tier of zero2-offload-nvme: fp32 master weights and Adam's two moments (in the format of
+--optimizer-states, statefmt.py) in files on a fast local disk, mapped into memory. One file per
+offload bucket (a block, see buckets.py) and kind. The
 host optimizer steps bucket by bucket and asks the kernel to read the next bucket ahead
 (posix_fadvise WILLNEED) while the current one updates; the kernel writes dirty pages back
 asynchronously. Host RAM then holds the gradient buffers (or slots, gradslots.py) and a few
@@ -13,35 +14,33 @@ from pathlib import Path
 
 import torch
 
-KINDS = ("master", "exp_avg", "exp_avg_sq")
 
-
-def on_disk(sizes: list[int], host_bytes: float) -> list[int]:
-    """The buckets whose states go to files: all but the first ones whose 12 bytes per element fit
-    in `host_bytes`."""
-    kept, total = 0, 0
+def on_disk(sizes: list[int], host_bytes: float, per_element: float = 12.0) -> list[int]:
+    """The buckets whose states go to files: all but the first ones whose `per_element` bytes per
+    element (master weights and moments: 12 in fp32, statefmt.bytes_per_parameter) fit in `host_bytes`."""
+    kept, total = 0, 0.0
     for size in sizes:
-        if total + 12 * size > host_bytes:
+        if total + per_element * size > host_bytes:
             break
-        total, kept = total + 12 * size, kept + 1
+        total, kept = total + per_element * size, kept + 1
     return list(range(kept, len(sizes)))
 
 
 class NVMeStore:
-    """`sizes`: the offload engine's buckets' per-rank sizes. views[kind][bucket] is a flat fp32
-    tensor backed by that bucket's file of that kind, for the buckets in `on_disk(sizes, host_bytes)`."""
+    """`sizes`: the offload engine's buckets' per-rank sizes. `tensor` gives a bucket's state of a kind
+    (master, exp_avg, ...) as a flat tensor backed by a file of its own, for the buckets in
+    `on_disk(sizes, host_bytes, per_element)`."""
 
-    def __init__(self, directory: str | Path, sizes: list[int], host_bytes: float = 0):
+    def __init__(self, directory: str | Path, sizes: list[int], host_bytes: float = 0, per_element: float = 12.0):
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.views: dict[str, dict[int, torch.Tensor]] = {k: {} for k in KINDS}
-        self.files: dict[int, list[Path]] = {}
-        for b in on_disk(sizes, host_bytes):
-            paths = [self.dir / f"bucket-{b:04d}-{kind}.bin" for kind in KINDS]
-            self.files[b] = paths
-            for kind, path in zip(KINDS, paths):
-                path.unlink(missing_ok=True)  # a fresh, zero-filled file
-                self.views[kind][b] = torch.from_file(str(path), shared=True, size=sizes[b], dtype=torch.float32)
+        self.files: dict[int, list[Path]] = {b: [] for b in on_disk(sizes, host_bytes, per_element)}
+
+    def tensor(self, bucket: int, kind: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        path = self.dir / f"bucket-{bucket:04d}-{kind}.bin"
+        path.unlink(missing_ok=True)  # a fresh, zero-filled file
+        self.files[bucket].append(path)
+        return torch.from_file(str(path), shared=True, size=numel, dtype=dtype)
 
     def holds(self, bucket: int) -> bool:
         return bucket in self.files

@@ -45,7 +45,7 @@ import weakref
 import torch
 
 from ..models import block_lists
-from . import cpu_adam
+from . import cpu_adam, statefmt
 from .base import syncing
 from .buckets import Bucket, group_parameters, local_span, make_buckets, pack
 from .enginestate import EngineStates
@@ -62,8 +62,8 @@ class OffloadEngine(HostSteps, EngineStates):
     def __init__(self, model: torch.nn.Module, rt, compute: torch.dtype | None, *, delayed: bool = False,
                  eager: bool = False, nvme_dir=None, nvme_host_bytes: float = 0, grads_on_device: bool = False,
                  bucket_numel: int = 32 << 20, held: frozenset = frozenset(), uncounted: frozenset = frozenset(),
-                 weights=None):
-        """`held`: ids of parameters whose gradients stay on them until `land` (a pipeline sums tied
+                 weights=None, state_format: str = "fp32"):
+        """`state_format`: the moments' format in host RAM or files (statefmt.py); `held`: ids of parameters whose gradients stay on them until `land` (a pipeline sums tied
         copies first); `uncounted`: ids of those whose norm another rank counts (the other copies);
         `weights`: the parameters' and buffers' values made on this rank (loading.WholeParams), else
         the first data-parallel rank's, broadcast (`Transfers`)."""
@@ -74,7 +74,9 @@ class OffloadEngine(HostSteps, EngineStates):
         self.buckets = make_buckets(group_parameters(model, prefixes, bucket_numel), rt.data.world_size)
         self.io = Transfers(rt)
         sizes = [b.numel for b in self.buckets]
-        self.store = NVMeStore(nvme_dir, sizes, nvme_host_bytes) if nvme_dir else None
+        self.state_format = state_format
+        self.store = NVMeStore(nvme_dir, sizes, nvme_host_bytes, statefmt.bytes_per_parameter(state_format)) \
+            if nvme_dir else None
         holders, source = owners(model), weights or self.io
         self.masters = [materialise(b, self._new_master(b), source, self.io.rank, self.dtype, holders)
                         for b in self.buckets]
@@ -103,20 +105,22 @@ class OffloadEngine(HostSteps, EngineStates):
 
     # -- building ---------------------------------------------------------------------------------
     def _new_master(self, b: Bucket) -> torch.Tensor:
-        return self.store.views["master"][b.index] if self._on_disk(b) else self.io.host_zeros(b.numel)
+        return self.store.tensor(b.index, "master", b.numel, torch.float32) if self._on_disk(b) else \
+            self.io.host_zeros(b.numel)
 
     def _on_disk(self, b: Bucket) -> bool:
-        return self.store is not None and self.store.holds(b.index)
+        return self.store is not None and b.index in self.store.files
 
     def attach(self, cls, **kw) -> "OffloadEngine":
         """One torch optimizer per bucket over its flat master (fused kernels: one call per bucket);
-        the states exist from the start, as views that checkpoints and the NVMe files share. With
-        bigfit's own kernel (cpu_adam.py) and bf16 compute, gradients travel and wait in bf16."""
+        the states exist from the start, in their format (statefmt.py), as views that checkpoints and
+        the NVMe files share. With bigfit's own kernel (cpu_adam.py) and bf16 compute, gradients travel
+        and wait in bf16."""
         for b, master in zip(self.buckets, self.masters):
             inner = cls([master], **kw)
-            kinds = {k: self.store.views[k][b.index] for k in ("exp_avg", "exp_avg_sq")} if self._on_disk(b) else \
-                {k: torch.zeros_like(master) for k in ("exp_avg", "exp_avg_sq")}
-            inner.state[master] = {"step": torch.tensor(0.0), **kinds}
+            zeros = functools.partial(self.store.tensor, b.index) if self._on_disk(b) else \
+                lambda kind, n, dtype: torch.zeros(n, dtype=dtype)  # never copied: no need to pin them
+            inner.state[master] = {"step": torch.tensor(0.0), **statefmt.allocate(self.state_format, b, zeros)}
             self.inners.append(inner)
         self.param_groups = [{k: v for k, v in self.inners[0].param_groups[0].items() if k != "params"}]
         self.kernel = bool(self.inners) and cpu_adam.supports(self.inners[0])

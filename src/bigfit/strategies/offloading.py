@@ -10,11 +10,12 @@ parameters for that sum (`held`), and only one copy counts in the norm.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
-from .base import Applied
+from .base import Applied, Loading
 from .offload import OffloadEngine
 
 
@@ -59,6 +60,11 @@ class OffloadApplied(Applied):
         state = self.engine.checkpoint_state(self.module)
         return {**state, "model": self.saved_model(state["model"])}
 
+    def loading(self, saved: Mapping) -> Loading:
+        out = self.engine.loading(self.module, saved)
+        out.state["model"] = self.saved_model(out.state["model"])
+        return out
+
     def after_load(self, state: dict) -> None:
         self.engine.reload_params()  # the host masters were loaded in place; the device copies follow
 
@@ -72,17 +78,20 @@ class OffloadApplied(Applied):
 
 def apply_offload(model: torch.nn.Module, name: str, rt, compute: torch.dtype | None, *, delayed: bool,
                   nvme_dir, eager: bool = False, nvme_host_bytes: float = 0, grads_on_device: bool = False,
-                  stages: Applied | None = None, tied: list = (), weights=None) -> OffloadApplied:
+                  stages: Applied | None = None, tied: list = (), weights=None,
+                  state_format: str = "fp32") -> OffloadApplied:
     """`eager`: the job neither clips nor scales its loss (so the engine may step during backward).
     `stages`: this rank's pipeline stages (their engine runs the micro-batches; the offload engine
     updates their parameters), with `tied`: (parameter, counted here) for copies held on several stages.
     `weights`: where a meta model's values come from on this rank (loading.WholeParams); None: the
-    first data-parallel rank's, broadcast."""
+    first data-parallel rank's, broadcast. `state_format`: the moments' (statefmt.py)."""
     engine = OffloadEngine(model, rt, compute, delayed=delayed, eager=eager, nvme_dir=nvme_dir, weights=weights,
+                           state_format=state_format,
                            nvme_host_bytes=nvme_host_bytes, grads_on_device=grads_on_device,
                            held=frozenset(id(p) for p, _ in tied),
                            uncounted=frozenset(id(p) for p, counted in tied if not counted))
     notes = [f"offload engine: {len(engine.buckets)} buckets" + (", delayed update" if delayed else "") +
+             (f", {state_format} optimizer states" if state_format != "fp32" else "") +
              (f" over {rt.data.world_size} data-parallel ranks of each stage" if stages else "")]
     if stages is None:
         return OffloadApplied(model=model, module=model, strategy=name, notes=notes, engine=engine)

@@ -64,6 +64,18 @@ def rows_as_dtensor(flat: torch.Tensor, slot, mesh, rank: int) -> torch.Tensor:
     return DTensor.from_local(view, mesh, [Shard(0)], shape=shape, stride=stride, run_check=False)
 
 
+def scale_rows_as_dtensor(flat: torch.Tensor, slot, seg, mesh, rank: int) -> torch.Tensor:
+    """This rank's rows of a parameter's int8 block scales (statefmt.py: `seg.blocks` a row) as what
+    DCP saves: a (rows, blocks) tensor sharded like Shard(0), as the parameter's rows are."""
+    rows = slot.local_rows(rank)
+    view = flat[seg.scale_offset:seg.scale_offset + rows * seg.blocks].view(rows, seg.blocks)
+    if mesh is None:
+        return view
+    total = slot.param.shape[0] if slot.param.dim() else 1
+    return DTensor.from_local(view, mesh, [Shard(0)], shape=(total, seg.blocks), stride=(seg.blocks, 1),
+                              run_check=False)
+
+
 def waiting_modules(model, prefixes, bucket_of):
     """(module, buckets) whose forward must wait for the buckets' parameters: each block for its
     own bucket, each other module with parameters of its own for theirs."""

@@ -93,6 +93,10 @@ class _StatesAcrossOptimizers(DefaultLoadPlanner):
     def create_local_plan(self):
         absent = [k for k in self.state_dict if k not in self.metadata.state_dict_metadata]
         if other := [k for k in absent if not k.startswith("optim.param_groups.")]:
+            if f"{other[0]}_codes" in self.metadata.state_dict_metadata:
+                raise BigfitError("its optimizer states are 8-bit (--optimizer-states int8), which only bigfit's "
+                                  "offload engine reads: resume with --strategy zero2-offload or zero2-offload-nvme "
+                                  "(and any --optimizer-states)")
             raise BigfitError(f"it holds no {other[0]!r} ({len(other)} entries this job needs are missing)")
         self.allow_partial_load = True
         return super().create_local_plan()
@@ -102,14 +106,20 @@ def load(path: Path, engine: Engine, rt: Runtime) -> dict:
     """Restore model, optimizer and this rank's RNG in place; returns trainer.json. A checkpoint that
     does not fit this job (another model, or a strategy it cannot convert from) is a BigfitError.
     Every engine keys its state by parameter name, so DCP reshards across layouts and strategies."""
-    state = engine.checkpoint_state(loading=True)
+    loading = engine.loading(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
     try:
         with _one_process_quiet(rt):
-            dcp.load(state, checkpoint_id=str(path), planner=_StatesAcrossOptimizers())
+            for state, then in [(loading.state, None), *loading.pieces]:
+                dcp.load(state, checkpoint_id=str(path), planner=_StatesAcrossOptimizers())
+                if then is not None:
+                    then()
     except CheckpointException as e:  # a BaseException: it carries every rank's failure
         exc = next(iter(e.failures.values()))[0]
         raise BigfitError(f"checkpoint {str(path)!r} does not fit this {engine.strategy} job: "
                           f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+    if loading.note and rt.is_main:
+        print(loading.note)
+    state = loading.state
     engine.after_load(state)
     trainer = trainer_state(path)
     rng_file = path / f"rank-{rt.rank}.pt"

@@ -102,8 +102,12 @@ def _auto_strategy(cfg: TrainConfig) -> TrainConfig:
         shown = "".join(f" --{d.replace('_', '-')} {v}" for d, v in given.items())
         print(f"--strategy auto -> {name}{shown}: {reason}")
     split = {"device_map": "auto"} if name in SPLIT_STRATEGIES else {}  # balanced as the plan was
+    if name.startswith("zero2-offload") and cfg.optimizer_states == "auto":  # the format it was rated with
+        given["optimizer_states"] = planner.optimizer_states(cfg, world(cfg.nproc, cfg), name)
+        if speaks() and given["optimizer_states"] != "fp32":
+            print(f"--optimizer-states {given['optimizer_states']}: the most exact that fits the host RAM")
     if name == "zero2-offload-nvme" and not cfg.nvme_host_gb:  # rated with the states RAM holds kept there
-        given["nvme_host_gb"] = planner.nvme_host_gb(cfg, world(cfg.nproc, cfg))
+        given["nvme_host_gb"] = planner.nvme_host_gb(dataclasses.replace(cfg, **given), world(cfg.nproc, cfg))
         if speaks():
             print(f"--nvme-host-gb {given['nvme_host_gb']:g}: the optimizer states host RAM holds beside the rest")
     return dataclasses.replace(cfg, strategy=name, **split, **given)  # workers start from the decision, not from "auto"

@@ -19,7 +19,8 @@ MATH = ("model", "data", "data_encoding", "data_columns", "data_split", "data_co
         "lora", "lora_r", "lora_alpha", "lora_dropout", "lora_targets", "load_in_4bit")  # adapters: another model
 LAYOUT = ("nproc", "micro_batch_size", "strategy", "device_map", "chunks", "pipeline_schedule", "stages_per_rank",
           "pp", "tp", "dp_shard", "dp_replicate", "sequence_parallel", "activation_checkpointing", "compile",
-          "compile_backend", "offload_grads", "nvme_host_gb", "nvme_dir", "ddp_bucket_mb")
+          "compile_backend", "offload_grads", "nvme_host_gb", "nvme_dir", "ddp_bucket_mb",
+          "optimizer_states")  # the moments' format: a checkpoint in another is converted on load
 # initial_scale_power: the loss scaler's state is restored from the checkpoint, so it no longer matters
 FREE = ("output_dir", "overwrite", "report_to", "data_cache", "dataset_num_proc", "resume", "allow_changed", "save_every", "keep_checkpoints", "eval_every",
         "eval_on_start", "num_beams", "max_new_tokens", "timeout_s", "consolidate", "checkpoints", "probe_only",
