@@ -104,10 +104,11 @@ def test_a_real_bench_finds_the_exact_largest_micro_batch_and_keeps_a_crashed_me
     assert row["train_s"] == pytest.approx(row["step_s"] * 64 / 16, rel=0.01, abs=0.001) and row["eval_s"] > 0
     assert row["bleu"] is not None and row["predicted_micro"] >= 16 and row["predicted_step_s"] > 0
     assert "fastest measured: single fp32" in r.stdout and (tmp_path / "b" / "bench.png").is_file()
-    r = bigfit("bench", "--output-dir", tmp_path / "c", *small, fault="step:2:0:raise")  # every row's step 2
+    # a method that crashes (here in its probe, the row's first work: the cheapest crash to wait for)
+    r = bigfit("bench", "--output-dir", tmp_path / "c", *small, fault="probe:0:0:raise")
     assert r.returncode == 0, r.stdout + r.stderr
     (row,) = json.loads((tmp_path / "c" / "bench.json").read_text())["rows"]
-    assert row["status"] != "ok" and "injected fault at step 2" in row["reason"]
+    assert row["status"] != "ok" and "injected fault at probe 0" in row["reason"], row
     assert "no method ran to the end" in r.stdout
 
 

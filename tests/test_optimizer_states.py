@@ -14,6 +14,7 @@ from conftest import FAMILIES, read_jsonl
 from bigfit.config import STATE_BYTES
 from bigfit.strategies import cpu_adam, statefmt
 from bigfit.strategies.buckets import make_buckets
+from bigfit.strategies.stateref import BLOCK
 
 needs_kernel = pytest.mark.skipif(cpu_adam.kernel() is None, reason="no C compiler here to build the kernel")
 
@@ -92,7 +93,7 @@ def _block_max(x: torch.Tensor, b) -> torch.Tensor:
     for seg in statefmt.segments(b):
         rows = x[seg.offset:seg.offset + seg.rows * seg.row_numel].view(seg.rows, seg.row_numel)
         for j in range(seg.blocks):
-            cols = slice(j * statefmt.BLOCK, (j + 1) * statefmt.BLOCK)
+            cols = slice(j * BLOCK, (j + 1) * BLOCK)
             top = rows[:, cols].abs().amax(1, keepdim=True)
             out[seg.offset:seg.offset + seg.rows * seg.row_numel].view(seg.rows, seg.row_numel)[:, cols] = top
     return out

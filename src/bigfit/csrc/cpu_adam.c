@@ -5,7 +5,7 @@
  * they arrive (2 bytes a parameter instead of 4, on the DMA write and on the step's read) and makes
  * one pass over the fp32 master weights and moments. The step is memory-bound on the offload
  * machines (RESULTS.md), so bytes are its time. It also keeps the moments in compact formats
- * (strategies/statefmt.py, which holds a plain-torch reference of every one): bf16 (stochastic
+ * (strategies/statefmt.py; stateref.py holds a plain-torch reference of every one): bf16 (stochastic
  * rounding) and 8-bit codes with one scale per block of a row.
  *
  * Same arithmetic as torch.optim.AdamW / Adam (fp32, non-amsgrad, non-maximize):

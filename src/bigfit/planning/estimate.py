@@ -28,9 +28,9 @@ def host_step_bytes(grad_bytes: int, states: str = "fp32") -> float:
     """Host-memory bytes a parameter of the offload engine's step: HOST_STEP_BYTES for fp32 moments;
     compact ones (strategies/statefmt.py, bigfit's kernel only) read and write the master (8), their
     moments (twice their bytes), read the gradient after the DMA wrote it, and the DMA reads the
-    master (4). Rated by bytes: on the CPU machine's 2 cores the int8 kernel ran at 0.75 to 0.9 of
-    the fp32 one's parameters a second, the bf16 one at 0.9 to 1.0 (benchmarks/host_adam.py); the
-    16-core host's rates are not measured yet."""
+    master (4). Rated by bytes, as memory-bound: on the CPU machine's 2 cores, which compute rather
+    than wait, the int8 kernel ran at 0.58-0.66 of the fp32 one's parameters a second and the bf16 one
+    at 0.96-1.08 (benchmarks/host_adam.py, 2026-12-05); the 16-core GPU host's are not measured yet."""
     if states == "fp32":
         return HOST_STEP_BYTES[grad_bytes]
     return 12 + 2 * (STATE_BYTES[states] - 4) + 2 * grad_bytes

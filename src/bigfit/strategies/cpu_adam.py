@@ -29,7 +29,7 @@ import torch
 from ..distributed import cores_per_rank
 
 # -ffp-contract=off: each operation rounds as torch's do (no fused multiply-adds), so the compact
-# formats' plain-torch reference (statefmt.py) matches the kernel bit for bit
+# formats' plain-torch reference (stateref.py) matches the kernel bit for bit
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", "-fPIC", "-shared"]
 
 

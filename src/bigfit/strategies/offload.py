@@ -63,10 +63,11 @@ class OffloadEngine(HostSteps, EngineStates):
                  eager: bool = False, nvme_dir=None, nvme_host_bytes: float = 0, grads_on_device: bool = False,
                  bucket_numel: int = 32 << 20, held: frozenset = frozenset(), uncounted: frozenset = frozenset(),
                  weights=None, state_format: str = "fp32"):
-        """`state_format`: the moments' format in host RAM or files (statefmt.py); `held`: ids of parameters whose gradients stay on them until `land` (a pipeline sums tied
+        """`held`: ids of parameters whose gradients stay on them until `land` (a pipeline sums tied
         copies first); `uncounted`: ids of those whose norm another rank counts (the other copies);
         `weights`: the parameters' and buffers' values made on this rank (loading.WholeParams), else
-        the first data-parallel rank's, broadcast (`Transfers`)."""
+        the first data-parallel rank's, broadcast (`Transfers`); `state_format`: the moments' format
+        in host RAM or files (statefmt.py)."""
         self.rt, self.delayed, self.eager, self.held = rt, delayed, eager and not delayed, held
         self.dtype = compute or torch.float32
         # a pipeline stage's block lists hold only its blocks, under their own indices
