@@ -199,7 +199,8 @@ def test_the_nvme_tier_keeps_int8_codes_and_scales_in_files(runs):
 
 def test_int8_resumes_exactly_at_one_process_and_converts_to_another_format(runs, model_dirs, pairs_file, capsys):
     """The 2-rank int8 checkpoint at step 2: one process resumes it (codes and scales resharded by
-    rows) to the 2-rank run's losses; as bf16 states it is converted, said, and trains on."""
+    rows) to the 2-rank run's losses; as bf16 states it is converted, said, and trains on; resumed
+    with `--optimizer-states auto` it stays int8."""
     from bigfit.training.loop import train
 
     whole = [r["loss"] for r in read_jsonl(runs / "llama-zero2-offload-int8" / "metrics.jsonl")]
@@ -213,6 +214,12 @@ def test_int8_resumes_exactly_at_one_process_and_converts_to_another_format(runs
         else:
             assert "optimizer states: the checkpoint's are int8, this run keeps bf16: converted" in capsys.readouterr().out
             assert resumed == pytest.approx(whole[2:], rel=1e-3)
+    # `bigfit train --resume` without --optimizer-states (auto) keeps the checkpoint's compact format
+    from bigfit.config import TrainConfig
+    from bigfit.training.command import _resumed_states
+
+    cfg = TrainConfig(strategy="zero2-offload", resume=str(step2), output_dir=str(runs / "resumed-auto"))
+    assert _resumed_states(cfg).optimizer_states == "int8"
 
 
 def test_a_strategy_with_fp32_states_refuses_an_int8_checkpoint_in_one_line(runs, model_dirs, pairs_file):

@@ -37,6 +37,7 @@ def bytes_per_parameter(fmt: str) -> float:
 
 
 def segments(b: Bucket, rank: int = 0) -> list[Segment]:
+    """Each slot's place in the bucket's flat states on data-parallel rank `rank` (stateref.Segment)."""
     out, scales, whole = [], 0, 0
     for s in b.slots:
         out.append(Segment(s.offset, s.rows, s.row_numel, scales, whole + rank * s.rows * s.row_numel))
@@ -46,7 +47,7 @@ def segments(b: Bucket, rank: int = 0) -> list[Segment]:
 
 
 def allocate(fmt: str, b: Bucket, zeros: Callable[[str, int, torch.dtype], torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The bucket's moments in `fmt`, from `zeros(kind, numel, dtype)` (pinned RAM or NVMe files)."""
+    """The bucket's moments in `fmt`, from `zeros(kind, numel, dtype)` (host RAM or NVMe files)."""
     out = {k: zeros(k, b.numel, DTYPE[fmt]) for k in MOMENTS}
     if fmt == "int8":
         n = sum(seg.rows * seg.blocks for seg in segments(b))

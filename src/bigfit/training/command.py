@@ -55,6 +55,8 @@ def train_command(argv: list[str], cfg: TrainConfig) -> int:
         cfg = _auto_strategy(cfg)
     if cfg.resume and cfg.batch_size == "auto":
         cfg = _resumed_batch(cfg)
+    if cfg.resume and cfg.optimizer_states == "auto" and cfg.strategy.startswith("zero2-offload"):
+        cfg = _resumed_states(cfg)
     if launched_by_torchrun_env():  # a worker: of bigfit's launcher or of torchrun
         return _worker(cfg, argv)
     nproc = cfg.nproc or default_nproc(cfg)
@@ -113,16 +115,34 @@ def _auto_strategy(cfg: TrainConfig) -> TrainConfig:
     return dataclasses.replace(cfg, strategy=name, **split, **given)  # workers start from the decision, not from "auto"
 
 
+def _saved_config(cfg: TrainConfig) -> dict:
+    """The settings of the checkpoint `--resume` names; {} where it cannot be read (the claim says why)."""
+    try:
+        return json.loads((resolve_resume(cfg.resume, cfg.output_dir) / "trainer.json").read_text())["config"]
+    except (BigfitError, OSError, ValueError, KeyError, TypeError):
+        return {}
+
+
 def _resumed_batch(cfg: TrainConfig) -> TrainConfig:
     """`--batch-size auto` on resume is the checkpoint's global batch: another would change the math."""
     try:
-        saved = json.loads((resolve_resume(cfg.resume, cfg.output_dir) / "trainer.json").read_text())
-        batch = int(saved["config"]["batch_size"])
-    except (BigfitError, OSError, ValueError, KeyError, TypeError):
-        return cfg  # the claim says what is wrong with the checkpoint
+        batch = int(_saved_config(cfg)["batch_size"])
+    except (KeyError, ValueError, TypeError):
+        return cfg
     if speaks():
         print(f"--batch-size auto on resume -> {batch}, the checkpoint's")
     return dataclasses.replace(cfg, batch_size=batch)
+
+
+def _resumed_states(cfg: TrainConfig) -> TrainConfig:
+    """`--optimizer-states auto` on resume keeps a compact format the checkpoint was trained with
+    (fp32 states might not fit the RAM the run was planned for)."""
+    states = _saved_config(cfg).get("optimizer_states")
+    if states not in ("bf16", "int8"):
+        return cfg
+    if speaks():
+        print(f"--optimizer-states auto on resume -> {states}, the checkpoint's")
+    return dataclasses.replace(cfg, optimizer_states=states)
 
 
 def _checkable(cfg: TrainConfig, nproc: int) -> TrainConfig:
