@@ -68,20 +68,21 @@ def test_ctrl_c_keeps_the_rows_measured_so_far(tmp_path, monkeypatch):
     (["--max-steps", "3"], "error: unrecognized arguments: --max-steps 3; "),
 ])
 def test_bench_refuses_bad_input_in_one_line(tmp_path, capsys, argv, message):
-    code, err = _bench(capsys, "--output-dir", tmp_path / "b", *argv)
-    assert code == 2 and one_line(err).startswith(message), err
+    code, printed = _bench(capsys, "--output-dir", tmp_path / "b", *argv)
+    assert code == 2 and one_line(printed.err).startswith(message), printed.err
     assert not (tmp_path / "b" / "rows").exists()  # refused before any row ran
 
 
-def _bench(capsys, *argv) -> tuple[int, str]:
-    """`bigfit bench ARGV` in this process (refusals come before any row process starts): exit status, stderr."""
+def _bench(capsys, *argv):
+    """`bigfit bench ARGV` in this process (its rows are processes of their own): exit status and
+    what it printed (.out, .err)."""
     from bigfit.cli import main
 
     try:
         code = main(["bench", *map(str, argv)])
     except SystemExit as e:
         code = e.code
-    return code, capsys.readouterr().err
+    return code, capsys.readouterr()
 
 
 def test_bench_never_replaces_a_directory_it_did_not_write(tmp_path, capsys):
@@ -89,27 +90,30 @@ def test_bench_never_replaces_a_directory_it_did_not_write(tmp_path, capsys):
     mine.mkdir()
     (mine / "notes.txt").write_text("mine")
     for extra in ([], ["--overwrite"]):
-        code, err = _bench(capsys, "--output-dir", mine, *extra)
-        assert code == 2 and "is not empty (it is not a bench directory)" in one_line(err)
+        code, printed = _bench(capsys, "--output-dir", mine, *extra)
+        assert code == 2 and "is not empty (it is not a bench directory)" in one_line(printed.err)
     assert (mine / "notes.txt").read_text() == "mine"
 
 
-def test_a_real_bench_finds_the_exact_largest_micro_batch_and_keeps_a_crashed_method_as_a_row(tmp_path):
+def test_a_real_bench_finds_the_exact_largest_micro_batch_and_keeps_a_crashed_method_as_a_row(tmp_path, capsys,
+                                                                                            monkeypatch):
+    """`bigfit bench` in this process (its rows are processes of their own, which inherit the fault)."""
     small = ["--strategies", "single", "--train-samples", "64", "--eval-samples", "8", "--num-beams", "2",
              "--max-new-tokens", "4", "--untimed-steps", "1"]
-    r = bigfit("bench", "--output-dir", tmp_path / "b", *small, fault="oom-above:16")  # the probe's OOM above 16
-    assert r.returncode == 0, r.stdout + r.stderr
+    monkeypatch.setenv("BIGFIT_FAULT", "oom-above:16")  # the probe's OOM above 16
+    code, printed = _bench(capsys, "--output-dir", tmp_path / "b", *small)
+    assert code == 0
     (row,) = json.loads((tmp_path / "b" / "bench.json").read_text())["rows"]
     assert row["status"] == "ok" and row["micro"] == 16 and row["batch"] == 16  # exact, not a power of two's guess
     assert row["train_s"] == pytest.approx(row["step_s"] * 64 / 16, rel=0.01, abs=0.001) and row["eval_s"] > 0
     assert row["bleu"] is not None and row["predicted_micro"] >= 16 and row["predicted_step_s"] > 0
-    assert "fastest measured: single fp32" in r.stdout and (tmp_path / "b" / "bench.png").is_file()
+    assert "fastest measured: single fp32" in printed.out and (tmp_path / "b" / "bench.png").is_file()
     # a method that crashes (here in its probe, the row's first work: the cheapest crash to wait for)
-    r = bigfit("bench", "--output-dir", tmp_path / "c", *small, fault="probe:0:0:raise")
-    assert r.returncode == 0, r.stdout + r.stderr
+    monkeypatch.setenv("BIGFIT_FAULT", "probe:0:0:raise")
+    code, printed = _bench(capsys, "--output-dir", tmp_path / "c", *small)
+    assert code == 0 and "no method ran to the end" in printed.out
     (row,) = json.loads((tmp_path / "c" / "bench.json").read_text())["rows"]
     assert row["status"] != "ok" and "injected fault at probe 0" in row["reason"], row
-    assert "no method ran to the end" in r.stdout
 
 
 def test_max_train_samples_keeps_the_first_samples_after_the_held_out_ones(tmp_path):

@@ -26,10 +26,11 @@ def exit_status(e: BaseException) -> int:
     return OOM_EXIT if isinstance(e, torch.OutOfMemoryError) else 1
 
 
-def choose_micro_batch(argv: list[str], cfg: TrainConfig, world: int, speaks: bool) -> tuple[int, int]:
-    """(micro-batch, global batch): the prediction confirmed and pushed as far as probes allow;
-    under torchrun, whose processes are the job's, the prediction alone."""
-    pred = auto_micro_batch(cfg, world)
+def choose_micro_batch(argv: list[str], cfg: TrainConfig, world: int, speaks: bool,
+                       pred: Prediction | None = None) -> tuple[int, int]:
+    """(micro-batch, global batch): the prediction (`pred`, else made here) confirmed and pushed as far
+    as probes allow; under torchrun, whose processes are the job's, the prediction alone."""
+    pred = pred or auto_micro_batch(cfg, world)
     said = f"predicted {pred.size} ({_gb(pred.need)} of {_gb(pred.budget)})"
     if launched_by_torchrun_env():
         if speaks:

@@ -38,7 +38,7 @@ def run(spec: dict) -> int:
         pred = auto_micro_batch(cfg, nproc)
         found.update(predicted_micro=pred.size, predicted_micro_gb=round(pred.need / 1e9, 2))
         _write(row, found)
-        micro, batch = choose_micro_batch(["train"], cfg, nproc, speaks=True)
+        micro, batch = choose_micro_batch(["train"], cfg, nproc, speaks=True, pred=pred)  # not planned twice
         peak = load(path(cfg.output_dir)).peak(micro)
         steps = spec["warmup"] + max(MIN_TIMED, math.ceil(spec["samples"] / batch))
         job = dataclasses.replace(cfg, micro_batch_size=micro, batch_size=batch, max_steps=steps, eval_every=steps,

@@ -271,7 +271,9 @@ def auto_micro_batch(cfg, world: int) -> Prediction:
     hw = _this_machine(world, cfg.strategy)
     auto = cfg.batch_size == "auto"
     low = cfg.chunks or 1  # a device_map's GPipe chunks split each micro-batch
-    sizes = list(range(low, MAX_MICRO + 1)) if auto else divisors(cfg.batch_size // world, low)
+    # --max-train-samples bounds a process's share (the probe would find the data's bound too, later)
+    top = MAX_MICRO if cfg.max_train_samples is None else max(low, min(MAX_MICRO, cfg.max_train_samples // world))
+    sizes = list(range(low, top + 1)) if auto else divisors(cfg.batch_size // world, low)
     rows = {}
 
     def row(m: int):
