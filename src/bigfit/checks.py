@@ -2,8 +2,8 @@
 BigfitError that names the bad value and what would be valid (config.py holds the settings)."""
 from __future__ import annotations
 
-from .config import (OPTIMIZER_STATES, OPTIMIZERS, PIPELINE_SCHEDULES, PIPELINE_STRATEGIES, PRECISIONS, REDUCE_DTYPES, REPORTERS, SCHEDULES,
-                     SPLIT_STRATEGIES, STRATEGIES, WARMUPS, TrainConfig)
+from .config import (OPTIMIZER_STATES, OPTIMIZERS, PIPELINE_SCHEDULES, PIPELINE_STRATEGIES, PRECISIONS, REDUCE_DTYPES,
+                     REPORTERS, SCHEDULES, SPLIT_STRATEGIES, STRATEGIES, WARMUPS, TrainConfig)
 from .data.columns import Columns
 from .errors import BigfitError, one_of
 from .lora import LoraSettings

@@ -186,7 +186,8 @@ int bigfit_adam_step_int8(float *restrict p, const void *restrict grad, int grad
     for (int64_t b = 0; b < blocks; b++) {
         const int64_t col = b % per_row * BLOCK, i = b / per_row * row_numel + col;
         const int64_t len = row_numel - col < BLOCK ? row_numel - col : BLOCK;
-        const void *gi = grad_bf16 ? (const void *)((const uint16_t *)grad + i) : (const void *)((const float *)grad + i);
+        const void *gi = grad_bf16 ? (const void *)((const uint16_t *)grad + i)
+                                   : (const void *)((const float *)grad + i);
         int8_block(p + i, gi, grad_bf16, m + i, v + i, m_scale + b, v_scale + b, len, &h);
     }
     return 0;

@@ -120,4 +120,5 @@ def step(inner: torch.optim.Optimizer, master: torch.Tensor, grad: torch.Tensor,
     assert grad.dtype in (torch.float32, torch.bfloat16) and grad.is_contiguous() and grad.numel() == master.numel()
     st["step"] += 1
     kernel()(master.data_ptr(), grad.data_ptr(), int(grad.dtype == torch.bfloat16), st["exp_avg"].data_ptr(),
-             st["exp_avg_sq"].data_ptr(), master.numel(), *hyper(inner, float(st["step"]), grad_scale), cores_per_rank())
+             st["exp_avg_sq"].data_ptr(), master.numel(), *hyper(inner, float(st["step"]), grad_scale),
+             cores_per_rank())

@@ -49,7 +49,8 @@ def reference_step(fmt: str, p: torch.Tensor, grad: torch.Tensor, st: dict, h: t
         m, v = dequantize(st["exp_avg"][els], st["exp_avg_scale"][sc], st["exp_avg_sq"][els],
                           st["exp_avg_sq_scale"][sc], seg)
         p[els] = _adam(p[els], grad[els].float() / scale, m, v, h[0], c)
-        quantize(m, v, seg, st["exp_avg"][els], st["exp_avg_scale"][sc], st["exp_avg_sq"][els], st["exp_avg_sq_scale"][sc])
+        quantize(m, v, seg, st["exp_avg"][els], st["exp_avg_scale"][sc], st["exp_avg_sq"][els],
+                 st["exp_avg_sq_scale"][sc])
 
 
 def _adam(w, g, m, v, decoupled: int, c) -> torch.Tensor:
