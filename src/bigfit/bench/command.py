@@ -153,7 +153,7 @@ def _run_row(out: Path, bench: BenchSettings, base: TrainConfig, strategy: str, 
 
 
 def _wait(row: Path, timeout: float) -> str:
-    """Run the row's process (its own session, so that its workers go with it); "ok", "timeout" or
+    """Run the row's process (in a process group of its own, so that its workers go with it); "ok", "timeout" or
     "exit N". Ctrl-C stops it, then goes on up."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with open(row / "row.log", "w") as log:
