@@ -27,11 +27,11 @@ class EngineStates:
         """By name: {"model": the fp32 master weights (and buffers), "optim": {"state": moments and
         step}}; each rank's rows as a DTensor when there are several ranks."""
         self.flush()
-        masters, optim = {}, {}
+        masters, optim, rows = {}, {}, self._rows()
         for b, master in zip(self.buckets, self.masters):
             st = self.inners[b.index].state[master]
             for s in b.slots:
-                masters[id(s.param)] = self._rows()(master, s)
+                masters[id(s.param)] = rows(master, s)
             optim.update(self._moments(b, st))
         model = {name: masters.get(id(t), t) for name, t in module.state_dict(keep_vars=True).items()}
         return {"model": model, "optim": {"state": optim}}
@@ -58,11 +58,14 @@ class EngineStates:
                 f"{self.state_format}: converted" if formats - {self.state_format} else None)
         return Loading(state, pieces, note)
 
+    @functools.cached_property
+    def _states_mesh(self) -> DeviceMesh | None:
+        """The data-parallel ranks' group over the host states' own device type (None: one rank)."""
+        return DeviceMesh.from_group(self.io.up_group, "cpu", mesh=self.io.ranks) if self.io.world > 1 else None
+
     def _rows(self, scales: bool = False):
-        mesh = None
-        if self.io.world > 1:  # the host states' own device type; the data-parallel ranks' group
-            mesh = DeviceMesh.from_group(self.io.up_group, "cpu", mesh=self.io.ranks)
-        return functools.partial(scale_rows_as_dtensor if scales else rows_as_dtensor, mesh=mesh, rank=self.io.rank)
+        return functools.partial(scale_rows_as_dtensor if scales else rows_as_dtensor, mesh=self._states_mesh,
+                                 rank=self.io.rank)
 
     def _moments(self, b: Bucket, st: dict) -> dict:
         """{slot name: {"step", the moments by the names their format saves them under}}."""

@@ -78,21 +78,21 @@ def step(inner: torch.optim.Optimizer, master: torch.Tensor, grad: torch.Tensor,
         return
     lib, bf16 = cpu_adam.library(), int(grad.dtype == torch.bfloat16)
     for seg in segs:
-        n = seg.rows * seg.row_numel
-        if n == 0:
+        e, s = seg.elements, seg.scales
+        if e.stop == e.start:
             continue
-        e, s = (seg.offset, n), (seg.scale_offset, seg.rows * seg.blocks)
         if fmt == "bf16":
-            lib.bigfit_adam_step_bf16(_at(master, *e), _at(grad, *e), bf16, _at(st["exp_avg"], *e),
-                                      _at(st["exp_avg_sq"], *e), n, seg.index0, seed(t, b.index), *h, cores_per_rank())
+            lib.bigfit_adam_step_bf16(_at(master, e), _at(grad, e), bf16, _at(st["exp_avg"], e),
+                                      _at(st["exp_avg_sq"], e), e.stop - e.start, seg.index0, seed(t, b.index), *h,
+                                      cores_per_rank())
         else:
-            lib.bigfit_adam_step_int8(_at(master, *e), _at(grad, *e), bf16, _at(st["exp_avg"], *e),
-                                      _at(st["exp_avg_sq"], *e), _at(st["exp_avg_scale"], *s),
-                                      _at(st["exp_avg_sq_scale"], *s), seg.rows, seg.row_numel, *h, cores_per_rank())
+            lib.bigfit_adam_step_int8(_at(master, e), _at(grad, e), bf16, _at(st["exp_avg"], e),
+                                      _at(st["exp_avg_sq"], e), _at(st["exp_avg_scale"], s),
+                                      _at(st["exp_avg_sq_scale"], s), seg.rows, seg.row_numel, *h, cores_per_rank())
 
 
-def _at(t: torch.Tensor, start: int, n: int) -> int:
-    return t[start:start + n].data_ptr()
+def _at(t: torch.Tensor, part: slice) -> int:
+    return t[part].data_ptr()
 
 
 # -- conversions -------------------------------------------------------------------------------------
@@ -102,9 +102,8 @@ def to_fp32(states: dict, b: Bucket) -> tuple[torch.Tensor, torch.Tensor]:
         return states["exp_avg"].float(), states["exp_avg_sq"].float()
     m, v = torch.zeros(b.numel), torch.zeros(b.numel)
     for seg in segments(b):
-        n, k = seg.rows * seg.row_numel, seg.rows * seg.blocks
-        if n:
-            els, sc = slice(seg.offset, seg.offset + n), slice(seg.scale_offset, seg.scale_offset + k)
+        els, sc = seg.elements, seg.scales
+        if els.stop > els.start:
             m[els], v[els] = dequantize(states["exp_avg"][els], states["exp_avg_scale"][sc], states["exp_avg_sq"][els],
                                         states["exp_avg_sq_scale"][sc], seg)
     return m, v
@@ -117,8 +116,7 @@ def from_fp32(m: torch.Tensor, v: torch.Tensor, states: dict, b: Bucket) -> None
         states["exp_avg_sq"].copy_(v)
         return
     for seg in segments(b):
-        n, k = seg.rows * seg.row_numel, seg.rows * seg.blocks
-        if n:
-            els, sc = slice(seg.offset, seg.offset + n), slice(seg.scale_offset, seg.scale_offset + k)
+        els, sc = seg.elements, seg.scales
+        if els.stop > els.start:
             quantize(m[els], v[els], seg, states["exp_avg"][els], states["exp_avg_scale"][sc],
                      states["exp_avg_sq"][els], states["exp_avg_sq_scale"][sc])

@@ -27,6 +27,16 @@ class Segment:
     def blocks(self) -> int:
         return -(-self.row_numel // BLOCK)
 
+    @property
+    def elements(self) -> slice:
+        """Its elements in the bucket's flat states (empty for a slot without any)."""
+        return slice(self.offset, self.offset + self.rows * self.row_numel)
+
+    @property
+    def scales(self) -> slice:
+        """Its int8 block scales in the bucket's flat scale tensors."""
+        return slice(self.scale_offset, self.scale_offset + self.rows * self.blocks)
+
 
 def reference_step(fmt: str, p: torch.Tensor, grad: torch.Tensor, st: dict, h: tuple, segs: list[Segment],
                    seed_: int) -> None:
@@ -34,15 +44,14 @@ def reference_step(fmt: str, p: torch.Tensor, grad: torch.Tensor, st: dict, h: t
     c = [torch.tensor(x, dtype=torch.float32) for x in h[1:]]
     scale = c[-1]
     for seg in segs:
-        n = seg.rows * seg.row_numel
-        if n == 0:
+        els, sc = seg.elements, seg.scales
+        if els.stop == els.start:
             continue
-        els, sc = slice(seg.offset, seg.offset + n), slice(seg.scale_offset, seg.scale_offset + seg.rows * seg.blocks)
         if fmt == "bf16":
             m, v = st["exp_avg"][els].float(), st["exp_avg_sq"][els].float()
             p[els] = _adam(p[els], grad[els].float() / scale, m, v, h[0], c)
-            r = _mix32(_mul32(torch.arange(seg.index0, seg.index0 + n, dtype=torch.int64) & 0xFFFFFFFF,
-                              0x9E3779B1) ^ seed_)
+            index = torch.arange(seg.index0, seg.index0 + els.stop - els.start, dtype=torch.int64)
+            r = _mix32(_mul32(index & 0xFFFFFFFF, 0x9E3779B1) ^ seed_)
             st["exp_avg"][els] = _bf16_stochastic(m, r)
             st["exp_avg_sq"][els] = _bf16_stochastic(v, r >> 16)
             continue
