@@ -174,6 +174,7 @@ def _profile(config, micro_batch: int, seq_len: int, target_len: int, precision:
     keeps in fp32 (GPT-2's residual stream, norms) is saved at 4 bytes. Weight casts are left out: the
     estimate counts them once (`matmul_params`)."""
     from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
+    from transformers.initialization import no_init_weights
 
     seq2seq = is_seq2seq(config)
     dtype = DTYPES[precision]
@@ -184,7 +185,11 @@ def _profile(config, micro_batch: int, seq_len: int, target_len: int, precision:
         auto = AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM
         # under autocast a frozen LoRA base is stored in the compute dtype, its adapters in fp32
         # (parallel/apply.py store_frozen): the residual stream then runs in the compute dtype too
-        model = auto.from_config(config, dtype=torch.float32 if mixed and lora is None else dtype)
+        # no init: the trace reads shapes, not values, and initialising every fake weight was half the
+        # planner's time (a T5-large shape 1 s); transformers' init_weights also ties, which counts
+        with no_init_weights():
+            model = auto.from_config(config, dtype=torch.float32 if mixed and lora is None else dtype)
+        model.tie_weights()
         if lora is not None:
             with_adapters(model, lora, torch.float32 if mixed else dtype)
         model.train()
