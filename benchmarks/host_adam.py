@@ -4,60 +4,34 @@ second on this machine's cores, with bf16 gradients as the engine gives them und
     python benchmarks/host_adam.py [--params 268435456] [--threads 2,16] [--json out.json]
 
 Each format steps one bucket of Llama-like rows (4096 a row) through the engine's own call
-(strategies/statefmt.step, cpu_adam.step for fp32), 2 untimed steps then the median of 7; torch's
-fused AdamW (the engine's fallback without a C compiler) beside them. The bytes a parameter each moves
-(planning/estimate.host_step_bytes) give the memory bandwidth it reached.
+(bigfit/adamrate.py, which `bigfit plan --calibrate` runs at 32M parameters on every core), 2 untimed
+steps then the median of 7; torch's fused AdamW (the engine's fallback without a C compiler) beside
+them. The bytes a parameter each moves (planning/estimate.host_step_bytes) give the memory bandwidth
+it reached.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
+from bigfit.adamrate import step_seconds  # noqa: E402
 from bigfit.planning.estimate import host_step_bytes  # noqa: E402
-from bigfit.strategies import cpu_adam, statefmt  # noqa: E402
-from bigfit.strategies.buckets import make_buckets  # noqa: E402
-
-ROW = 4096
-
-
-def _bucket(params: int):
-    rows = max(1, params // ROW)
-    return make_buckets([[("w", torch.nn.Parameter(torch.empty(rows, ROW, device="meta")))]], 1)[0]
+from bigfit.strategies import cpu_adam  # noqa: E402
 
 
 def measure(fmt: str, params: int, threads: int, repeats: int = 7) -> dict:
-    b = _bucket(params)
-    master = torch.randn(b.numel)
-    grad = (torch.randn(b.numel) * 1e-3).to(torch.bfloat16)
-    inner = torch.optim.AdamW([master], lr=1e-4, weight_decay=0.01, fused=fmt == "torch")
-    if fmt == "torch":
-        master.grad = grad.float()
-        step = inner.step
-    else:
-        zeros = lambda kind, n, dtype: torch.zeros(n, dtype=dtype)  # noqa: E731
-        inner.state[master] = {"step": torch.tensor(0.0), **statefmt.allocate(fmt, b, zeros)}
-        step = (lambda: cpu_adam.step(inner, master, grad, 1.0)) if fmt == "fp32" else \
-            (lambda: statefmt.step(inner, master, grad, 1.0, b, 0, True))
-    times = []
     with _threads(threads):
-        for i in range(repeats + 2):
-            t0 = time.perf_counter()
-            step()
-            if i >= 2:
-                times.append(time.perf_counter() - t0)
-    s = statistics.median(times)
+        n, s = step_seconds(fmt, params, repeats)
     moved = 40 if fmt == "torch" else host_step_bytes(2, fmt)
-    return {"format": fmt, "threads": threads, "params": b.numel, "step_s": round(s, 5),
-            "gparams_per_s": round(b.numel / s / 1e9, 3), "bytes_per_param": moved,
-            "gb_per_s": round(b.numel * moved / s / 1e9, 1)}
+    return {"format": fmt, "threads": threads, "params": n, "step_s": round(s, 5),
+            "gparams_per_s": round(n / s / 1e9, 3), "bytes_per_param": moved,
+            "gb_per_s": round(n * moved / s / 1e9, 1)}
 
 
 class _threads:

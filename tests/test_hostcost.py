@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from bigfit.hardware import DEFAULTS, Hardware, calibrated_host_op_us
+from bigfit.hardware import DEFAULTS, Hardware, calibrated_host_op_us, host_figures
 from bigfit.planning.job import Job
 
 GB = 10**9
@@ -100,14 +100,36 @@ def test_calibration_is_kept_per_device_and_used(tmp_path, monkeypatch, capsys):
                  "--seq-len", "16", "--json"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("calibrated: the host issues a forward operator with its backward in ")
+    assert "its Adam step takes G parameters/s: torch fused " in out and ", int8 " in out
     record = json.loads((tmp_path / "bigfit" / "host.json").read_text())["cpu"]
     assert record["host_op_us"] > 0 and record["operators"] > 100 and record["torch"]
     assert 0.1 < record["forward_share"] < 0.9 and record["compiled"] is False  # forward and backward both issue
+    assert set(record["host_adam"]) == {"torch", "fp32", "bf16", "int8"} and min(record["host_adam"].values()) > 1e6
     assert calibrated_host_op_us("cpu") == pytest.approx(record["host_op_us"])
     assert calibrated_host_op_us("cuda") is None  # a CPU's figure never stands in for a GPU host's
+    figures = host_figures("cpu")  # what a job on this CPU machine plans with
+    assert figures["cpu_adam_params_per_s"] == pytest.approx(record["host_adam"]["torch"])
+    assert dict(figures["host_adam_rates"]) == pytest.approx({f: record["host_adam"][f] for f in ("fp32", "bf16", "int8")})
+    assert host_figures("cuda") == {"host_op_us": DEFAULTS["host_op_us"], "host_adam_rates": ()}
     (tmp_path / "bigfit" / "host.json").write_text("{not json")
     assert calibrated_host_op_us("cpu") is None  # unreadable: the defaults stand
+    assert host_figures("cpu") == {"host_op_us": DEFAULTS["host_op_us"], "host_adam_rates": ()}
     assert DEFAULTS["host_op_us"] > 0
+
+
+def test_the_engines_host_step_takes_the_measured_rate_of_its_format():
+    """Calibrated, a format's host step is its measured rate (fp32 gradients cost their extra bytes);
+    without, its bytes against torch's fused rate, as before the formats were measured."""
+    from bigfit.planning.estimate import host_adam_rate, host_step_bytes
+
+    plain = Hardware(gpu_bytes=(80 * GB,), cpu_adam_params_per_s=4e9)
+    assert host_adam_rate(plain, 2, "int8") == pytest.approx(4e9 * 40 / host_step_bytes(2, "int8"))
+    assert host_adam_rate(replace(plain, cpu_adam_kernel=False), 4) == pytest.approx(4e9 * 0.8)
+    measured = replace(plain, host_adam_rates=(("bf16", 1.6e9), ("int8", 1e9)))
+    assert host_adam_rate(measured, 2, "int8") == pytest.approx(1e9)
+    assert host_adam_rate(measured, 4, "int8") == pytest.approx(1e9 * host_step_bytes(2, "int8") / host_step_bytes(4, "int8"))
+    assert host_adam_rate(measured, 2, "fp32") == host_adam_rate(plain, 2, "fp32")  # not measured: by its bytes
+    assert host_adam_rate(replace(measured, cpu_adam_kernel=False), 4) == host_adam_rate(replace(plain, cpu_adam_kernel=False), 4)
 
 
 def test_host_op_us_flag_overrides(tmp_path, capsys):

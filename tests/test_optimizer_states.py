@@ -5,6 +5,8 @@ GPT-2 and Llama, the NVMe tier, exact resume, another world size, and a checkpoi
 another format."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -264,6 +266,10 @@ def test_auto_takes_the_most_exact_format_that_fits_the_ram_and_says_why():
     assert host["int8"] / host["bf16"] == pytest.approx(STATE_BYTES["int8"] / STATE_BYTES["bf16"])
     # fewer host bytes to step: the host step is memory-bound, rated by its bytes
     assert int8["zero2-offload"].estimate.costs["cpu_optimizer"] < by["zero2-offload"].estimate.costs["cpu_optimizer"]
+    # ...unless this host's rates were measured (bigfit plan --calibrate): there int8 computes at half bf16's
+    slow = plan_for_config(_llama_11b(), replace(hw, host_adam_rates=(("bf16", 2e9), ("int8", 1e9))), job,
+                           strategies=("zero2-offload",)).candidates[0].estimate
+    assert slow.costs["cpu_optimizer"] == pytest.approx(10.866, rel=1e-3)  # 10.866B parameters at 1 G/s
 
 
 def test_strategy_auto_hands_the_format_it_rated_to_the_run(model_dirs, monkeypatch):

@@ -1,9 +1,11 @@
 """`bigfit plan --calibrate`: this machine's cost of issuing an eager training step, per forward
-operator with its backward (hardware.Hardware.host_op_us, used by planning/hostcost.py). Measured on a
-small Llama-style model at one short sample, whose kernels take the GPU far less time than the host
-needs to issue them, so a step's wall time is the host's; the operators are counted by the planner's
-own trace (profile.py), so the figure is in the unit the planner multiplies. Kept per device type in
-the cache (hardware.calibration_path) for `bigfit plan` and `--strategy auto` on this machine."""
+operator with its backward (hardware.Hardware.host_op_us, used by planning/hostcost.py), and its host
+Adam step's speed per optimizer-state format (adamrate.py: Hardware.cpu_adam_params_per_s and
+host_adam_rates). The issuing cost is measured on a small Llama-style model at one short sample, whose
+kernels take the GPU far less time than the host needs to issue them, so a step's wall time is the
+host's; the operators are counted by the planner's own trace (profile.py), so the figure is in the
+unit the planner multiplies. Kept per device type in the cache (hardware.calibration_path) for
+`bigfit plan` and `--strategy auto` on this machine."""
 from __future__ import annotations
 
 import datetime
@@ -17,6 +19,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, LlamaConfig
 
+from . import adamrate
 from .hardware import calibration_path
 from .models import is_seq2seq
 from .planning.profile import profile_model
@@ -73,9 +76,11 @@ def _sync(gpu: bool) -> None:
 
 
 def calibrate() -> dict:
-    """Measure on this machine's GPU (else its CPU) and keep the figure; returns the record."""
+    """Measure on this machine's GPU (else its CPU) and keep the figures; returns the record: the
+    host's cost per operator issued, and its Adam step's parameters a second (adamrate.py) for the
+    jobs on that device, whose host it is."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    record = measure(device)
+    record = {**measure(device), "host_adam": adamrate.rates()}
     kept = _read_cache()
     kept[device.type] = record
     _write_cache(kept)

@@ -64,6 +64,9 @@ class Hardware:
     host_op_us: float = DEFAULTS["host_op_us"]  # host microseconds to issue a forward operator (and its backward)
     device: str = "cuda"  # what the "GPUs" are: "cpu" when a CPU-only machine plans for itself
     cpu_adam_kernel: bool = True  # bigfit's host Adam kernel builds (a C compiler): offload gradients travel in bf16
+    # the kernel's parameters a second per optimizer-state format, measured (bigfit plan --calibrate);
+    # () rates its step by the bytes it moves against cpu_adam_params_per_s (planning/estimate.py)
+    host_adam_rates: tuple[tuple[str, float], ...] = ()
     notes: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self):
@@ -92,15 +95,55 @@ def calibration_path() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "bigfit" / "host.json"
 
 
-def calibrated_host_op_us(device: str) -> float | None:
-    """This machine's measured host_op_us for jobs on `device` ("cuda" or "cpu"), if calibrated; a
-    calibration file that cannot be read is ignored (the defaults stand), never an error."""
+def _calibrated(device: str) -> dict:
+    """The kept record for jobs on `device` ("cuda" or "cpu"), or {}: not calibrated, or a calibration
+    file that cannot be read, which is ignored (the defaults stand), never an error."""
     try:
         record = json.loads(calibration_path().read_text())[device]
-        value = float(record["host_op_us"])
     except (OSError, ValueError, KeyError, TypeError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def calibrated_host_op_us(device: str) -> float | None:
+    """This machine's measured host_op_us for jobs on `device`, if calibrated."""
+    try:
+        value = float(_calibrated(device)["host_op_us"])
+    except (KeyError, TypeError, ValueError):
         return None
     return value if value > 0 else None
+
+
+def calibrated_host_adam(device: str) -> dict[str, float]:
+    """This machine's measured host Adam rates for jobs on `device` (calibration.py, adamrate.py:
+    "torch" and each kernel format, parameters a second), or {}."""
+    try:
+        rates = {str(k): float(v) for k, v in _calibrated(device)["host_adam"].items()}
+    except (KeyError, AttributeError, TypeError, ValueError):
+        return {}
+    return rates if rates and all(v > 0 for v in rates.values()) else {}
+
+
+def host_figures(device: str) -> dict:
+    """Hardware's host figures for jobs on `device`: this machine's where `bigfit plan --calibrate`
+    measured them, else the defaults (the H200 machine's)."""
+    adam = calibrated_host_adam(device)
+    out = {"host_op_us": calibrated_host_op_us(device) or DEFAULTS["host_op_us"],
+           "host_adam_rates": tuple((f, r) for f, r in sorted(adam.items()) if f != "torch")}
+    if "torch" in adam:
+        out["cpu_adam_params_per_s"] = adam["torch"]
+    return out
+
+
+def host_notes(device: str) -> tuple[str, ...]:
+    """What `bigfit plan` says of the host figures it used."""
+    op_us, adam = calibrated_host_op_us(device), calibrated_host_adam(device)
+    source = "calibrated" if op_us else "the H200 machine's; bigfit plan --calibrate measures this one's"
+    notes = [f"host {op_us or DEFAULTS['host_op_us']:.1f} us per operator issued ({source})"]
+    if adam:
+        notes.append("host Adam G parameters/s (calibrated): " + ", ".join(
+            f"{'torch fused' if f == 'torch' else f}: {r / 1e9:.2f}" for f, r in adam.items()))
+    return tuple(notes)
 
 
 def host_ram() -> int:
@@ -123,9 +166,5 @@ def detect() -> Hardware:
     gpus = tuple(min(cap, torch.cuda.get_device_properties(i).total_memory) for i in range(torch.cuda.device_count()))
     if not gpus:
         raise BigfitError("no GPU found on this machine; describe the target with --gpus (e.g. --gpus 8x16GB)")
-    op_us = calibrated_host_op_us("cuda")
-    source = "calibrated" if op_us else "the H200 machine's; bigfit plan --calibrate measures this one's"
     return Hardware(gpu_bytes=gpus, cpu_ram=host_ram(), cpu_adam_kernel=cpu_adam.kernel() is not None,
-                    host_op_us=op_us or DEFAULTS["host_op_us"],
-                    notes=(f"detected {os.cpu_count()} CPU cores",
-                           f"host {op_us or DEFAULTS['host_op_us']:.1f} us per operator issued ({source})"))
+                    **host_figures("cuda"), notes=(f"detected {os.cpu_count()} CPU cores", *host_notes("cuda")))

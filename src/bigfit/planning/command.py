@@ -11,8 +11,8 @@ from rich.console import Console
 from ..config import PIPELINE_STRATEGIES, SPLIT_STRATEGIES, STRATEGIES, auto_precision
 from ..errors import BigfitError
 from ..calibration import calibrate, disk
-from ..hardware import (DEFAULTS, MAX_NODES, Hardware, calibrated_host_op_us, calibration_path, detect, host_ram,
-                        parse_gpus, parse_size)
+from ..hardware import (MAX_NODES, Hardware, calibration_path, detect, host_figures, host_ram, parse_gpus,
+                        parse_size)
 from ..lora import LoraSettings
 from ..models import load_config, locate
 from ..parallel.plan import DIMS, plan_for
@@ -39,8 +39,7 @@ def hardware_from_args(ns) -> Hardware:
     if not 1 <= ns.nodes <= MAX_NODES:
         raise BigfitError(f"--nodes must be from 1 to {MAX_NODES}, got {ns.nodes}")
     if ns.gpus:  # GPUs described: this host's issuing cost still applies where it was measured
-        base = Hardware(gpu_bytes=tuple(parse_gpus(ns.gpus)), cpu_ram=host_ram(),
-                        host_op_us=calibrated_host_op_us("cuda") or DEFAULTS["host_op_us"])
+        base = Hardware(gpu_bytes=tuple(parse_gpus(ns.gpus)), cpu_ram=host_ram(), **host_figures("cuda"))
     else:
         base = detect()
     if min(base.gpu_bytes) <= RESERVE:  # else every capacity in the plan would be negative
@@ -88,9 +87,10 @@ def compute_plan(ns):
     config = load_config(locate(ns.model))  # a bad --model is reported before any measuring
     if ns.calibrate:
         r = calibrate()
+        adam = ", ".join(f"{'torch fused' if f == 'torch' else f} {v / 1e9:.2f}" for f, v in r["host_adam"].items())
         print(f"calibrated: the host issues a forward operator with its backward in {r['host_op_us']:.1f} us "
-              f"on {r['device']} ({r['operators']} operators in {r['step_s'] * 1e3:.1f} ms); "
-              f"kept in {calibration_path()}")
+              f"on {r['device']} ({r['operators']} operators in {r['step_s'] * 1e3:.1f} ms); its Adam step "
+              f"takes G parameters/s: {adam}; kept in {calibration_path()}")
     hw = hardware_from_args(ns)
     fixed = {d: getattr(ns, d) for d in DIMS if getattr(ns, d) is not None}  # the composed plans' degrees
     check_degrees(fixed, hw, *split_counts(config))
@@ -146,8 +146,7 @@ def _this_machine(world: int, strategy: str | None = None, nvme_dir: str | None 
     if torch.cuda.is_available():
         hw = detect()
     else:
-        hw = Hardware(gpu_bytes=(host_ram() // world,) * world, device="cpu",
-                      host_op_us=calibrated_host_op_us("cpu") or DEFAULTS["host_op_us"])
+        hw = Hardware(gpu_bytes=(host_ram() // world,) * world, device="cpu", **host_figures("cpu"))
     if nvme_dir is not None:
         free, gbps = disk(nvme_dir)
         hw = replace(hw, nvme=int(free * 0.9), nvme_gbps=gbps,

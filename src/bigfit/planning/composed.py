@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 from ..pipeline.cut import PipelineLayout
 from ..precision import DTYPES
 from .adapters import outside_frozen_share, scaled_frozen
-from .estimate import FSDP_HOST_ADAM, HOST_STEP_BYTES, KEYS, Estimate, _bytes, grad_bytes, memory
+from .estimate import FSDP_HOST_ADAM, KEYS, Estimate, _bytes, grad_bytes, host_adam_rate, memory
 from .hostcost import PIPELINE_ACTION_S
 from .split import stage_seconds
 from .stages import holders, rank_bytes, received
@@ -196,7 +196,7 @@ def _costs(plan, rank, hw, job, c: int, micro: int, accum: int, pipe: Pipe | Non
     if plan.engine == "offload" and pipe:  # after the schedule: gradient rows down, the host step, masters up
         n, g = _offloaded_rows(plan, rank, pipe, True), grad_bytes(job.precision, hw.cpu_adam_kernel)
         costs["pcie"] = (g + 4) * n / (hw.pcie_gbps * 1e9)
-        costs["cpu_optimizer"] = n * hw.gpus_per_node / hw.cpu_adam_params_per_s * HOST_STEP_BYTES[g] / HOST_STEP_BYTES[4]
+        costs["cpu_optimizer"] = n * hw.gpus_per_node / host_adam_rate(hw, g)
     label = f"compute (pipeline bubble {idle / (m + idle):.0%})" if pipe else "compute"
     return costs, label
 

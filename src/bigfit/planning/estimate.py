@@ -30,10 +30,23 @@ def host_step_bytes(grad_bytes: int, states: str = "fp32") -> float:
     moments (twice their bytes), read the gradient after the DMA wrote it, and the DMA reads the
     master (4). Rated by bytes, as memory-bound: on the CPU machine's 2 cores, which compute rather
     than wait, the int8 kernel ran at 0.58-0.66 of the fp32 one's parameters a second and the bf16 one
-    at 0.96-1.08 (benchmarks/host_adam.py, 2026-12-05); the 16-core GPU host's are not measured yet."""
+    at 0.96-1.08 (benchmarks/host_adam.py, 2026-12-05): `bigfit plan --calibrate` measures a host's
+    rate per format, which `host_adam_rate` then takes instead."""
     if states == "fp32":
         return HOST_STEP_BYTES[grad_bytes]
     return 12 + 2 * (STATE_BYTES[states] - 4) + 2 * grad_bytes
+def host_adam_rate(hw, grad_bytes: int, states: str = "fp32") -> float:
+    """Parameters a second of the offload engine's host step on one node: bigfit's kernel at this
+    format's measured rate (hw.host_adam_rates, measured with bf16 gradients; fp32 ones cost their
+    bytes more), else rated by its bytes against torch's fused step (hw.cpu_adam_params_per_s, 40
+    bytes a parameter), which is slower still where torch's step stands in for the kernel."""
+    measured = dict(hw.host_adam_rates)
+    if hw.cpu_adam_kernel and states in measured:
+        return measured[states] * host_step_bytes(2, states) / host_step_bytes(grad_bytes, states)
+    rate = hw.cpu_adam_params_per_s * HOST_STEP_BYTES[4] / host_step_bytes(grad_bytes, states)
+    return rate if hw.cpu_adam_kernel else rate * TORCH_ENGINE_ADAM
+
+
 # zero3-offload's host step (FSDP2's CPUOffloadPolicy: torch's AdamW on each unit's host shards, with
 # the clipping norm over host gradients) against hw.cpu_adam_params_per_s: 1.2-1.4 G parameters/s on
 # the H200 machine's 16 cores at 1.5B and 1.2B (tests/data/h200_measured.json s1, k2, ss3), a third.
@@ -195,12 +208,10 @@ def step_time(strategy: str, prof, hw, c: int, checkpointing: bool, tokens_per_s
         if strategy == "zero3-offload":
             moved = accum * 2 * 4 * n / w + 4 * t / w  # shards up for forward and backward, gradients down
         pcie = moved / (hw.pcie_gbps * 1e9)
-        cpu = t / w * hw.gpus_per_node / hw.cpu_adam_params_per_s  # the node's ranks share its cores
-        if strategy.startswith("zero2-offload"):  # memory-bound: bytes a parameter, against torch's 40 (its rate)
-            cpu *= host_step_bytes(grad_bytes, states) / HOST_STEP_BYTES[4] / (
-                1.0 if hw.cpu_adam_kernel else TORCH_ENGINE_ADAM)
+        if strategy.startswith("zero2-offload"):  # the node's ranks share its cores
+            cpu = t / w * hw.gpus_per_node / host_adam_rate(hw, grad_bytes, states)
         else:  # torch's AdamW over FSDP2's host shards, at its measured share of the fused step's rate
-            cpu /= FSDP_HOST_ADAM
+            cpu = t / w * hw.gpus_per_node / (hw.cpu_adam_params_per_s * FSDP_HOST_ADAM)
     if strategy.endswith("nvme"):  # read and write back every state on the disk, the node's ranks together
         disk = 2 * nvme_bytes(t, hw, nvme_host, states) / (hw.nvme_gbps * 1e9)
     return {"compute": compute, "host issue": issue, "communication": comm, "pcie": pcie, "cpu_optimizer": cpu,
