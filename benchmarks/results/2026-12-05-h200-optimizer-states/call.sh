@@ -1,6 +1,7 @@
 # One H200 call, prepared 2026-12-05 (not run yet: that day had no device time left), for the compact
 # optimizer states' targets (docs/optimizer_states.md, "Not yet"), in about 9 minutes:
-# 1. the host step per format on 8 and 16 threads (benchmarks/host_adam.py);
+# 1. the host step per format on 8 and 16 threads (benchmarks/host_adam.py), and `bigfit plan
+#    --calibrate` (the host's rates per format, which --strategy auto then plans with);
 # 2. a 10.9B Llama (config only) at 1 x 2048, bf16, checkpointing: `--strategy auto` (expected:
 #    zero2-offload, bf16 states in RAM), 8 steps; then int8 states with gradients on the device, 8 steps;
 # 3. an 18.4B Llama (43 x 6144) with int8 states in RAM, gradients on the device: 5 steps.
@@ -36,6 +37,10 @@ run() {  # NAME LIMIT_S ARGS...: a run into /tmp/NAME, its log and metrics into 
   timeout $limit python -m bigfit train $COMMON "$@" --output-dir /tmp/$name > $OUT/$name.log 2>&1
   echo "exit $?" >> $OUT/$name.log; cp /tmp/$name/metrics.jsonl $OUT/$name-metrics.jsonl 2>/dev/null
 }
+# this host's issue cost and Adam rates per format (the figures auto11 plans with), and the 10.9B plan
+# with them, at the head of machine.txt's memory samples
+python -m bigfit plan --calibrate --model /tmp/m11 --batch-size 1 --seq-len $LEN --precision $PREC \
+  --activation-checkpointing >> $OUT/machine.txt 2>&1
 # no --nproc: device_map (one process driving the GPU and the host) stays a candidate of auto
 run auto11 170 --model /tmp/m11 --strategy auto --max-steps $STEPS
 run int8-11 150 --model /tmp/m11 --nproc 1 --strategy zero2-offload --optimizer-states int8 --offload-grads device --max-steps $STEPS
@@ -43,3 +48,4 @@ run int8-18 200 --model /tmp/m18 --nproc 1 --strategy zero2-offload --optimizer-
 kill %1
 grep -h "auto ->\|optimizer-states\|first step\|^step\|exit\|rror" $OUT/auto11.log $OUT/int8-11.log $OUT/int8-18.log | cut -c1-200
 tail -12 /tmp/host_adam.log
+grep -h "calibrated\|recommended" $OUT/machine.txt | cut -c1-300
