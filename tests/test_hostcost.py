@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from bigfit.hardware import DEFAULTS, Hardware, calibrated_host_op_us, host_figures
+from bigfit.hardware import DEFAULTS, Hardware, calibrated_host_op_us, host_figures, host_notes
 from bigfit.planning.job import Job
 
 GB = 10**9
@@ -109,7 +109,9 @@ def test_calibration_is_kept_per_device_and_used(tmp_path, monkeypatch, capsys):
     assert calibrated_host_op_us("cuda") is None  # a CPU's figure never stands in for a GPU host's
     figures = host_figures("cpu")  # what a job on this CPU machine plans with
     assert figures["cpu_adam_params_per_s"] == pytest.approx(record["host_adam"]["torch"])
-    assert dict(figures["host_adam_rates"]) == pytest.approx({f: record["host_adam"][f] for f in ("fp32", "bf16", "int8")})
+    kernel = {f: record["host_adam"][f] for f in ("fp32", "bf16", "int8")}
+    assert dict(figures["host_adam_rates"]) == pytest.approx(kernel)
+    assert "host Adam G parameters/s (calibrated): torch fused: " in " ".join(host_notes("cpu"))
     assert host_figures("cuda") == {"host_op_us": DEFAULTS["host_op_us"], "host_adam_rates": ()}
     (tmp_path / "bigfit" / "host.json").write_text("{not json")
     assert calibrated_host_op_us("cpu") is None  # unreadable: the defaults stand
@@ -127,9 +129,11 @@ def test_the_engines_host_step_takes_the_measured_rate_of_its_format():
     assert host_adam_rate(replace(plain, cpu_adam_kernel=False), 4) == pytest.approx(4e9 * 0.8)
     measured = replace(plain, host_adam_rates=(("bf16", 1.6e9), ("int8", 1e9)))
     assert host_adam_rate(measured, 2, "int8") == pytest.approx(1e9)
-    assert host_adam_rate(measured, 4, "int8") == pytest.approx(1e9 * host_step_bytes(2, "int8") / host_step_bytes(4, "int8"))
+    fp32_grads = host_step_bytes(4, "int8") / host_step_bytes(2, "int8")  # fp32 gradients: 4 bytes more to read
+    assert host_adam_rate(measured, 4, "int8") == pytest.approx(1e9 / fp32_grads)
     assert host_adam_rate(measured, 2, "fp32") == host_adam_rate(plain, 2, "fp32")  # not measured: by its bytes
-    assert host_adam_rate(replace(measured, cpu_adam_kernel=False), 4) == host_adam_rate(replace(plain, cpu_adam_kernel=False), 4)
+    no_kernel = dict(cpu_adam_kernel=False)  # torch's step stands in: the kernel's rates do not apply
+    assert host_adam_rate(replace(measured, **no_kernel), 4) == host_adam_rate(replace(plain, **no_kernel), 4)
 
 
 def test_host_op_us_flag_overrides(tmp_path, capsys):
