@@ -87,7 +87,8 @@ def compute_plan(ns):
     config = load_config(locate(ns.model))  # a bad --model is reported before any measuring
     if ns.calibrate:
         r = calibrate()
-        adam = ", ".join(f"{'torch fused' if f == 'torch' else f} {v / 1e9:.2f}" for f, v in r["host_adam"].items())
+        adam = ", ".join(f"{'torch fused' if f == 'torch' else f} {v / 1e9:.2f}"
+                         for f, v in r["host_adam"].items())
         print(f"calibrated: the host issues a forward operator with its backward in {r['host_op_us']:.1f} us "
               f"on {r['device']} ({r['operators']} operators in {r['step_s'] * 1e3:.1f} ms); its Adam step "
               f"takes G parameters/s: {adam}; kept in {calibration_path()}")

@@ -35,6 +35,8 @@ def host_step_bytes(grad_bytes: int, states: str = "fp32") -> float:
     if states == "fp32":
         return HOST_STEP_BYTES[grad_bytes]
     return 12 + 2 * (STATE_BYTES[states] - 4) + 2 * grad_bytes
+
+
 def host_adam_rate(hw, grad_bytes: int, states: str = "fp32") -> float:
     """Parameters a second of the offload engine's host step on one node: bigfit's kernel at this
     format's measured rate (hw.host_adam_rates, measured with bf16 gradients; fp32 ones cost their

@@ -185,8 +185,8 @@ def _profile(config, micro_batch: int, seq_len: int, target_len: int, precision:
         auto = AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM
         # under autocast a frozen LoRA base is stored in the compute dtype, its adapters in fp32
         # (parallel/apply.py store_frozen): the residual stream then runs in the compute dtype too
-        # no init: the trace reads shapes, not values, and initialising every fake weight was half the
-        # planner's time (a T5-large shape 1 s); transformers' init_weights also ties, which counts
+        # no init: the trace reads shapes, not values, and initialising every fake weight took a quarter
+        # of the planner's time; transformers' init_weights also ties the weights, which counts: tied here
         with no_init_weights():
             model = auto.from_config(config, dtype=torch.float32 if mixed and lora is None else dtype)
         model.tie_weights()
