@@ -149,12 +149,13 @@ def _run_row(out: Path, bench: BenchSettings, base: TrainConfig, strategy: str, 
     found = collect(row, bench.untimed_steps, bench.train_samples)
     ok = status == "ok" and found.get("exit") == 0 and found.get("train_s") is not None
     return {"method": f"{strategy} {precision}", "strategy": strategy, "precision": precision, **found,
-            "status": "ok" if ok else status if status != "ok" else "failed", "reason": None if ok else _reason(row, found, status)}
+            "status": "ok" if ok else status if status != "ok" else "failed",
+            "reason": None if ok else _reason(row, found, status)}
 
 
 def _wait(row: Path, timeout: float) -> str:
-    """Run the row's process (in a process group of its own, so that its workers go with it); "ok", "timeout" or
-    "exit N". Ctrl-C stops it, then goes on up."""
+    """Run the row's process (in a process group of its own, so that its workers go with it); "ok",
+    "timeout" or "exit N". Ctrl-C stops it, then goes on up."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with open(row / "row.log", "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "bigfit.bench.rows", str(row / "spec.json")], stdout=log,

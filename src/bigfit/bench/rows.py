@@ -45,8 +45,9 @@ def run(spec: dict) -> int:
                                   output_dir=str(row / "train"), probe_only=False)
         plan = plan_here(job, nproc, (job.strategy,))
         e = plan.candidates[0].estimate
-        found.update(params=plan.params, micro=micro, batch=batch, steps=steps, probe_peak_gb=peak and round(peak / 1e9, 2),
-                     predicted_step_s=round(e.step_time_s, 4), predicted_peak_gb=round(e.per_gpu["total"] / 1e9, 2))
+        found.update(params=plan.params, micro=micro, batch=batch, steps=steps,
+                     probe_peak_gb=peak and round(peak / 1e9, 2), predicted_step_s=round(e.step_time_s, 4),
+                     predicted_peak_gb=round(e.per_gpu["total"] / 1e9, 2))
         _write(row, found)
         code = train_command(["train"], job)
     except BigfitError as e:
