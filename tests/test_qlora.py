@@ -1,6 +1,6 @@
-"""QLoRA (--lora --load-in-4bit, quantize.py): the refusals on this CPU machine, one line each;
-and the mechanics on bitsandbytes' CPU path with the CUDA check passed by hand (the command itself
-refuses without CUDA, as bitsandbytes' 4-bit training is a CUDA feature): every LoRA base layer
+"""QLoRA (--lora --load-in-4bit, quantize.py): the refusals, one line each; and the mechanics of the
+bitsandbytes store on its CPU path with the CUDA check passed by hand (without CUDA the command
+takes torchao's store instead: test_qlora_sharded.py): every LoRA base layer
 quantized from the seeded init to exactly bitsandbytes' own NF4 of it, adapters in fp32 training, checkpoints
 holding the adapters only and loading back."""
 from __future__ import annotations
@@ -24,9 +24,11 @@ def settings(model_dir, **kw):
 
 @pytest.mark.parametrize("kw,message", [
     (dict(lora=False, lora_r=16, lora_dropout=0.05), "--load-in-4bit quantizes a frozen base under LoRA adapters"),
-    (dict(strategy="zero3"), "--load-in-4bit runs with --strategy single, ddp or auto"),
+    (dict(strategy="zero1"), "--load-in-4bit runs with --strategy single, ddp, zero2, zero3, zero3-offload or auto, "
+                             "not zero1"),
+    (dict(strategy="zero2-offload"), "not zero2-offload: the offload engine, ZeRO-1, device maps and pipelines"),
+    (dict(strategy="zero3", tp=2), "--load-in-4bit with --tp 2: a 4-bit base is sharded by FSDP2 alone"),
     (dict(precision="fp32"), "--load-in-4bit computes in bf16"),
-    (dict(), "--load-in-4bit needs a CUDA GPU"),
 ])
 def test_qlora_refusals_are_one_line(model_dirs, kw, message):
     from bigfit.checks import validate
@@ -52,11 +54,11 @@ def test_the_4bit_base_is_the_seeded_init_rounded_and_only_adapters_train_and_ch
     model = build_model(src, load_config(src), 0, on_meta=True)
     inject(model, LoraSettings.from_config(cfg))
     rt = init_runtime()
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), mock.patch("torch.cuda.is_available", return_value=True):  # bitsandbytes' store
         warnings.simplefilter("ignore")
         engine = apply(model, plan_of(cfg), cfg, rt)
     build_optimizer(engine, cfg)
-    assert any("14 base layers in 4 bits" in n for n in engine.notes)  # 2 blocks x (4 attention + 3 MLP)
+    assert any("14 base layers in 4 bits" in n and n.endswith("bitsandbytes)") for n in engine.notes)  # 2 blocks x (4 attention + 3 MLP)
     init = seeded_base(model_dirs["llama"])
     layer = model.model.layers[0].self_attn.q_proj.base_layer
     assert isinstance(layer, bnb.nn.Linear4bit) and layer.weight.dtype == torch.uint8

@@ -120,7 +120,7 @@ class TrainConfig:
     lora_alpha: float = 32.0  # --lora: the adapters' scale is alpha / r
     lora_dropout: float = 0.05  # --lora: dropout on the adapters' input
     lora_targets: str = "all-linear"  # --lora: linear layers that get adapters: all-linear, or names (q_proj,v_proj)
-    load_in_4bit: bool = False  # --lora: the frozen base layers in 4 bits (QLoRA: NF4, double quantisation, bf16 compute; CUDA)
+    load_in_4bit: bool = False  # --lora: the frozen base layers in 4 bits (QLoRA: NF4, double quantisation, bf16 compute; quantize.py)
     # False (--no-checkpoints): no checkpoint, not even the end's, hence no model directory either:
     # throwaway runs and benchmarks, or a model whose states would not fit on the disk
     checkpoints: bool = True

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import BigfitError
+from .quantize import quiet_torchao
 
 ADAPTER = "default"  # peft's adapter name: the one adapter bigfit trains
 ALL_LINEAR = "all-linear"  # peft's shorthand: every linear layer but the output head
@@ -59,6 +60,7 @@ class LoraSettings:
 
 
 def _peft():
+    quiet_torchao()  # peft imports it where it is installed
     try:
         import peft
     except ImportError:

@@ -1,23 +1,43 @@
-"""QLoRA's base: the frozen linear layers of a LoRA run stored in 4 bits (bitsandbytes NF4 with
-double quantisation, computed in bf16), as `BitsAndBytesConfig(load_in_4bit=True,
-bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True)` gives peft users.
+"""QLoRA's base: the frozen linear layers of a LoRA run stored in 4 bits (NF4 with double
+quantisation, computed in bf16), as `BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+bnb_4bit_use_double_quant=True)` gives peft users.
+
+Two stores of the same format (blocks of 64 weights, an 8-bit absmax per block, an fp32 or bf16
+factor per 256 absmaxes):
+- bitsandbytes' Linear4bit where each process holds the whole base on a CUDA GPU (single, ddp): its
+  fused dequantisation kernels, the path measured on the H200.
+- torchao's NF4Tensor where FSDP2 shards the base (zero2, zero3, zero3-offload) and on machines
+  without CUDA. FSDP2 cannot shard bitsandbytes' packed parameter (its quantisation state is not a
+  tensor it can split); NF4Tensor implements FSDP2's all-gather extension, so each rank stores a
+  slice of every layer's 4-bit bytes and the all-gather moves 4 bits a weight, as torchtune does.
 
 transformers quantizes inside `from_pretrained`, on a whole model in host RAM. bigfit builds on the
 meta device and fills each rank's tensors itself (loading/), so it quantizes there instead: each
-LoRA-wrapped layer's `base_layer` (an nn.Linear on the meta device) becomes a bnb Linear4bit whose
-weight is read (from the safetensors slices or the seeded init, one block's worth at a time) in
-bf16 on the GPU and quantized at once. No process holds the base in more than 4 bits beyond one
-layer's bf16 temporary: a 70B base takes ~35 GB. peft's LoRA layer calls its base_layer whatever
-it is, so the adapters train on top unchanged. Frozen 4-bit weights stay out of checkpoints: a
-resume builds and quantizes the base again from the same source, bit for bit.
+LoRA base layer's weight is read (from the safetensors slices or the seeded init) in bf16 on the
+device and quantized at once: the whole base up front for single and ddp, one FSDP2 unit at a time
+just before it is sharded otherwise (`UnitQuantizer`), so no device holds more than one unit's
+whole 4-bit layers beyond its shards. peft's LoRA layer calls its base_layer whatever it is, so the
+adapters train on top unchanged. Frozen 4-bit weights stay out of checkpoints: a resume builds and
+quantizes the base again from the same source, bit for bit.
 """
 from __future__ import annotations
 
+import logging
+
 import torch
+from torch.distributed.tensor import DTensor
 
 from .errors import BigfitError
 
 QUANT = dict(quant_type="nf4", compress_statistics=True)  # NF4, double quantisation (QLoRA's)
+BLOCK, SCALER_BLOCK = 64, 256  # weights an absmax covers, absmaxes a factor covers (both stores)
+SHARDED = ("zero2", "zero3", "zero3-offload")  # FSDP2's strategies: torchao's NF4Tensor, sharded
+RUNS = ("single", "ddp", *SHARDED)
+
+
+def backend(strategy: str, cuda: bool) -> str:
+    """Which library stores the 4-bit base (module docstring)."""
+    return "bitsandbytes" if cuda and strategy in ("single", "ddp") else "torchao"
 
 
 def bnb():
@@ -28,21 +48,50 @@ def bnb():
     return bitsandbytes
 
 
+def quiet_torchao() -> None:
+    """torchao's import logs a warning for each CUDA kernel it could not load (every CPU machine sees
+    them); its NF4Tensor needs none of them."""
+    logging.getLogger("torchao").setLevel(logging.ERROR)
+
+
+def nf4():
+    """torchao's NF4Tensor and quantizer (the module moved between releases)."""
+    quiet_torchao()
+    try:
+        from torchao.dtypes.nf4tensor import NF4Tensor, to_nf4
+    except ImportError:
+        try:
+            from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor, to_nf4
+        except ImportError:
+            raise BigfitError("--load-in-4bit with a sharded strategy or without CUDA needs the torchao library: "
+                              "pip install 'bigfit[qlora]'") from None
+    from .nf4gather import install
+
+    install(NF4Tensor)  # FSDP2 gathers it as one byte tensor (nf4gather.py: its one-rank path)
+    return NF4Tensor, to_nf4
+
+
 def check(cfg, cuda: bool) -> None:
     """One line for each setting QLoRA cannot run with, before any work."""
     if not cfg.load_in_4bit:
         return
     if not cfg.lora:
         raise BigfitError("--load-in-4bit quantizes a frozen base under LoRA adapters (QLoRA): add --lora")
-    if cfg.strategy not in ("single", "ddp", "auto"):  # auto: the planner rates single and ddp alone then
-        raise BigfitError(f"--load-in-4bit runs with --strategy single, ddp or auto (each process holds the whole "
-                          f"4-bit base), not {cfg.strategy}: 4-bit weights cannot be sharded or offloaded")
+    if cfg.strategy not in (*RUNS, "auto"):  # auto: the planner rates these alone then
+        raise BigfitError(f"--load-in-4bit runs with --strategy {', '.join(RUNS)} or auto, not {cfg.strategy}: "
+                          "the offload engine, ZeRO-1, device maps and pipelines keep no 4-bit weights")
+    split = {f"--{k.replace('_', '-')}": getattr(cfg, k, None) for k in ("tp", "pp", "dp_replicate")}
+    split = {k: v for k, v in split.items() if v not in (None, 1)}
+    if split:
+        k, v = next(iter(split.items()))
+        raise BigfitError(f"--load-in-4bit with {k} {v}: a 4-bit base is sharded by FSDP2 alone (zero2, zero3, "
+                          f"zero3-offload over data-parallel ranks); drop {k}")
     if cfg.precision not in ("bf16", None):
         raise BigfitError(f"--load-in-4bit computes in bf16: use --precision bf16, not {cfg.precision}")
-    if not cuda:
-        raise BigfitError("--load-in-4bit needs a CUDA GPU (bitsandbytes' 4-bit kernels); this machine has none: "
-                          "train the adapters on a bf16 base with --lora alone")
-    bnb()
+    if backend(cfg.strategy, cuda) == "bitsandbytes":
+        bnb()
+    else:
+        nf4()
 
 
 def quantized_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, str]]:
@@ -57,23 +106,73 @@ def quantized_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module,
 
 
 @torch.no_grad()
-def quantize_base(model: torch.nn.Module, weights, device) -> int:
-    """Every LoRA base layer as a 4-bit Linear4bit on `device`, its weight read from `weights`
-    (loading.Weights) in bf16 and quantized there; biases in bf16. Returns the layers quantized."""
-    nn = bnb().nn
+def quantize_base(model: torch.nn.Module, weights, device, store: str = "bitsandbytes") -> int:
+    """Every LoRA base layer in 4 bits on `device`, its weight read from `weights` (loading.Weights)
+    in bf16 and quantized there. Returns the layers quantized."""
     layers = sorted(quantized_layers(model), key=lambda x: weights.order(x[0]))  # each init unit made once
+    if store != "bitsandbytes":
+        check_blocks(model, 1)
     for name, parent, attr in layers:
-        old = parent._modules[attr]
-        new = nn.Linear4bit(old.in_features, old.out_features, bias=old.bias is not None,
-                            compute_dtype=torch.bfloat16, device="meta", **QUANT)
-        value = weights.read(name, None, torch.bfloat16, device)
-        new.weight = nn.Params4bit(value, requires_grad=False, **QUANT).to(device)  # quantized on the move
-        if old.bias is not None:
-            bias = weights.read(name[: -len("weight")] + "bias", None, torch.bfloat16, device)
-            new.bias = torch.nn.Parameter(bias, requires_grad=False)
-        parent._modules[attr] = new
+        (_bnb_layer if store == "bitsandbytes" else _nf4_layer)(name, parent, attr, weights, device)
     return len(layers)
 
 
+def _bnb_layer(name, parent, attr, weights, device) -> None:
+    """bitsandbytes' Linear4bit in place of the layer; its bias read in bf16."""
+    nn, old = bnb().nn, parent._modules[attr]
+    new = nn.Linear4bit(old.in_features, old.out_features, bias=old.bias is not None,
+                        compute_dtype=torch.bfloat16, device="meta", **QUANT)
+    value = weights.read(name, None, torch.bfloat16, device)
+    new.weight = nn.Params4bit(value, requires_grad=False, **QUANT).to(device)  # quantized on the move
+    if old.bias is not None:
+        bias = weights.read(name[: -len("weight")] + "bias", None, torch.bfloat16, device)
+        new.bias = torch.nn.Parameter(bias, requires_grad=False)
+    parent._modules[attr] = new
+
+
+def _nf4_layer(name, parent, attr, weights, device) -> None:
+    """The layer keeps its class; its weight becomes an NF4Tensor, which F.linear dequantizes (torchao
+    dispatches it). Its bias stays a frozen parameter, filled with the rest (loading.fill)."""
+    _, to_nf4 = nf4()
+    layer = parent._modules[attr]
+    value = weights.read(name, None, torch.bfloat16, device)
+    layer.weight = torch.nn.Parameter(to_nf4(value, BLOCK, SCALER_BLOCK), requires_grad=False)
+
+
+def check_blocks(model: torch.nn.Module, ranks: int) -> None:
+    """torchao's NF4 of a layer, and FSDP2's share of it on each of `ranks`, holds whole blocks and
+    factors: every base layer's size a multiple of 64 x 256 x ranks, its rows of ranks (any real
+    model's linear layers are; tests/tiny.py's are not)."""
+    multiple = BLOCK * SCALER_BLOCK * ranks
+    for name, parent, attr in quantized_layers(model):
+        w = parent._modules[attr].weight
+        if w.numel() % multiple or w.shape[0] % ranks:
+            share = f"{multiple} weights a rank's share, rows a multiple of {ranks}" if ranks > 1 else \
+                f"a multiple of {multiple} weights"
+            raise BigfitError(f"--load-in-4bit: {name} {list(w.shape)} does not split into whole NF4 blocks "
+                              f"({share}); use a model whose linear layers do" + (", or fewer ranks" if ranks > 1 else ""))
+
+
+class UnitQuantizer:
+    """FSDP2's hook before each unit is sharded (strategies/sharding.py `shard_units`): the LoRA base
+    layers inside `unit` not yet quantized, as NF4Tensors on `device`; FSDP2 then keeps this rank's
+    rows of each and frees the rest."""
+
+    def __init__(self, model: torch.nn.Module, weights, device, ranks: int):
+        check_blocks(model, ranks)
+        self.weights, self.device, self.done = weights, device, 0
+        layers = sorted(quantized_layers(model), key=lambda x: weights.order(x[0]))
+        self.pending = {id(parent._modules[attr]): (name, parent, attr) for name, parent, attr in layers}
+
+    def __call__(self, unit: torch.nn.Module) -> None:
+        for mod in unit.modules():
+            found = self.pending.pop(id(mod), None)
+            if found:
+                _nf4_layer(*found, self.weights, self.device)
+                self.done += 1
+
+
 def is_quantized(t: torch.Tensor) -> bool:
-    return type(t).__name__ == "Params4bit"
+    """A 4-bit weight of either store, a DTensor's shard of one included."""
+    local = t._local_tensor if isinstance(t, DTensor) else t
+    return type(local).__name__ in ("Params4bit", "NF4Tensor")

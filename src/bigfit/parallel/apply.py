@@ -7,7 +7,8 @@ weights, and each rank then fills only what it stores, from its slices of the sa
 or by the seeded init. On the rank-0 path (`.bin` weights, hub names not cached, device maps, a
 model handed in with real weights) rank 0 brings the whole model and the others receive their parts.
 - 4-bit base (QLoRA, single or ddp): each LoRA base layer read in bf16 and quantized on the device
-  (quantize.py), before anything allocates the rest of the model.
+  (quantize.py), before anything allocates the rest of the model; under FSDP2 (zero2, zero3,
+  zero3-offload) a unit's layers at a time, just before the sharding step shards that unit.
 - split: a device map (one process drives every device) or pipeline stages (this rank keeps its
   stages' blocks and fills them, or gets them from rank 0, and runs them through torch's
   schedules); first, because every later transform works on the blocks this rank keeps.
@@ -39,7 +40,7 @@ from ..errors import BigfitError
 from ..loading import Weights, WholeParams, fill, weights_for
 from ..pipeline.strategy import apply_pipeline
 from ..precision import DTYPES, compute_dtype
-from ..quantize import quantize_base
+from ..quantize import UnitQuantizer, backend, is_quantized, quantize_base
 from ..strategies.base import Applied
 from ..strategies.checkpointing import apply_activation_checkpointing
 from ..strategies.compiling import apply_compile
@@ -58,14 +59,14 @@ def apply(model: torch.nn.Module, plan: ParallelPlan, cfg, rt: Runtime) -> Appli
     `Engine`)."""
     weights = weights_for(model, cfg, rt)  # checks the files against the model, before any storage
     full = model.state_dict() if weights is None and rt.is_main and _materialises(plan, rt) else {}  # references
-    quantized = apply_4bit(model, cfg, rt, weights)
+    quantized = apply_4bit(model, plan, cfg, rt, weights)
     split = apply_split(model, plan, cfg, rt, weights)
     notes = apply_tp(split.module, plan, rt)
     notes += apply_per_block(split.module, plan, cfg)
-    engine = apply_sharding(model, split, plan, cfg, rt, weights)
+    engine = apply_sharding(model, split, plan, cfg, rt, weights, quantized)
     engine = apply_materialise(engine, full, plan, rt, weights)
     engine = apply_offloading(engine, plan, cfg, rt, weights)
-    engine.notes[:0] = notes + ([weights.describe()] if weights else []) + quantized
+    engine.notes[:0] = notes + ([weights.describe()] if weights else []) + _described(quantized, plan, cfg, rt)
     engine.frozen_in_checkpoints = not cfg.lora  # a LoRA base is made again from its source on every start
     if plan.sequence_parallel:  # torch 2.11 gathers uneven sequence splits into views its backward cannot use
         engine.sequence_multiple = plan.tp
@@ -75,16 +76,28 @@ def apply(model: torch.nn.Module, plan: ParallelPlan, cfg, rt: Runtime) -> Appli
     return engine
 
 
-def apply_4bit(model, cfg, rt: Runtime, weights: Weights | None) -> list[str]:
+def apply_4bit(model, plan: ParallelPlan, cfg, rt: Runtime, weights: Weights | None) -> UnitQuantizer | int:
     """QLoRA: each LoRA base layer read and quantized to 4 bits on the device (quantize.py), before
-    anything allocates the rest; on the per-rank path only (its weights come from `weights`)."""
+    anything allocates the rest; on the per-rank path only (its weights come from `weights`). Under
+    FSDP2 the quantizer the sharding step calls on each unit before it shards it."""
     if not cfg.load_in_4bit:
-        return []
+        return 0
     if weights is None:
         raise BigfitError(f"--load-in-4bit reads the base from safetensors files or a config; --model "
                           f"{cfg.model!r} has neither (convert its .bin weights with save_pretrained, "
                           "safe_serialization=True)")
-    return [f"QLoRA: {quantize_base(model, weights, rt.device)} base layers in 4 bits (NF4, double quantisation)"]
+    if plan.engine == "fsdp":
+        return UnitQuantizer(model, weights, rt.device, plan.dp_shard)
+    return quantize_base(model, weights, rt.device, backend(plan.name, torch.cuda.is_available()))
+
+
+def _described(quantized: UnitQuantizer | int, plan: ParallelPlan, cfg, rt: Runtime) -> list[str]:
+    if not cfg.load_in_4bit:
+        return []
+    layers = quantized.done if isinstance(quantized, UnitQuantizer) else quantized
+    store = "torchao's NF4Tensor, sharded by FSDP2" if isinstance(quantized, UnitQuantizer) else \
+        backend(plan.name, torch.cuda.is_available())
+    return [f"QLoRA: {layers} base layers in 4 bits (NF4, double quantisation; {store})"]
 
 
 def _materialises(plan: ParallelPlan, rt: Runtime) -> bool:
@@ -121,8 +134,9 @@ def apply_per_block(model, plan: ParallelPlan, cfg) -> list[str]:
 
 
 def apply_sharding(model, split: Applied, plan: ParallelPlan, cfg, rt: Runtime,
-                   weights: Weights | None = None) -> Applied:
-    """The data-parallel engine over the `dp` ranks, or the split's own engine where it has one."""
+                   weights: Weights | None = None, quantizer=None) -> Applied:
+    """The data-parallel engine over the `dp` ranks, or the split's own engine where it has one.
+    `quantizer` (QLoRA under FSDP2: apply_4bit's) quantizes each unit's base before it is sharded."""
     compute = compute_dtype(cfg.precision)
     if plan.split or plan.pp > 1:  # a device map (one process) or pipeline stages
         # the offload engine shards the stages' rows itself; zero3-offload needs FSDP2 even on one rank
@@ -130,7 +144,8 @@ def apply_sharding(model, split: Applied, plan: ParallelPlan, cfg, rt: Runtime,
             return split.shard_stages(plan, rt, compute, DTYPES[cfg.reduce_dtype])
         return split
     if plan.engine == "fsdp":
-        return apply_fsdp(model, plan, rt, compute, DTYPES[cfg.reduce_dtype])
+        return apply_fsdp(model, plan, rt, compute, DTYPES[cfg.reduce_dtype],
+                          before=quantizer if isinstance(quantizer, UnitQuantizer) else None)
     if plan.engine == "offload":
         return split  # the offload engine shards rows itself: it is built at the offload step
     store_frozen(model, compute)
@@ -151,7 +166,8 @@ def store_frozen(model, compute) -> None:
     weights are filled (meta) or after (the rank-0 path): the values are the fp32 init's, rounded."""
     if compute is None:
         return
-    for p in {id(p): p for p in model.parameters() if not p.requires_grad and p.is_floating_point()}.values():
+    frozen = (p for p in model.parameters() if not p.requires_grad and p.is_floating_point() and not is_quantized(p))
+    for p in {id(p): p for p in frozen}.values():  # an NF4 weight's dtype is bf16's: its bytes stay
         p.data = p.data.to(compute)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch.distributed import broadcast
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.fsdp import FSDPModule
 
 from ..distributed import Runtime
 from ..quantize import is_quantized
@@ -24,7 +25,10 @@ def to_empty(model: torch.nn.Module, device) -> None:
     """`to_empty`, keeping tied parameters tied (it gives each module its own new parameter)."""
     held = owners(model)
     if any(is_quantized(p) for p in model.parameters()):
-        _meta_to_empty(model, device)
+        if isinstance(model, FSDPModule):  # through FSDP2's _apply, which resets its sharded parameters
+            model._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
+        else:
+            _meta_to_empty(model, device)
     else:
         model.to_empty(device=device)  # FSDP2's sharded parameters follow through its _apply hooks
     for refs in held.values():

@@ -34,6 +34,7 @@ from ..distributed import Runtime
 from ..models import block_lists
 from ..parallel.mesh import fsdp_mesh
 from ..parallel.plan import ParallelPlan
+from ..quantize import is_quantized
 from .base import Applied, trainable
 
 
@@ -59,12 +60,13 @@ class FSDPApplied(Applied):
 
 
 def apply_fsdp(model: torch.nn.Module, plan: ParallelPlan, rt: Runtime, compute: torch.dtype | None,
-               reduce: torch.dtype) -> Applied:
-    """FSDP2 units over the data-parallel mesh (tensor-parallel pieces, if any, become 2-D DTensors)."""
+               reduce: torch.dtype, before=None) -> Applied:
+    """FSDP2 units over the data-parallel mesh (tensor-parallel pieces, if any, become 2-D DTensors).
+    `before(unit)`, if given, runs on each unit just before it is sharded (QLoRA's quantizer)."""
     # T5 blocks return their position bias as a view; it is only ever used out of place, which the
     # T5 parity test checks, so FSDP2's warning about in-place use of views is noise here.
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-    shard_units(model, model, fsdp_options(plan, rt, compute, reduce))
+    shard_units(model, model, fsdp_options(plan, rt, compute, reduce), before)
     assert isinstance(model, FSDPModule)
     return FSDPApplied(model=model, module=model, strategy=plan.name,
                        notes=[f"FSDP2 over {len(list(_units(model)))} units"])
@@ -78,12 +80,12 @@ def fsdp_options(plan: ParallelPlan, rt: Runtime, compute: torch.dtype | None, r
                 if plan.offload_params else OffloadPolicy())
 
 
-def shard_units(model: torch.nn.Module, root: torch.nn.Module, options: dict) -> None:
+def shard_units(model: torch.nn.Module, root: torch.nn.Module, options: dict, before=None) -> None:
     """One FSDP2 unit per block of `model`, then `root` (the model, or a pipeline stage holding it)."""
-    for _, blocks in block_lists(model):
-        for block in blocks:
-            fully_shard(block, **options)
-    fully_shard(root, **options)
+    for unit in [b for _, blocks in block_lists(model) for b in blocks] + [root]:
+        if before is not None:
+            before(unit)
+        fully_shard(unit, **options)
 
 
 def _units(model):
@@ -142,6 +144,10 @@ def apply_ddp(model: torch.nn.Module, plan: ParallelPlan, rt: Runtime, autocast:
     """DDP over the data-parallel ranks (their own group when pipeline ranks share the world)."""
     ids = [rt.device.index] if rt.device.type == "cuda" else None
     group = rt.data.group
+    # a 4-bit base is quantized alike on every rank from one source; DDP's broadcast of it as dense
+    # tensors would quantize torchao's NF4 again (other values) and move the whole base for nothing
+    four_bit = [n for n, p in model.named_parameters() if is_quantized(p)]
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, four_bit)
     wrapped = DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=bucket_mb, process_group=group)
     if plan.zero == 1:
         engine = ZeroOneApplied(model=wrapped, module=model, strategy=plan.name, autocast=autocast)

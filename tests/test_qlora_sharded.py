@@ -1,0 +1,158 @@
+"""QLoRA with the base sharded (quantize.py's torchao store): `--lora --load-in-4bit` under zero2,
+zero3 and zero3-offload on 2 gloo ranks against single-process QLoRA on the same 4-bit base, through
+the real training loop, bf16: equal losses each step and equal adapters after 3 steps; each rank
+stores half of every base layer's 4-bit bytes; checkpoints hold the adapters alone and a resumed
+zero3 run continues exactly; the quantized base is torchao's NF4 of the seeded init.
+
+A Llama-style model wider than tests/tiny.py's (hidden 256): each rank's share of a layer must hold
+whole NF4 blocks and factors (64 x 256 weights), which any real model's layers do.
+
+Tolerances: bf16 compute and one reduction order against another (2 ranks' gradients summed, then
+averaged, against one process's); about 10x the worst difference measured on torch 2.13, CPU.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import read_jsonl
+from dist import run_ranks, threads_per_rank, torch_threads
+
+pytest.importorskip("torchao")
+SHARDED = ("zero2", "zero3", "zero3-offload")
+RANKS = ("ddp", *SHARDED)  # ddp: each rank holds the whole 4-bit base
+LOSS_TOL, PARAM_TOL = 2e-3, 2e-3
+
+
+@pytest.fixture(scope="module")
+def wide_llama(tmp_path_factory):
+    from transformers import LlamaConfig
+
+    path = tmp_path_factory.mktemp("wide") / "llama"
+    LlamaConfig(vocab_size=384, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False, pad_token_id=0,
+                eos_token_id=1, bos_token_id=1).save_pretrained(path)
+    return path
+
+
+def job(model_dir, data, out, strategy: str, **kw):
+    from bigfit.config import TrainConfig
+
+    values = dict(model=str(model_dir), data=str(data), output_dir=str(out), strategy=strategy, precision="bf16",
+                  max_steps=3, batch_size=8, micro_batch_size=2, warmup_steps=0, eval_every=0, eval_on_start=False,
+                  save_every=0, eval_samples=0, consolidate=False, lr=3e-3, lora=True, lora_r=4, lora_alpha=8.0,
+                  lora_dropout=0.0, load_in_4bit=True, max_source_len=32, max_target_len=32)
+    return TrainConfig(**{**values, **kw})
+
+
+def run(model_dir, data, root, strategies) -> None:
+    from bigfit.training.loop import train
+
+    for strategy in strategies:
+        train(job(model_dir, data, root / strategy, strategy, save_every=2 if strategy == "zero3" else 0))
+    if "zero3" in strategies:
+        step2 = root / "zero3" / "checkpoints" / "step-00000002"
+        train(job(model_dir, data, root / "zero3-resumed", "zero3", resume=str(step2)))
+
+
+@pytest.fixture(scope="module")
+def runs(wide_llama, pairs_file, tmp_path_factory):
+    root = tmp_path_factory.mktemp("qlora")
+
+    def reference():
+        with torch_threads(threads_per_rank(2)):
+            run(wide_llama, pairs_file, root, ("single",))
+
+    run_ranks(run, 2, wide_llama, pairs_file, root, RANKS, meanwhile=reference)
+    return root
+
+
+def final_adapters(run_dir) -> dict:
+    from test_lora import final_state
+
+    return {k: v for k, v in final_state(run_dir)["model"].items() if ".lora_" in k}
+
+
+@pytest.mark.parametrize("strategy", RANKS)
+def test_qlora_sharded_matches_single_process_qlora(runs, strategy):
+    ref, got = (runs / s for s in ("single", strategy))
+    a_losses, b_losses = ([r["loss"] for r in read_jsonl(d / "metrics.jsonl")] for d in (ref, got))
+    assert len(a_losses) == 3 and a_losses[-1] < a_losses[0]
+    a, b = final_adapters(ref), final_adapters(got)
+    assert a and set(a) == set(b)
+    loss_diff = max(abs(x - y) / x for x, y in zip(a_losses, b_losses))
+    worst = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+    print(f"qlora {strategy}: max loss rel diff {loss_diff:.1e}, max adapter diff {worst:.1e}")
+    assert loss_diff <= LOSS_TOL, f"losses {b_losses} vs {a_losses}"
+    assert worst <= PARAM_TOL, f"largest adapter difference {worst:.2e}"
+
+
+def test_qlora_checkpoints_hold_adapters_alone_and_resume_exactly(runs):
+    state = final_adapters(runs / "zero3")
+    from test_lora import final_state
+
+    assert set(final_state(runs / "zero3")["model"]) == set(state)  # no base weight, 4-bit or other
+    full = [r["loss"] for r in read_jsonl(runs / "zero3" / "metrics.jsonl")]
+    resumed = [r["loss"] for r in read_jsonl(runs / "zero3-resumed" / "metrics.jsonl")]
+    assert resumed[-1] == pytest.approx(full[-1], rel=1e-6)
+    b = final_adapters(runs / "zero3-resumed")
+    assert all(torch.equal(state[k], b[k]) for k in state)
+
+
+def _sharded_base(model_dir, data, out):
+    """Rank's view of q_proj's base weight after apply: (global shape, local NF4 bytes, whole dequantized)."""
+    import warnings
+
+    from bigfit.distributed import init_runtime
+    from bigfit.lora import LoraSettings, inject
+    from bigfit.models import build_model, load_config, locate
+    from bigfit.parallel.apply import apply
+    from bigfit.parallel.mesh import with_mesh
+    from bigfit.resolution import plan_of, resolve
+
+    cfg = resolve(job(model_dir, data, out, "zero3"), 2)
+    src = locate(cfg.model)
+    model = build_model(src, load_config(src), 0, on_meta=True)
+    inject(model, LoraSettings.from_config(cfg))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine = apply(model, plan_of(cfg), cfg, with_mesh(init_runtime(), plan_of(cfg)))
+    w = model.model.layers[0].self_attn.q_proj.base_layer.weight
+    local = w.to_local()
+    note = next(n for n in engine.notes if n.startswith("QLoRA"))
+    return tuple(w.shape), local.quantized_data.numel(), w.full_tensor().get_original_weight(), note
+
+
+def test_each_rank_stores_half_of_the_4bit_base_and_it_is_nf4_of_the_seeded_init(wide_llama, pairs_file, tmp_path):
+    from bigfit.quantize import nf4
+    from test_lora import seeded_base
+
+    got = run_ranks(_sharded_base, 2, wide_llama, pairs_file, tmp_path)
+    _, to_nf4 = nf4()
+    want = to_nf4(seeded_base(wide_llama)["model.layers.0.self_attn.q_proj.base_layer.weight"].to(torch.bfloat16))
+    for shape, stored, whole, note in got:
+        assert shape == (256, 256) and stored == 256 * 256 // 2 // 2  # two weights a byte, half the rows
+        assert torch.equal(whole, want.get_original_weight())
+        assert note.startswith("QLoRA: 14 base layers in 4 bits") and "sharded by FSDP2" in note
+
+
+def test_a_layer_that_splits_into_no_whole_blocks_is_one_line(model_dirs, wide_llama):
+    """tests/tiny.py's Llama (hidden 32) has layers of 1,024 weights: fewer than one NF4 factor's block."""
+    from bigfit.config import TrainConfig
+    from bigfit.errors import BigfitError
+    from bigfit.lora import LoraSettings, inject
+    from bigfit.models import build_model, load_config, locate
+    from bigfit.quantize import check_blocks
+
+    def injected(path):
+        src = locate(str(path))
+        model = build_model(src, load_config(src), 0, on_meta=True)
+        inject(model, LoraSettings.from_config(TrainConfig(lora=True, lora_r=4)))
+        return model
+
+    with pytest.raises(BigfitError, match=r"q_proj.base_layer.weight \[32, 32\] does not split into whole NF4 "
+                                          r"blocks \(a multiple of 16384 weights\)"):
+        check_blocks(injected(model_dirs["llama"]), 1)
+    check_blocks(injected(wide_llama), 2)
+    with pytest.raises(BigfitError, match=r"k_proj.base_layer.weight \[128, 256\] .* \(65536 weights a rank's share"):
+        check_blocks(injected(wide_llama), 4)
