@@ -322,12 +322,13 @@ def test_4bit_stored_bytes_are_bitsandbytes_own():
     assert stored / w.numel() == pytest.approx(quantized.STORED, rel=1e-4)
 
 
-def test_only_single_and_ddp_rows_with_a_4bit_base():
+def test_4bit_base_rows_are_the_strategies_that_run_it():
     from bigfit.config import TrainConfig
     from bigfit.planning.command import _job
     from bigfit.planning.search import plan_for_config
 
-    for gpus, names in ((1, ["single", "ddp"]), (4, ["ddp"])):
+    sharded = ["zero2", "zero3", "zero3-offload"]  # FSDP2's, torchao's NF4 (tests/test_plan_qlora_sharded.py)
+    for gpus, names in ((1, ["single", "ddp", *sharded]), (4, ["ddp", *sharded])):
         hw = Hardware(gpu_bytes=(80 * GB,) * gpus, cpu_ram=512 * GB)
         p = plan_for_config(medium_llama(4), hw, Job(batch_size=8, seq_len=128, lora=LORA, load_in_4bit=True),
                             layouts={})
@@ -361,13 +362,15 @@ def test_plan_command_4bit_flags(model_dirs, capsys):
     base = ["--model", str(model_dirs["llama"]), "--gpus", "2x8GB", "--seq-len", "32", "--batch-size", "4"]
     for extra, message in ((["--load-in-4bit"], "--load-in-4bit quantizes a frozen base under LoRA adapters"),
                            (["--lora", "--load-in-4bit", "--precision", "fp32"], "--load-in-4bit computes in bf16"),
-                           (["--lora", "--load-in-4bit", "--tp", "2"], "--load-in-4bit runs with --strategy single, "
-                                                                       "ddp or auto")):
+                           (["--lora", "--load-in-4bit", "--tp", "2"], "--load-in-4bit with --tp 2: a 4-bit base is "
+                                                                       "sharded by FSDP2 alone")):
         with pytest.raises(BigfitError, match=message) as err:  # train's lines (quantize.check), one each
             plan_command(_plan_ns(base + extra))
         assert "\n" not in str(err.value)
-    assert "not --tp 2" in str(err.value)
+    assert str(err.value).endswith("drop --tp")
     assert plan_command(_plan_ns(base + ["--lora", "--load-in-4bit", "--json"])) == 0  # no CUDA here: a plan needs none
     out = json.loads(capsys.readouterr().out)
-    assert [r["name"] for r in out["strategies"]] == ["ddp"] and out["recommended"] == "ddp" and "composed" not in out
+    # FSDP2's rows too, refused: the tiny model's layers hold no whole NF4 blocks (quantize.check_blocks)
+    assert [r["name"] for r in out["strategies"]] == ["ddp", "zero2", "zero3", "zero3-offload"]
+    assert out["recommended"] == "ddp" and "composed" not in out
     assert out["job"]["load_in_4bit"] and any(n.startswith("4-bit base (QLoRA): 14 LoRA base") for n in out["notes"])

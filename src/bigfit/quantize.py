@@ -71,8 +71,9 @@ def nf4():
     return NF4Tensor, to_nf4
 
 
-def check(cfg, cuda: bool) -> None:
-    """One line for each setting QLoRA cannot run with, before any work."""
+def check(cfg, cuda: bool, libraries: bool = True) -> None:
+    """One line for each setting QLoRA cannot run with, before any work; with `libraries`, also for
+    the library the run's store needs when it is missing (a plan needs neither)."""
     if not cfg.load_in_4bit:
         return
     if not cfg.lora:
@@ -88,10 +89,8 @@ def check(cfg, cuda: bool) -> None:
                           f"zero3-offload over data-parallel ranks); drop {k}")
     if cfg.precision not in ("bf16", None):
         raise BigfitError(f"--load-in-4bit computes in bf16: use --precision bf16, not {cfg.precision}")
-    if backend(cfg.strategy, cuda) == "bitsandbytes":
-        bnb()
-    else:
-        nf4()
+    if libraries:
+        bnb() if backend(cfg.strategy, cuda) == "bitsandbytes" else nf4()
 
 
 def quantized_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, str]]:

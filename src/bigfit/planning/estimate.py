@@ -116,8 +116,9 @@ def memory(strategy: str, prof, hw, c: int, checkpointing: bool, accum: int = 1,
     `grad_bytes` is the size of a gradient value while it waits: 2 where it travels in bf16 (bf16
     compute and bigfit's host Adam kernel, cpu_adam.py), else 4; `states` the moments' format
     (config.STATE_BYTES: with the fp32 master 12, 8 or about 6 bytes a parameter). `shards`: the data-parallel ranks the
-    states are divided over, when not every GPU (composed layouts: dp_shard; layouts.py). `four_bit`
-    (single, ddp): the LoRA base layers in 4 bits, one of them dequantized at a time (quantized.py)."""
+    states are divided over, when not every GPU (composed layouts: dp_shard; layouts.py). `four_bit`:
+    the LoRA base layers in 4 bits, one of them dequantized at a time (quantized.py); under FSDP2 this
+    rank's rows of them, gathered in 4 bits, on the host with zero3-offload."""
     n, w, u, r, v = prof.params, shards or hw.world_size, prof.largest_unit_params, prof.root_params, prof.head_params
     t, ut, rt, vt = prof.trainable_params, prof.largest_trainable_unit, prof.root_trainable, prof.trainable_head
     act, loss_act = prof.activations(checkpointing), prof.activations(checkpointing) - prof.loss_saved
@@ -132,12 +133,15 @@ def memory(strategy: str, prof, hw, c: int, checkpointing: bool, accum: int = 1,
         copies = c * min(prof.matmul_params or n, t) if c < 4 else 0
         head_grad = (4 + c) * vt if c < 4 else 4 * vt  # in the compute dtype, then accumulated in fp32
         frozen = quantized.frozen_bytes(prof, c) if four_bit else c * (n - t)
-        copies += quantized.transient(prof) if four_bit else 0  # a layer's bf16 weight, in forward and backward
+        # a layer's bf16 weight and its temporaries, in forward and backward
+        copies += quantized.transient(prof, quantized.store(strategy, hw)) if four_bit else 0
         return _peak(dict(params=4 * t + frozen, grads=4 * t * held, optimizer=optim),
                      loss=dict(activations=act, buffers=fixed + copies + 2 * l32),
                      head=dict(activations=loss_act, buffers=fixed + copies + lc + head_grad),
                      update=dict(grads=4 * t, buffers=fixed)), _bytes(buffers=init)
-    shard, tshard = 4 * n / w, 4 * t / w  # fp32 master shards, FSDP2 pads each parameter to a multiple of W (ignored)
+    q, uq = (prof.quantized_params, prof.unit_quantized) if four_bit else (0, 0)
+    # fp32 master shards and the 4-bit base's rows; FSDP2 pads each parameter to a multiple of W (ignored)
+    shard, tshard = 4 * (n - q) / w + (quantized.shard_bytes(prof, w) if four_bit else 0), 4 * t / w
     g = hw.gpus_per_node
     if strategy.startswith("zero2-offload"):  # the offload engine (strategies/offload.py)
         bucket = (c + 4 + 4 / w) * max(ut, vt)  # a bucket's gradients, packed in fp32, reduce-scattered
@@ -159,11 +163,15 @@ def memory(strategy: str, prof, hw, c: int, checkpointing: bool, accum: int = 1,
         return gpu, _bytes(grads=slots, optimizer=optim, buffers=max(0.0, init - slots - optim))
     # FSDP2: zero2 keeps every unit gathered from its forward to its backward. zero3 reshards each
     # after its forward (the root too) and gathers it again for backward: an all-gather's output and
-    # the unsharded copy made from it (gloo: and its own copy of the output) exist together.
+    # the unsharded copy made from it (gloo: and its own copy of the output) exist together. A 4-bit
+    # base is gathered as NF4 (the root holds none: no adapter wraps embeddings or head), and each
+    # matmul dequantizes its layer beside it, in forward and backward.
     if strategy == "zero2":
-        forward, head = c * n, c * n + c * v
+        forward = quantized.with_base(c, n, q)
+        head = forward + c * v
     else:
-        forward, head = 0, max(2 * c * r, c * r + c * v + 2 * c * u)
+        forward, head = 0, max(2 * c * r, c * r + c * v + 2 * quantized.with_base(c, u, uq))
+    dequant = quantized.transient(prof, "torchao") if four_bit else 0
     # the root group's reduce-scatter, at the end of backward: its unsharded gradients copied into the
     # fp32 input, then the output (this rank's gradient shard); the previous unit's input is kept till then
     reduce = 4 * rt + max(c * rt, 4 * rt / w)
@@ -171,10 +179,12 @@ def memory(strategy: str, prof, hw, c: int, checkpointing: bool, accum: int = 1,
         reduce = max(reduce, 8 * rt + 8 * rt / w)
     if strategy == "zero3-offload":  # shards, gradients and optimizer states in host RAM
         host = _bytes(params=shard * g, grads=tshard * g, optimizer=2 * tshard * g, buffers=init)
-        return _peak({}, loss=dict(activations=act, buffers=2 * l32), head=dict(activations=loss_act, buffers=lc + head),
+        return _peak({}, loss=dict(activations=act, buffers=2 * l32 + dequant),
+                     head=dict(activations=loss_act, buffers=lc + head + dequant),
                      update=dict(buffers=4 * ut + reduce)), host
     return _peak(dict(params=shard, grads=tshard * held, optimizer=2 * tshard),
-                 loss=dict(activations=act, buffers=forward + 2 * l32), head=dict(activations=loss_act, buffers=lc + head),
+                 loss=dict(activations=act, buffers=forward + 2 * l32 + dequant),
+                 head=dict(activations=loss_act, buffers=lc + head + dequant),
                  update=dict(grads=tshard, buffers=4 * ut + reduce - 4 * rt / w)), _bytes(buffers=init)
 
 
@@ -185,11 +195,13 @@ def _peak(common: dict, **moments: dict) -> dict[str, int]:
 
 def step_time(strategy: str, prof, hw, c: int, checkpointing: bool, tokens_per_step: int, accum: int,
               nvme_host: float = 0.0, grad_bytes: int = 4, issue: float = 0.0, traffic: float = 0.0,
-              states: str = "fp32") -> dict:
+              states: str = "fp32", four_bit: bool = False) -> dict:
     """Seconds per optimizer step of each cost; the step is their overlapped combination. `issue`: the
     host's seconds to issue the step's kernels (hostcost.py), a floor under the GPU's compute;
-    `traffic`: the GPU's seconds of memory-bound operators (devicecost.py), on top of its FLOPs."""
+    `traffic`: the GPU's seconds of memory-bound operators (devicecost.py), on top of its FLOPs.
+    `four_bit`: FSDP2 gathers the LoRA base layers, and zero3-offload copies their shards up, in NF4."""
     n, t, w = prof.params, prof.trainable_params, hw.world_size
+    q = prof.quantized_params if four_bit else 0
     flops = prof.flops_per_token * tokens_per_step * (4 / 3 if checkpointing else 1)
     compute = flops / (w * hw.gpu_tflops * 1e12 * MFU) + traffic
     link = (hw.inter_gbps / hw.gpus_per_node if hw.nodes > 1 else hw.intra_gbps) * 1e9
@@ -203,12 +215,13 @@ def step_time(strategy: str, prof, hw, c: int, checkpointing: bool, tokens_per_s
         comm = (4 * t + c * t) * ring / link
     else:  # per micro-batch: gather parameters (twice for zero3), reduce-scatter fp32 gradients
         gathers = 1 if strategy.startswith("zero2") else 2
-        comm = accum * (gathers * c * n + 4 * t) * ring / link
+        comm = accum * (gathers * quantized.with_base(c, n, q) + 4 * t) * ring / link
     pcie = cpu = disk = 0.0
     if "offload" in strategy:
         moved = (grad_bytes + 4) * t / w  # gradient rows down, fp32 master rows up (zero2-offload: once per step)
         if strategy == "zero3-offload":
-            moved = accum * 2 * 4 * n / w + 4 * t / w  # shards up for forward and backward, gradients down
+            # shards up for forward and backward, gradients down
+            moved = accum * 2 * quantized.with_base(4, n, q) / w + 4 * t / w
         pcie = moved / (hw.pcie_gbps * 1e9)
         if strategy.startswith("zero2-offload"):  # the node's ranks share its cores
             cpu = t / w * hw.gpus_per_node / host_adam_rate(hw, grad_bytes, states)

@@ -27,7 +27,7 @@ class Job:
     sequence_parallel: bool = False  # composed plans with tp > 1 and no pipeline split the sequence
     compile: bool = False  # blocks compiled (torch.compile): the host issues far fewer kernels (hostcost.py)
     lora: LoraSettings | None = None  # LoRA adapters beside the frozen base (adapters.py); None: full fine-tuning
-    load_in_4bit: bool = False  # with lora: the base layers in 4 bits (QLoRA, quantized.py); single and ddp only
+    load_in_4bit: bool = False  # with lora: the base layers in 4 bits (QLoRA, quantized.py): single, ddp and FSDP2 rows
 
     def micro(self, world: int) -> int:
         """The micro-batch per process: given, or the whole per-process share (no accumulation)."""

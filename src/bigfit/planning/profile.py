@@ -86,6 +86,8 @@ class ModelProfile:
     quantized_params: int = 0
     quantized_layers: int = 0
     largest_quantized: int = 0  # the largest of those layers: its bf16 copy is the dequantisation's temporary
+    unit_quantized: int = 0  # those in the largest block: FSDP2 gathers them in 4 bits with that unit
+    nf4_ranks: int = 0  # torchao's NF4 splits every base layer into whole blocks over its divisors (0: none)
 
     @property
     def trainable_params(self) -> float:

@@ -1,27 +1,35 @@
 """QLoRA's 4-bit base in the plan (`--lora --load-in-4bit`, quantize.py): the bytes of the LoRA base
-layers' weights in bitsandbytes' NF4 with double quantisation, the bf16 copy each matmul dequantizes
-for itself, and that dequantisation's memory traffic. Everything else is LoRA's (adapters.py): the
-other frozen parameters in bf16 (parallel/apply.py store_frozen), the adapters in fp32 with their
+layers' weights in NF4 with double quantisation, the bf16 copy each matmul dequantizes for itself,
+and that dequantisation's memory traffic. Two libraries store the same format (quantize.py): where
+each process holds the whole base on a CUDA GPU (single, ddp), bitsandbytes' Linear4bit and its
+fused kernels; where FSDP2 shards it (zero2, zero3, zero3-offload: each rank keeps its rows of every
+layer's blocks, the all-gathers move 4 bits a weight) or there is no CUDA, torchao's NF4Tensor, which
+dequantizes in a chain of eager operators. Everything else is LoRA's (adapters.py): the other frozen
+parameters in bf16 (store_frozen) or as FSDP2's fp32 shards, the adapters in fp32 with their
 gradients and AdamW's moments, the trace's activations (a 4-bit matmul, like a frozen bf16 one,
-saves no input). Only single and ddp run it (each process holds the whole 4-bit base), so only
-they are rated. Pure arithmetic on the trace's counts; nothing here imports bitsandbytes."""
+saves no input). Pure arithmetic on the trace's counts; nothing here imports either library."""
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import torch
 
 from ..errors import BigfitError
-from ..quantize import check as check_4bit, quantized_layers
-from .devicecost import MEM_EFFICIENCY
+from ..models import block_lists
+from ..quantize import backend, check as check_4bit, quantized_layers
+from .devicecost import GATHER, MEM_EFFICIENCY
 
-STRATEGIES = ("single", "ddp")  # quantize.check's: 4-bit weights are neither sharded nor offloaded
-# bitsandbytes' layout (functional.quantize_4bit, blocksize 64, compress_statistics): two weights a
-# byte; an absmax per block of 64 weights, itself stored in 8 bits with an fp32 absmax per 256 blocks
+STRATEGIES = ("single", "ddp", "zero2", "zero3", "zero3-offload")  # quantize.check's; composed layouts are not
+SHARDED = ("zero2", "zero3", "zero3-offload")  # FSDP2's: torchao's NF4Tensor, sharded along dim 0
+# the layout both libraries share (blocksize 64, double quantisation): two weights a byte; an absmax
+# per block of 64 weights, itself stored in 8 bits with an fp32 factor per 256 blocks (torchao keeps
+# that factor in the weight's bf16: 2 bytes less per 16,384 weights, left out)
 BLOCK, BLOCK2 = 64, 256
 STORED = 0.5 + 1 / BLOCK + 4 / (BLOCK * BLOCK2)  # 0.5159 bytes a weight
 # per layer: NF4's 16-value code and the 8-bit absmaxes' offset, each in the CUDA allocator's
-# smallest block (512 bytes), and those absmaxes' 256-value fp32 code (quantize_blockwise copies it)
+# smallest block (512 bytes), and those absmaxes' 256-value fp32 code (quantize_blockwise copies it);
+# torchao's code and mean take two such blocks on every rank, counted the same
 LAYER_BYTES = 2 * 512 + 4 * 256
 FP32_ABSMAX = 4 / BLOCK  # the absmaxes made fp32 again for each dequantisation, a weight's share
 # One dequantisation, in bytes a weight (bitsandbytes 0.50's backends/cuda/ops.py, its path for a
@@ -32,64 +40,110 @@ FP32_ABSMAX = 4 / BLOCK  # the absmaxes made fp32 again for each dequantisation,
 DEQUANT_BYTES = 1 / BLOCK + 3 * FP32_ABSMAX + 0.5 + FP32_ABSMAX + 2  # 2.77
 # alive while one layer computes: its bf16 copy, and its absmaxes in fp32 (before and after the offset)
 TRANSIENT_BYTES = 2 + 2 * FP32_ABSMAX
+# torchao 0.18's NF4Tensor.get_original_weight, which F.linear calls on the weight in forward and in
+# backward, in bytes a weight (read off its operators on this CPU, tests/test_plan_qlora_sharded.py):
+# each half of the packed bytes shifted or masked (0.5 read, 0.5 written), made int64 (0.5, 4), looked
+# up in the code (4, 1); the absmaxes' expanded view made whole (1) and multiplied in (2, 1) for each
+# half; the halves stacked into the bf16 copy (2, 2). Every one of those tensors is a local of the call,
+# alive until the copy is made: 14 bytes a weight at once, the copy's 2 among them.
+TORCHAO_DEQUANT_BYTES = 2 * ((0.5 + 0.5) + (0.5 + 4) + (4 + 1) + 1 + (2 + 1)) + (2 + 2)  # 33
+TORCHAO_TRANSIENT_BYTES = 2 * (4 + 1 + 1) + 2  # 14
 
 
 def base_counts(model: torch.nn.Module) -> dict:
     """ModelProfile's quantized fields: the weights `--load-in-4bit` stores in 4 bits (every LoRA
-    base layer's: quantize.quantized_layers, what training quantizes), how many layers, the largest."""
-    sizes = [getattr(parent, attr).weight.numel() for _, parent, attr in quantized_layers(model)]
-    if not sizes:
+    base layer's: quantize.quantized_layers, what training quantizes), how many layers, the largest,
+    those in the largest block, and the rank counts FSDP2 can split them over."""
+    weights = [getattr(parent, attr).weight for _, parent, attr in quantized_layers(model)]
+    if not weights:
         return {}
-    return {"quantized_params": sum(sizes), "quantized_layers": len(sizes), "largest_quantized": max(sizes)}
+    sizes = {id(w): w.numel() for w in weights}
+    blocks = [blk for _, stack in block_lists(model) for blk in stack]
+    largest = max(blocks, key=lambda b: sum(p.numel() for p in b.parameters()), default=None)
+    unit = sum(sizes.get(id(p), 0) for p in largest.parameters()) if largest is not None else 0
+    # quantize.check_blocks: a rank's rows of a layer hold whole blocks and whole factors' groups
+    whole = math.gcd(*sizes.values())
+    ranks = math.gcd(whole // (BLOCK * BLOCK2), *(w.shape[0] for w in weights)) if whole % (BLOCK * BLOCK2) == 0 else 0
+    return {"quantized_params": sum(sizes.values()), "quantized_layers": len(sizes),
+            "largest_quantized": max(sizes.values()), "unit_quantized": unit, "nf4_ranks": ranks}
+
+
+def store(strategy: str, hw) -> str:
+    """The library that holds the base on this row (quantize.backend): torchao where FSDP2 shards it
+    or the devices are not CUDA GPUs, bitsandbytes otherwise."""
+    return backend(strategy, hw.device == "cuda")
+
+
+def unrunnable(prof, strategy: str, hw) -> str | None:
+    """Why training would refuse this row's 4-bit base (quantize.check_blocks), or None: torchao's
+    layers must split into whole blocks over the ranks that shard them (any real model's do)."""
+    if store(strategy, hw) != "torchao":
+        return None
+    ranks = hw.world_size if strategy in SHARDED else 1
+    if prof.nf4_ranks and prof.nf4_ranks % ranks == 0:
+        return None
+    return (f"cannot store its base layers in torchao's NF4 over {ranks} rank(s): each rank's rows must hold whole "
+            f"blocks of {BLOCK} x {BLOCK2} weights")
 
 
 def frozen_bytes(prof, c: int) -> float:
-    """The frozen parameters' bytes with the base layers in 4 bits: those weights as bitsandbytes
-    stores them, every other frozen parameter (embeddings, norms, the head) in the compute dtype."""
+    """The frozen parameters' bytes with the base layers in 4 bits, where each process holds all of
+    them: those weights in NF4, every other frozen parameter (embeddings, norms, the head) in the
+    compute dtype."""
     q = prof.quantized_params
     return STORED * q + LAYER_BYTES * prof.quantized_layers + c * (prof.frozen_params - q)
 
 
-def transient(prof) -> float:
+def shard_bytes(prof, w: int) -> float:
+    """A rank's share of the base under FSDP2: its rows of every layer's blocks, and each layer's small
+    tensors whole."""
+    return STORED * prof.quantized_params / w + LAYER_BYTES * prof.quantized_layers
+
+
+def with_base(c: float, params: float, quantized: float) -> float:
+    """The bytes of `params` parameters at `c` bytes each, `quantized` of them in NF4 instead: what an
+    all-gather moves and leaves unsharded (FSDP2 gathers an NF4Tensor's own bytes, torchao's
+    fsdp_pre_all_gather), or a shard's bytes with c = 4."""
+    return c * (params - quantized) + STORED * quantized
+
+
+def transient(prof, library: str = "bitsandbytes") -> float:
     """One layer's dequantisation temporaries, the largest layer's: alive in forward and backward."""
-    return TRANSIENT_BYTES * prof.largest_quantized
+    per_weight = TORCHAO_TRANSIENT_BYTES if library == "torchao" else TRANSIENT_BYTES
+    return per_weight * prof.largest_quantized
 
 
-def dequant_seconds(prof, hw, job, micro_batches: int) -> float:
+def dequant_seconds(prof, hw, job, micro_batches: int, library: str = "bitsandbytes") -> float:
     """The GPU's seconds a step of dequantising the base: every 4-bit matmul dequantizes its weight in
     forward, again in backward for its input gradient (and in the recompute with checkpointing), once
-    per micro-batch whatever its size, at the memory-bound rate of devicecost.py's other operators."""
+    per micro-batch whatever its size, at the memory-bound rate of devicecost.py's other operators.
+    Under FSDP2 each rank dequantizes every layer, as it computes with every gathered unit."""
     passes = 3 if job.checkpointing else 2
-    moved = micro_batches * passes * DEQUANT_BYTES * prof.quantized_params
+    per_weight = TORCHAO_DEQUANT_BYTES if library == "torchao" else DEQUANT_BYTES
+    moved = micro_batches * passes * per_weight * prof.quantized_params
     return moved / (hw.gpu_mem_gbps * 1e9 * MEM_EFFICIENCY)
 
 
+def gather_saving(prof, hw, micro_batches: int, gathers: int) -> float:
+    """The GPU's seconds FSDP2's copies around its all-gathers (devicecost.GATHER, 4 bytes a bf16
+    parameter) spare a step where the gathered weights are NF4: FSDP2's copy-out and nf4gather.py's
+    copy into the layer's own tensors each read and write a weight's 0.516 bytes."""
+    spared = micro_batches * gathers * (GATHER - 4 * STORED) * prof.quantized_params
+    return spared / (hw.gpu_mem_gbps * 1e9 * MEM_EFFICIENCY)
+
+
 def rated(strategies, job) -> tuple[str, ...]:
-    """The strategies a job with a 4-bit base is rated with: single and ddp among those asked for."""
+    """The strategies a job with a 4-bit base is rated with: those of STRATEGIES asked for."""
     return tuple(s for s in strategies if s in STRATEGIES) if job.load_in_4bit else tuple(strategies)
 
 
 def check(lora: bool, precision: str, degrees: dict | None = None) -> None:
     """`bigfit plan --load-in-4bit`: `bigfit train`'s one-line refusals (quantize.check), less the
-    machine's: a plan needs neither a CUDA GPU nor bitsandbytes. A plan takes no --strategy; composed
-    plans' degrees (`degrees`, --tp 2) are refused as a strategy other than single and ddp would be."""
-    strategy = " ".join(f"--{d.replace('_', '-')} {v}" for d, v in (degrees or {}).items()) or "single"
-    view = SimpleNamespace(load_in_4bit=True, lora=lora, strategy=strategy, precision=precision)
-    try:
-        check_4bit(view, cuda=False)
-    except BigfitError as e:
-        if str(e) != _machine_line():
-            raise
-
-
-def _machine_line() -> str | None:
-    """quantize.check's refusal of a machine without CUDA, which it makes after the settings' and
-    before it imports bitsandbytes: valid settings end there, so that line is a pass for a plan."""
-    try:
-        check_4bit(SimpleNamespace(load_in_4bit=True, lora=True, strategy="single", precision="bf16"), cuda=False)
-    except BigfitError as e:
-        return str(e)
-    return None
+    libraries': a plan imports neither bitsandbytes nor torchao. A plan takes no --strategy; composed
+    plans' degrees (`degrees`, --tp 2) are refused as that strategy would be."""
+    strategy = "zero3" if degrees else "single"  # degrees: an FSDP2 layout, refused for its --tp, --pp, ...
+    view = SimpleNamespace(load_in_4bit=True, lora=lora, strategy=strategy, precision=precision, **(degrees or {}))
+    check_4bit(view, cuda=False, libraries=False)
 
 
 def describe(prof) -> str:
@@ -97,5 +151,6 @@ def describe(prof) -> str:
     q = prof.quantized_params
     return (f"4-bit base (QLoRA): {prof.quantized_layers} LoRA base layers, {q / 1e9:.2f}B parameters in NF4 "
             f"with double quantisation, {STORED * q / 1e9:.1f} GB ({2 * q / 1e9:.1f} GB in bf16), each dequantized "
-            f"to bf16 in forward and backward; rated with {' and '.join(STRATEGIES)} alone (the 4-bit base is "
-            "neither sharded nor offloaded)")
+            f"to bf16 in forward and backward; rated with {', '.join(STRATEGIES[:-1])} and {STRATEGIES[-1]} "
+            "(bitsandbytes holds the whole base in each process on single and ddp; torchao's NF4Tensor is "
+            "sharded by FSDP2 on the others, offloaded with zero3-offload); no composed layout")

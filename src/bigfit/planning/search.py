@@ -69,7 +69,8 @@ def plan(prof, hw, job: Job, strategies=ALL, autocast_prof=None, split_prof=None
     pipeline (default `prof`, the same when there is one GPU); `prof` otherwise, traced at
     job.micro(world). `layouts`: None for the named rows alone, else the composed plans too, with
     these degrees fixed ({} for all: layouts.py). A 4-bit base (job.load_in_4bit) is rated with
-    single and ddp alone, and with no composed plan: nothing else runs it (quantized.py)."""
+    single, ddp, zero2, zero3 and zero3-offload alone, and with no composed plan: nothing else runs
+    it (quantized.py)."""
     world, strategies = hw.world_size, quantized.rated(strategies, job)
     accum = max(1, job.batch_size // (job.micro(world) * world))
     c = DTYPES[job.precision].itemsize
@@ -89,7 +90,7 @@ def plan(prof, hw, job: Job, strategies=ALL, autocast_prof=None, split_prof=None
         e = next((r for r in rated if _fit(r, hw) is None), rated[-1])
         if e.states != rated[0].states:
             e.why_states = f"with {rated[0].states} states it {_fit(rated[0], hw)}"
-        why = _fit(e, hw)
+        why = _fit(e, hw) or (quantized.unrunnable(prof, name, hw) if job.load_in_4bit else None)
         out.append(Candidate(e, why is None, why, tokens / e.step_time_s))
     ok = sorted((c for c in out if not c.why_not), key=_rank)
     best = ok[0].estimate.name if ok else None
@@ -97,7 +98,8 @@ def plan(prof, hw, job: Job, strategies=ALL, autocast_prof=None, split_prof=None
     result = Plan(out, best, why, hw.describe(), job, device_map=sections.get("device_map"),
                   pipeline=sections.get("pipeline"), params=prof.params, trainable_params=prof.trainable_params)
     if layouts is not None and job.load_in_4bit:
-        result.layout_reason = "not rated with --load-in-4bit (a 4-bit base runs with single or ddp alone)"
+        result.layout_reason = ("not rated with --load-in-4bit (a 4-bit base runs with single, ddp, zero2, zero3 "
+                                "or zero3-offload alone)")
     elif layouts is not None:
         result.layouts, result.layout_rejected = layout_rows(prof, hw, job, layouts)
         result.layout_pick, result.layout_reason = choose(out, result.layouts)
@@ -123,14 +125,14 @@ def _row(name: str, states: str, prof, autocast_prof, hw, job: Job, c: int, accu
                        nvme_host=kept, grad_bytes=gb, four_bit=job.load_in_4bit, delayed=job.delayed_update,
                        states=states)
     # a 4-bit base's matmuls each dequantize their weight too: memory-bound, beside the trace's operators
-    dequant = quantized.dequant_seconds(prof, hw, job, accum) if job.load_in_4bit else 0.0
+    dequant = quantized.dequant_seconds(prof, hw, job, accum, quantized.store(name, hw)) if job.load_in_4bit else 0.0
     # the issue cost from the plain trace's operators: autocast's casts run inside the dispatcher,
     # cheaply (single measured faster than zero2 and zero3 in every host-bound H200 row); the GPU's
     # memory traffic from the trace as it runs (autocast's fp32 residual stream and casts move bytes)
     costs = step_time(name, prof, hw, c, job.checkpointing, tokens, accum, nvme_host=kept, grad_bytes=gb,
                       issue=issue_seconds(prof, hw, job, accum, fsdp=name in FSDP),
                       traffic=step_traffic(traced, hw, job, job.batch_size / world) + dequant
-                      + _parameter_traffic(name, traced, hw, job, accum), states=states)
+                      + _parameter_traffic(name, traced, hw, job, accum), states=states, four_bit=job.load_in_4bit)
     step_s = combine(costs, engine=_engine_mode(job) if name.startswith("zero2-offload") else None, accum=accum)
     return Estimate(name, gpu, host, step_s, costs,
                     nvme_bytes(prof.trainable_params, hw, kept, states) if name.endswith("nvme") else 0, states=states)
@@ -206,7 +208,9 @@ def _parameter_traffic(name: str, prof, hw, job: Job, accum: int) -> float:
         return 0.0
     shards = hw.world_size if name in ("zero1", *FSDP) else 1
     gathers = {"zero2": 1, "zero3": 2}.get(name, 0)
-    return parameter_seconds(prof, hw, job, shards, accum, name in AUTOCAST and job.precision != "fp32", gathers)
+    spared = quantized.gather_saving(prof, hw, accum, gathers) if job.load_in_4bit else 0.0  # NF4's gathers
+    autocast = name in AUTOCAST and job.precision != "fp32"
+    return parameter_seconds(prof, hw, job, shards, accum, autocast, gathers) - spared
 
 
 def plan_for_config(model_config, hw, job: Job, strategies=ALL, layouts: dict | None = None) -> Plan:

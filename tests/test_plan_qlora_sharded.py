@@ -1,0 +1,189 @@
+"""QLoRA's 4-bit base on FSDP2's rows (planning/quantized.py): zero2, zero3 and zero3-offload hold
+their rows of the base in torchao's NF4 and gather it in 4 bits, so a base that a 16-bit one would
+not let fit does, its share falls with the ranks, and zero3-offload keeps it in host RAM; single's
+and ddp's figures stay bitsandbytes' (pinned as they were before FSDP2 ran a 4-bit base); torchao's
+own dequantisation is read off its operators here."""
+from __future__ import annotations
+
+import sys
+
+import pytest
+from transformers import LlamaConfig
+
+from bigfit.hardware import Hardware
+from bigfit.lora import LoraSettings
+from bigfit.planning import quantized
+from bigfit.planning.job import Job
+
+GB = 10**9
+LORA = LoraSettings(r=16)
+SHAPES = {"8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32),
+          "70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80)}
+FSDP = ("zero2", "zero3", "zero3-offload")
+
+
+def llama(shape: str) -> LlamaConfig:
+    return LlamaConfig(**SHAPES[shape], num_attention_heads=SHAPES[shape]["hidden_size"] // 128, num_key_value_heads=8,
+                       vocab_size=128256, tie_word_embeddings=False)
+
+
+def profile(shape: str):
+    """The plan's own trace of the shape (search.plan_for_config's arguments: one trace a process)."""
+    from bigfit.planning.profile import profile_model
+
+    return profile_model(llama(shape), 1, 2048, 2048, "bf16", "cuda", lora=LORA)
+
+
+def plan(shape: str, gpus: int, gb: int, four_bit: bool = True, strategies=None):
+    from bigfit.planning.search import ALL, plan_for_config
+
+    hw = Hardware(gpu_bytes=(gb * GB,) * gpus, cpu_ram=128 * GB)
+    job = Job(batch_size=gpus, seq_len=2048, micro_batch=1, checkpointing=True, lora=LORA, load_in_4bit=four_bit)
+    return {c.estimate.name: c for c in plan_for_config(llama(shape), hw, job, strategies or ALL).candidates}
+
+
+def test_fsdp_rows_fit_a_4bit_base_where_a_16bit_one_does_not():
+    assert all(c.fits for c in plan("8b", 2, 24).values())
+    for shape, gb in (("8b", 16), ("70b", 80)):
+        four, bf16 = plan(shape, 2, gb), plan(shape, 2, gb, four_bit=False, strategies=FSDP)
+        assert list(four) == ["ddp", *FSDP]
+        assert four["zero3"].fits and four["zero3-offload"].fits and not bf16["zero3"].fits, (shape, four, bf16)
+        assert four["zero3"].estimate.per_gpu["params"] < bf16["zero3"].estimate.per_gpu["params"] / 2
+    # 70B on two 24 GB GPUs: only zero3-offload, the base's rows in host RAM
+    rows = plan("70b", 2, 24)
+    assert [n for n, c in rows.items() if c.fits] == ["zero3-offload"]
+
+
+def test_sharded_base_falls_with_the_ranks():
+    from bigfit.planning.estimate import memory
+
+    prof = profile("8b")
+    assert (prof.unit_quantized, prof.nf4_ranks) == (prof.quantized_params // 32, 256)  # every block alike
+    q, rest = prof.quantized_params, prof.params - prof.quantized_params
+    for w in (1, 2, 4, 8):
+        hw = Hardware(gpu_bytes=(80 * GB,) * w, cpu_ram=512 * GB)
+        gpu, _ = memory("zero3", prof, hw, 2, True, four_bit=True)
+        base = gpu["params"] - 4 * rest / w - quantized.LAYER_BYTES * prof.quantized_layers  # fp32 shards aside
+        assert base * w == pytest.approx(quantized.STORED * q, rel=1e-6)
+        # zero2 holds the whole model gathered through the step: the base in NF4, the rest in bf16
+        gathered = memory("zero2", prof, hw, 2, True, four_bit=True)[0]["buffers"]
+        assert quantized.STORED * q + 2 * rest < gathered < 2 * prof.params
+
+
+def test_zero3_offload_keeps_the_base_on_the_host():
+    from bigfit.planning.estimate import memory
+
+    prof = profile("8b")
+    hw = Hardware(gpu_bytes=(24 * GB,) * 2, cpu_ram=128 * GB)
+    (gpu, host), (gpu3, _) = (memory(s, prof, hw, 2, True, four_bit=True) for s in ("zero3-offload", "zero3"))
+    assert gpu["params"] == 0 and host["params"] == pytest.approx(2 * gpu3["params"], abs=2)  # both ranks' shards
+    assert host["buffers"] == 0  # read and quantized a unit at a time: no whole fp32 model on the host
+    q = prof.quantized_params
+    assert host["params"] == pytest.approx(4 * (prof.params - q) + quantized.STORED * q, rel=1e-3)
+    assert gpu["total"] < gpu3["total"] - gpu3["params"] + 1  # the GPU holds what zero3's does less its shards
+
+
+def test_gathers_and_offload_copies_move_4bit_weights():
+    from bigfit.planning.estimate import step_time
+
+    prof = profile("8b")
+    hw = Hardware(gpu_bytes=(24 * GB,) * 2, cpu_ram=128 * GB)
+    q, link = prof.quantized_params, hw.intra_gbps * 1e9
+    for name, gathers in (("zero2", 1), ("zero3", 2), ("zero3-offload", 2)):
+        bf16, four = (step_time(name, prof, hw, 2, True, 4096, 1, four_bit=f) for f in (False, True))
+        assert bf16["communication"] - four["communication"] == pytest.approx(gathers * (2 - quantized.STORED) * q / 2 / link)
+    bf16, four = (step_time("zero3-offload", prof, hw, 2, True, 4096, 1, four_bit=f) for f in (False, True))
+    assert bf16["pcie"] - four["pcie"] == pytest.approx(2 * (4 - quantized.STORED) * q / 2 / (hw.pcie_gbps * 1e9))
+
+
+def test_fsdp_rows_dequantize_in_torchao_and_single_ddp_rows_are_unchanged():
+    rows = {gpus: plan("8b", gpus, 24) for gpus in (1, 2)}
+    # as before FSDP2 ran a 4-bit base: bitsandbytes' bytes and dequantisation (tests/test_plan_lora.py)
+    for (gpus, name), (total, step) in {(1, "single"): (10687397892, 0.38078333), (1, "ddp"): (10687397892, 0.38078333),
+                                        (2, "ddp"): (10855170052, 0.38078333)}.items():
+        e = rows[gpus][name].estimate
+        assert (e.per_gpu["total"], e.step_time_s) == (pytest.approx(total, rel=1e-6), pytest.approx(step, rel=1e-6))
+    e = plan("70b", 2, 80)["ddp"].estimate
+    assert (e.per_gpu["total"], e.step_time_s) == (pytest.approx(50748481540, rel=1e-6), pytest.approx(2.04030777, rel=1e-6))
+    for name in FSDP:  # torchao's chain: its 14 bytes a weight beside the gathered unit, its 33 moved
+        e = rows[2][name].estimate
+        assert e.per_gpu["buffers"] >= quantized.TORCHAO_TRANSIENT_BYTES * 14336 * 4096
+        assert e.costs["compute"] > rows[2]["ddp"].estimate.costs["compute"]
+
+
+def test_layers_that_split_into_no_whole_blocks_are_refused():
+    from bigfit.planning.search import plan_for_config
+    from tiny import tiny_config
+
+    config = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=2, num_attention_heads=16,
+                         num_key_value_heads=4, vocab_size=32000)
+    for gpus, runnable in ((4, True), (3, False)):  # its layers hold 16 x 16,384 weights, in rows of 256 at least
+        hw = Hardware(gpu_bytes=(80 * GB,) * gpus, cpu_ram=512 * GB)
+        rows = plan_for_config(config, hw, Job(batch_size=gpus, seq_len=128, lora=LORA, load_in_4bit=True)).candidates
+        assert all(c.fits == runnable or c.estimate.name == "ddp" for c in rows), [(c.estimate.name, c.why_not) for c in rows]
+    hw = Hardware(gpu_bytes=(80 * GB,) * 2, cpu_ram=512 * GB)
+    rows = plan_for_config(tiny_config("llama"), hw, Job(batch_size=2, seq_len=32, lora=LORA, load_in_4bit=True))
+    assert rows.recommended == "ddp" and all("whole blocks" in c.why_not for c in rows.candidates[1:])
+
+
+def test_check_refuses_what_train_refuses_and_imports_no_library():
+    from bigfit.errors import BigfitError
+
+    before = {n: n in sys.modules for n in ("torchao", "bitsandbytes")}
+    quantized.check(True, "bf16")
+    for args in ((False, "bf16"), (True, "fp32"), (True, "bf16", {"tp": 2}), (True, "bf16", {"pp": 2})):
+        with pytest.raises(BigfitError, match="--load-in-4bit"):
+            quantized.check(*args)
+    assert {n: n in sys.modules for n in before} == before and sys.modules.get("torchao", 0) is not None
+
+
+def test_torchao_dequantisation_bytes_are_its_own():
+    """The bytes torchao's NF4Tensor stores, and its dequantisation moves and holds at once, read off
+    the operators it dispatches (each kernel's inputs read, output written; a view reads its storage)."""
+    import weakref
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    pytest.importorskip("torchao")
+    try:
+        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+    except ImportError:  # torchao before 0.15 kept it here
+        from torchao.dtypes.nf4tensor import to_nf4
+
+    class Live(TorchDispatchMode):
+        live = peak = moved = 0
+        alive: set = set()  # storages made inside the call (a view's is its base's)
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            new = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in tree_flatten(out)[0]
+                   if isinstance(t, torch.Tensor)}
+            new = {k: v for k, v in new.items() if k not in self.alive and k not in inputs}
+            if new:  # a kernel ran
+                read = sum(min(t.numel() * t.element_size(), t.untyped_storage().nbytes())
+                           for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor))
+                written = sum(s.nbytes() for s in new.values())
+                self.moved += read + written
+                self.live += written
+                self.peak = max(self.peak, self.live)
+                for k, s in new.items():
+                    self.alive.add(k)
+                    weakref.finalize(s, self.free, k, s.nbytes())
+            return out
+
+        def free(self, key, nbytes):
+            self.alive.discard(key)
+            self.live -= nbytes
+
+    w = torch.randn(1024, 256, dtype=torch.bfloat16)
+    q = to_nf4(w, quantized.BLOCK, quantized.BLOCK2)
+    stored = sum(t.numel() * t.element_size() for t in (q.quantized_data, q.quantized_scalers, q.quantization_factor))
+    assert stored / w.numel() == pytest.approx(quantized.STORED, rel=1e-3)
+    inputs = {getattr(q, name).untyped_storage().data_ptr() for name in q.__tensor_flatten__()[0]}
+    mode = Live()
+    with mode:
+        q.get_original_weight()
+    assert mode.peak / w.numel() == pytest.approx(quantized.TORCHAO_TRANSIENT_BYTES, rel=0.01)
+    assert mode.moved / w.numel() == pytest.approx(quantized.TORCHAO_DEQUANT_BYTES, rel=0.02)
