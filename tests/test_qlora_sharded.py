@@ -156,3 +156,18 @@ def test_a_layer_that_splits_into_no_whole_blocks_is_one_line(model_dirs, wide_l
     check_blocks(injected(wide_llama), 2)
     with pytest.raises(BigfitError, match=r"k_proj.base_layer.weight \[128, 256\] .* \(65536 weights a rank's share"):
         check_blocks(injected(wide_llama), 4)
+
+
+@pytest.mark.parametrize("shape", [(256, 256), (512, 128), (2048, 64)])
+def test_the_dequantisation_is_torchaos_bit_for_bit(shape):
+    """nf4.py's table lookup against torchao's own chain, on weights with outliers and zeros."""
+    from bigfit.quantize import nf4
+
+    _, to_nf4 = nf4()
+    torch.manual_seed(sum(shape))
+    w = torch.randn(shape) * torch.rand(shape[0], 1) * 3
+    w[0, :7], w[-1, -5:] = 0.0, 40.0
+    q = to_nf4(w.to(torch.bfloat16))
+    assert torch.equal(q.get_original_weight(), q.torchao_dequantized())
+    assert torch.equal(torch.nn.functional.linear(torch.ones(3, shape[1], dtype=torch.bfloat16), q),
+                       torch.ones(3, shape[1], dtype=torch.bfloat16) @ q.torchao_dequantized().t())

@@ -65,9 +65,9 @@ def nf4():
         except ImportError:
             raise BigfitError("--load-in-4bit with a sharded strategy or without CUDA needs the torchao library: "
                               "pip install 'bigfit[qlora]'") from None
-    from .nf4gather import install
+    from .nf4 import install
 
-    install(NF4Tensor)  # FSDP2 gathers it as one byte tensor (nf4gather.py: its one-rank path)
+    install(NF4Tensor)  # FSDP2's gather as one byte tensor, a leaner dequantisation (nf4.py)
     return NF4Tensor, to_nf4
 
 

@@ -40,14 +40,14 @@ FP32_ABSMAX = 4 / BLOCK  # the absmaxes made fp32 again for each dequantisation,
 DEQUANT_BYTES = 1 / BLOCK + 3 * FP32_ABSMAX + 0.5 + FP32_ABSMAX + 2  # 2.77
 # alive while one layer computes: its bf16 copy, and its absmaxes in fp32 (before and after the offset)
 TRANSIENT_BYTES = 2 + 2 * FP32_ABSMAX
-# torchao 0.18's NF4Tensor.get_original_weight, which F.linear calls on the weight in forward and in
-# backward, in bytes a weight (read off its operators on this CPU, tests/test_plan_qlora_sharded.py):
-# each half of the packed bytes shifted or masked (0.5 read, 0.5 written), made int64 (0.5, 4), looked
-# up in the code (4, 1); the absmaxes' expanded view made whole (1) and multiplied in (2, 1) for each
-# half; the halves stacked into the bf16 copy (2, 2). Every one of those tensors is a local of the call,
-# alive until the copy is made: 14 bytes a weight at once, the copy's 2 among them.
-TORCHAO_DEQUANT_BYTES = 2 * ((0.5 + 0.5) + (0.5 + 4) + (4 + 1) + 1 + (2 + 1)) + (2 + 2)  # 33
-TORCHAO_TRANSIENT_BYTES = 2 * (4 + 1 + 1) + 2  # 14
+# The dequantisation of torchao's NF4Tensor (bigfit's, nf4.py: torchao's own moves 33 and holds 14),
+# which F.linear calls on the weight in forward and in backward, in bytes a weight (read off its
+# operators on this CPU, tests/test_plan_qlora_sharded.py): the packed bytes made int32 indices (0.5
+# read, 2 written), each byte's two code values looked up (2, 2), scaled by the block's bf16 absmax
+# into the copy (2 + 2 / BLOCK, 2); the absmaxes made bf16 and offset (7 / BLOCK). At once: the
+# indices and the looked-up values, or those values and the copy.
+TORCHAO_DEQUANT_BYTES = (0.5 + 2) + (2 + 2) + (2 + 2 / BLOCK + 2) + 7 / BLOCK  # 10.64
+TORCHAO_TRANSIENT_BYTES = 2 + 2 + 2 / BLOCK  # 4.03
 
 
 def base_counts(model: torch.nn.Module) -> dict:
@@ -126,7 +126,7 @@ def dequant_seconds(prof, hw, job, micro_batches: int, library: str = "bitsandby
 
 def gather_saving(prof, hw, micro_batches: int, gathers: int) -> float:
     """The GPU's seconds FSDP2's copies around its all-gathers (devicecost.GATHER, 4 bytes a bf16
-    parameter) spare a step where the gathered weights are NF4: FSDP2's copy-out and nf4gather.py's
+    parameter) spare a step where the gathered weights are NF4: FSDP2's copy-out and nf4.py's
     copy into the layer's own tensors each read and write a weight's 0.516 bytes."""
     spared = micro_batches * gathers * (GATHER - 4 * STORED) * prof.quantized_params
     return spared / (hw.gpu_mem_gbps * 1e9 * MEM_EFFICIENCY)

@@ -1,12 +1,17 @@
-"""FSDP2's all-gather of torchao's NF4Tensor as one packed byte tensor a parameter.
+"""Two changes to torchao's NF4Tensor (quantize.py's store for a sharded base), put on its class for
+this process by `install()`; everything else about the tensor (F.linear's dispatch, split, copies,
+quantisation) stays torchao's.
 
-torchao's NF4Tensor hands FSDP2 three all-gather inputs (the 8-bit absmaxes, their factors, the
-4-bit codes). FSDP2's path for one rank (`FSDPParamGroup.wait_for_unshard`, torch 2.11 to 2.13)
-copies only the first input of such a tensor, so zero3 and zero3-offload on one GPU (a 70B base in
-host RAM under a card too small to hold it) fail at the first forward. One uint8 input, each
-rank's share being [absmaxes | factors | codes] as bytes, serves that path and the collective alike.
-`install()` puts these two hooks on torchao's class for this process; everything else about the
-tensor (its dequantisation in F.linear, split, copies) stays torchao's.
+- FSDP2's all-gather as one packed byte tensor a parameter. torchao hands FSDP2 three all-gather
+  inputs (the 8-bit absmaxes, their factors, the 4-bit codes); FSDP2's path for one rank
+  (`FSDPParamGroup.wait_for_unshard`, torch 2.11 to 2.13) copies only the first input of such a
+  tensor, so zero3 and zero3-offload on one GPU (a 70B base in host RAM under a card too small to
+  hold it) fail at the first forward. One uint8 input, each rank's share being [absmaxes | factors |
+  codes] as bytes, serves that path and the collective alike.
+- The dequantisation every matmul runs in forward and backward, through a 256-entry table of byte ->
+  its two code values: 10.5 bytes a weight moved and 4 held at once, where torchao's own (each half
+  of the bytes made int64 indices, looked up and scaled apart, then stacked) moves 33 and holds 14.
+  Bit for bit the same values (tests/test_qlora_sharded.py).
 """
 from __future__ import annotations
 
@@ -16,8 +21,20 @@ INNER = ("quantized_scalers", "quantization_factor", "quantized_data")
 
 
 def install(cls) -> None:
+    if "torchao_dequantized" not in vars(cls):
+        cls.torchao_dequantized = cls.get_original_weight  # torchao's own, the reference of the tests
     cls.fsdp_pre_all_gather = _pre_all_gather
     cls.fsdp_post_all_gather = _post_all_gather
+    cls.get_original_weight = _dequantized
+
+
+def _dequantized(self) -> torch.Tensor:
+    """The weight in its dtype: each byte's two codes looked up at once, scaled by its block's absmax."""
+    code = self.nf4
+    pairs = torch.stack([code.repeat_interleave(16), code.repeat(16)], -1)  # byte b -> (code[b >> 4], code[b & 15])
+    absmax = self.dequantize_scalers(self.quantized_scalers, self.quantization_factor, self.scaler_block_size)
+    weights = pairs[self.quantized_data.int()]
+    return (weights.view(-1, self.block_size) * absmax.unsqueeze(-1)).view(self.shape)
 
 
 def _pre_all_gather(self, mesh):
