@@ -6,10 +6,19 @@ Public API: `train` and `plan` (bigfit train and bigfit plan from Python, return
 parallel layout, from a strategy name and degrees) and `apply_plan` (its transforms, in order),
 `parallelize` / `deparallelize` (device-map model parallelism in one process, bigfit.device_map).
 """
+import logging
+
 from .config import TrainConfig
 from .errors import BigfitError
 
 from .parallel.plan import ParallelPlan, plan_for
+
+# transformers imports torchao (the QLoRA extra, quantize.py) to register its quantizers whenever it
+# loads a model; torchao then logs a warning for each CUDA kernel it could not load, and torch one for
+# each enum torchao registers; peft imports bitsandbytes, whose CPU backend logs that it found no
+# downloaded kernel (bigfit's CPU QLoRA is torchao's): on every run, none of them the user's concern
+for _name in ("torchao", "torch.utils._pytree", "bitsandbytes.backends.cpu"):
+    logging.getLogger(_name).setLevel(logging.ERROR)
 
 __all__ = ["BigfitError", "ParallelPlan", "TrainConfig", "apply_plan", "consolidate", "deparallelize", "parallelize",
            "plan", "plan_for", "run", "train"]

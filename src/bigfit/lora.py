@@ -17,7 +17,6 @@ from dataclasses import dataclass
 import torch
 
 from .errors import BigfitError
-from .quantize import quiet_torchao
 
 ADAPTER = "default"  # peft's adapter name: the one adapter bigfit trains
 ALL_LINEAR = "all-linear"  # peft's shorthand: every linear layer but the output head
@@ -60,7 +59,6 @@ class LoraSettings:
 
 
 def _peft():
-    quiet_torchao()  # peft imports it where it is installed
     try:
         import peft
     except ImportError:

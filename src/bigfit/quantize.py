@@ -22,8 +22,6 @@ quantizes the base again from the same source, bit for bit.
 """
 from __future__ import annotations
 
-import logging
-
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -48,15 +46,9 @@ def bnb():
     return bitsandbytes
 
 
-def quiet_torchao() -> None:
-    """torchao's import logs a warning for each CUDA kernel it could not load (every CPU machine sees
-    them); its NF4Tensor needs none of them."""
-    logging.getLogger("torchao").setLevel(logging.ERROR)
-
-
 def nf4():
-    """torchao's NF4Tensor and quantizer (the module moved between releases)."""
-    quiet_torchao()
+    """torchao's NF4Tensor and quantizer (the module moved between releases; bigfit/__init__.py quiets
+    its import's warnings about CUDA kernels it does not need)."""
     try:
         from torchao.dtypes.nf4tensor import NF4Tensor, to_nf4
     except ImportError:
