@@ -41,8 +41,11 @@ run() {  # NAME LIMIT_S ARGS...: a run into /tmp/NAME, its log and metrics into 
   echo "exit $? wall $(( $(date +%s) - t ))" >> $OUT/$name.log
   cp /tmp/$name/metrics.jsonl $OUT/$name-metrics.jsonl 2>/dev/null; rm -rf /tmp/$name
 }
-run q8-single 150 --model /tmp/l8 --strategy single --batch-size $B8 --max-steps $STEPS
-run q8-zero3 150 --model /tmp/l8 --strategy zero3 --nproc 1 --batch-size $B8 --max-steps $STEPS
-run q70-zero3-offload 260 --model /tmp/l70 --strategy zero3-offload --nproc 1 --batch-size 1 --max-steps 4 \
-  --activation-checkpointing
-grep -h "QLoRA\|^step\|exit\|rror\|peak" $OUT/q8-single.log $OUT/q8-zero3.log $OUT/q70-zero3-offload.log | cut -c1-200
+ROWS=${ROWS:-"q8-single q8-zero3 q70-zero3-offload"}  # a shorter call: ROWS="q8-zero3 q8-single"
+for row in $ROWS; do case $row in
+  q8-single) run q8-single 150 --model /tmp/l8 --strategy single --batch-size $B8 --max-steps $STEPS ;;
+  q8-zero3) run q8-zero3 150 --model /tmp/l8 --strategy zero3 --nproc 1 --batch-size $B8 --max-steps $STEPS ;;
+  q70-zero3-offload) run q70-zero3-offload 260 --model /tmp/l70 --strategy zero3-offload --nproc 1 --batch-size 1 \
+    --max-steps 4 --activation-checkpointing ;;
+esac; done
+for row in $ROWS; do grep -h "QLoRA\|^step\|exit\|rror\|peak" $OUT/$row.log | cut -c1-200; done
