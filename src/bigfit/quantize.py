@@ -138,10 +138,10 @@ def check_blocks(model: torch.nn.Module, ranks: int) -> None:
     for name, parent, attr in quantized_layers(model):
         w = parent._modules[attr].weight
         if w.numel() % multiple or w.shape[0] % ranks:
-            share = f"{multiple} weights a rank's share, rows a multiple of {ranks}" if ranks > 1 else \
-                f"a multiple of {multiple} weights"
+            share, fewer = (f"{multiple} weights a rank's share, rows a multiple of {ranks}", ", or fewer ranks") \
+                if ranks > 1 else (f"a multiple of {multiple} weights", "")
             raise BigfitError(f"--load-in-4bit: {name} {list(w.shape)} does not split into whole NF4 blocks "
-                              f"({share}); use a model whose linear layers do" + (", or fewer ranks" if ranks > 1 else ""))
+                              f"({share}); use a model whose linear layers do{fewer}")
 
 
 class UnitQuantizer:
