@@ -9,7 +9,7 @@ quantisation) stays torchao's.
   hold it) fail at the first forward. One uint8 input, each rank's share being [absmaxes | factors |
   codes] as bytes, serves that path and the collective alike.
 - The dequantisation every matmul runs in forward and backward, through a 256-entry table of byte ->
-  its two code values: 10.5 bytes a weight moved and 4 held at once, where torchao's own (each half
+  its two code values: 10.6 bytes a weight moved and 4 held at once, where torchao's own (each half
   of the bytes made int64 indices, looked up and scaled apart, then stacked) moves 33 and holds 14.
   Bit for bit the same values (tests/test_qlora_sharded.py).
 """
