@@ -141,7 +141,9 @@ def _sharded_base(model_dir, data, out):
     w = model.model.layers[0].self_attn.q_proj.base_layer.weight
     local = w.to_local()
     note = next(n for n in engine.notes if n.startswith("QLoRA"))
-    return tuple(w.shape), local.quantized_data.numel(), w.full_tensor().get_original_weight(), note
+    dtypes = {str(p.to_local().dtype) for p in model.parameters() if not p.requires_grad}
+    dtypes |= {f"trained {p.dtype}" for p in model.parameters() if p.requires_grad}
+    return tuple(w.shape), local.quantized_data.numel(), w.full_tensor().get_original_weight(), note, dtypes
 
 
 def test_each_rank_stores_half_of_the_4bit_base_and_it_is_nf4_of_the_seeded_init(wide_llama, pairs_file, tmp_path):
@@ -151,8 +153,10 @@ def test_each_rank_stores_half_of_the_4bit_base_and_it_is_nf4_of_the_seeded_init
     got = run_ranks(_sharded_base, 2, wide_llama, pairs_file, tmp_path)
     _, to_nf4 = nf4()
     want = to_nf4(seeded_base(wide_llama)["model.layers.0.self_attn.q_proj.base_layer.weight"].to(torch.bfloat16))
-    for shape, stored, whole, note in got:
+    for shape, stored, whole, note, dtypes in got:
         assert shape == (256, 256) and stored == 256 * 256 // 2 // 2  # two weights a byte, half the rows
+        # the other frozen shards in bf16, as FSDP2 gathers them (parallel/apply.py store_frozen)
+        assert dtypes == {"torch.bfloat16", "trained torch.float32"}
         assert torch.equal(whole, want.get_original_weight())
         assert note.startswith("QLoRA: 14 base layers in 4 bits") and "sharded by FSDP2" in note
 

@@ -19,7 +19,7 @@ model handed in with real weights) rank 0 brings the whole model and the others 
 - sharding over the data-parallel ranks: FSDP2 units (ZeRO-2/3, HSDP), DDP (+ ZeRO-1; its
   replicas filled first, since DDP broadcasts rank 0's values as it wraps), or DDP's gradient
   all-reduce on pipeline stages. zero2-offload's engine shards rows itself (offload step). Under
-  autocast (single, ddp, zero1) a frozen LoRA base is stored in the compute dtype first.
+  autocast (single, ddp, zero1) and FSDP2 a frozen LoRA base is stored in the compute dtype first.
 - materialise: each rank allocates its shards (FSDP2's, tensor parallelism's; the whole model on
   one process) and fills them; on the rank-0 path they receive rank 0's, so the whole model exists
   only on rank 0.
@@ -144,6 +144,7 @@ def apply_sharding(model, split: Applied, plan: ParallelPlan, cfg, rt: Runtime,
             return split.shard_stages(plan, rt, compute, DTYPES[cfg.reduce_dtype])
         return split
     if plan.engine == "fsdp":
+        store_frozen(model, compute)  # FSDP2 casts every parameter to `compute` for its gathers: a frozen one can be so
         return apply_fsdp(model, plan, rt, compute, DTYPES[cfg.reduce_dtype],
                           before=quantizer if isinstance(quantizer, UnitQuantizer) else None)
     if plan.engine == "offload":
@@ -160,10 +161,12 @@ def apply_sharding(model, split: Applied, plan: ParallelPlan, cfg, rt: Runtime,
 
 
 def store_frozen(model, compute) -> None:
-    """A frozen base under autocast (single, ddp, zero1 with --lora): its weights stored in the compute
-    dtype, as peft users load theirs. Autocast keeps fp32 weights as the optimizer's masters, which
-    frozen weights do not have: an 8B base takes 16 GB instead of 32 and is cast nowhere. Before the
-    weights are filled (meta) or after (the rank-0 path): the values are the fp32 init's, rounded."""
+    """A frozen base under autocast (single, ddp, zero1 with --lora) or FSDP2's mixed precision: its
+    weights stored in the compute dtype, as peft users load theirs. Autocast keeps fp32 weights as the
+    optimizer's masters and FSDP2 fp32 shards, which frozen weights need not have: an 8B base takes 16
+    GB instead of 32, and each gather of it casts nothing (FSDP2 holds trainable parameters alone to
+    one dtype). Before the weights are filled (meta) or after (the rank-0 path): the values are the
+    fp32 init's, rounded as the casts round them."""
     if compute is None:
         return
     frozen = (p for p in model.parameters() if not p.requires_grad and p.is_floating_point() and not is_quantized(p))

@@ -140,8 +140,11 @@ def memory(strategy: str, prof, hw, c: int, checkpointing: bool, accum: int = 1,
                      head=dict(activations=loss_act, buffers=fixed + copies + lc + head_grad),
                      update=dict(grads=4 * t, buffers=fixed)), _bytes(buffers=init)
     q, uq = (prof.quantized_params, prof.unit_quantized) if four_bit else (0, 0)
-    # fp32 master shards and the 4-bit base's rows; FSDP2 pads each parameter to a multiple of W (ignored)
-    shard, tshard = 4 * (n - q) / w + (quantized.shard_bytes(prof, w) if four_bit else 0), 4 * t / w
+    # fp32 master shards of what trains; a frozen (LoRA) base in the compute dtype, as FSDP2 gathers it
+    # (parallel/apply.py store_frozen), and the 4-bit base's rows; FSDP2 pads each parameter to a
+    # multiple of W (ignored)
+    shard = (4 * t + c * (n - t - q)) / w + (quantized.shard_bytes(prof, w) if four_bit else 0)
+    tshard = 4 * t / w
     g = hw.gpus_per_node
     if strategy.startswith("zero2-offload"):  # the offload engine (strategies/offload.py)
         bucket = (c + 4 + 4 / w) * max(ut, vt)  # a bucket's gradients, packed in fp32, reduce-scattered
@@ -221,7 +224,7 @@ def step_time(strategy: str, prof, hw, c: int, checkpointing: bool, tokens_per_s
         moved = (grad_bytes + 4) * t / w  # gradient rows down, fp32 master rows up (zero2-offload: once per step)
         if strategy == "zero3-offload":
             # shards up for forward and backward, gradients down
-            moved = accum * 2 * quantized.with_base(4, n, q) / w + 4 * t / w
+            moved = accum * 2 * (4 * t + quantized.with_base(c, n - t, q)) / w + 4 * t / w
         pcie = moved / (hw.pcie_gbps * 1e9)
         if strategy.startswith("zero2-offload"):  # the node's ranks share its cores
             cpu = t / w * hw.gpus_per_node / host_adam_rate(hw, grad_bytes, states)
