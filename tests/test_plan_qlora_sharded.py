@@ -1,8 +1,8 @@
 """QLoRA's 4-bit base on FSDP2's rows (planning/quantized.py): zero2, zero3 and zero3-offload hold
 their rows of the base in torchao's NF4 and gather it in 4 bits, so a base that a 16-bit one would
 not let fit does, its share falls with the ranks, and zero3-offload keeps it in host RAM; single's
-and ddp's figures stay bitsandbytes' (pinned as they were before FSDP2 ran a 4-bit base); torchao's
-own dequantisation is read off its operators here."""
+and ddp's figures stay bitsandbytes' (pinned as they were before FSDP2 ran a 4-bit base); the NF4
+dequantisation's bytes (nf4.py's) are read off its operators here."""
 from __future__ import annotations
 
 import sys
