@@ -28,10 +28,20 @@ def install(cls) -> None:
     cls.get_original_weight = _dequantized
 
 
+def _pairs(code: torch.Tensor) -> torch.Tensor:
+    """byte b -> (code[b >> 4], code[b & 15]); made once per device and dtype (every matmul asks)."""
+    key = (code.device, code.dtype)
+    if key not in _PAIRS:
+        _PAIRS[key] = torch.stack([code.repeat_interleave(16), code.repeat(16)], -1)
+    return _PAIRS[key]
+
+
+_PAIRS: dict = {}  # NF4's 16 values are one constant in torchao: one table serves every tensor
+
+
 def _dequantized(self) -> torch.Tensor:
     """The weight in its dtype: each byte's two codes looked up at once, scaled by its block's absmax."""
-    code = self.nf4
-    pairs = torch.stack([code.repeat_interleave(16), code.repeat(16)], -1)  # byte b -> (code[b >> 4], code[b & 15])
+    pairs = _pairs(self.nf4)
     absmax = self.dequantize_scalers(self.quantized_scalers, self.quantization_factor, self.scaler_block_size)
     weights = pairs[self.quantized_data.int()]
     return (weights.view(-1, self.block_size) * absmax.unsqueeze(-1)).view(self.shape)

@@ -17,11 +17,9 @@ import torch
 
 from ..errors import BigfitError
 from ..models import block_lists
-from ..quantize import backend, check as check_4bit, quantized_layers
+from ..quantize import RUNS as STRATEGIES, SHARDED, backend, check as check_4bit, quantized_layers
 from .devicecost import GATHER, MEM_EFFICIENCY
 
-STRATEGIES = ("single", "ddp", "zero2", "zero3", "zero3-offload")  # quantize.check's; composed layouts are not
-SHARDED = ("zero2", "zero3", "zero3-offload")  # FSDP2's: torchao's NF4Tensor, sharded along dim 0
 # the layout both libraries share (blocksize 64, double quantisation): two weights a byte; an absmax
 # per block of 64 weights, itself stored in 8 bits with an fp32 factor per 256 blocks (torchao keeps
 # that factor in the weight's bf16: 2 bytes less per 16,384 weights, left out)
