@@ -1,6 +1,6 @@
 """QLoRA (--lora --load-in-4bit, quantize.py): the refusals, one line each; and the mechanics of the
 bitsandbytes store on its CPU path with the CUDA check passed by hand (without CUDA the command
-takes torchao's store instead: test_qlora_sharded.py): every LoRA base layer
+takes torchao's store instead: test_qlora_strategies.py): every LoRA base layer
 quantized from the seeded init to exactly bitsandbytes' own NF4 of it, adapters in fp32 training, checkpoints
 holding the adapters only and loading back."""
 from __future__ import annotations
@@ -24,10 +24,9 @@ def settings(model_dir, **kw):
 
 @pytest.mark.parametrize("kw,message", [
     (dict(lora=False, lora_r=16, lora_dropout=0.05), "--load-in-4bit quantizes a frozen base under LoRA adapters"),
-    (dict(strategy="zero1"), "--load-in-4bit runs with --strategy single, ddp, zero2, zero3, zero3-offload or auto, "
-                             "not zero1"),
-    (dict(strategy="zero2-offload"), "not zero2-offload: the offload engine, ZeRO-1, device maps and pipelines"),
-    (dict(strategy="zero3", tp=2), "--load-in-4bit with --tp 2: a 4-bit base is sharded by FSDP2 alone"),
+    (dict(strategy="zero3", tp=2), "--load-in-4bit with --tp 2: a 4-bit base is split by FSDP2"),
+    (dict(strategy="zero3", pp=2), "--load-in-4bit with --pp 2: a 4-bit base is split by FSDP2"),
+    (dict(strategy="pipeline", tp=2), "--load-in-4bit with --tp 2: .* or into whole layers \\(device_map, pipeline\\)"),
     (dict(precision="fp32"), "--load-in-4bit computes in bf16"),
 ])
 def test_qlora_refusals_are_one_line(model_dirs, kw, message):

@@ -11,7 +11,7 @@ quantisation) stays torchao's.
 - The dequantisation every matmul runs in forward and backward, through a 256-entry table of byte ->
   its two code values: 10.6 bytes a weight moved and 4 held at once, where torchao's own (each half
   of the bytes made int64 indices, looked up and scaled apart, then stacked) moves 33 and holds 14.
-  Bit for bit the same values (tests/test_qlora_sharded.py).
+  Bit for bit the same values (tests/test_qlora_strategies.py).
 """
 from __future__ import annotations
 

@@ -4,21 +4,25 @@ bnb_4bit_use_double_quant=True)` gives peft users.
 
 Two stores of the same format (blocks of 64 weights, an 8-bit absmax per block, an fp32 or bf16
 factor per 256 absmaxes):
-- bitsandbytes' Linear4bit where each process holds the whole base on a CUDA GPU (single, ddp): its
-  fused dequantisation kernels, the path measured on the H200.
-- torchao's NF4Tensor where FSDP2 shards the base (zero2, zero3, zero3-offload) and on machines
-  without CUDA. FSDP2 cannot shard bitsandbytes' packed parameter (its quantisation state is not a
-  tensor it can split); NF4Tensor implements FSDP2's all-gather extension, so each rank stores a
-  slice of every layer's 4-bit bytes and the all-gather moves 4 bits a weight, as torchtune does.
+- bitsandbytes' Linear4bit for whole layers on a CUDA GPU (single, ddp, zero1, the offload engine's
+  zero2-offload, a device map's GPUs, pipeline stages): its fused dequantisation kernels, the path
+  measured on the H200.
+- torchao's NF4Tensor where FSDP2 shards the base (zero2, zero3, zero3-offload) and for layers on
+  the host (a device map's overflow, machines without CUDA). FSDP2 cannot shard bitsandbytes'
+  packed parameter (its quantisation state is not a tensor it can split); NF4Tensor implements
+  FSDP2's all-gather extension, so each rank stores a slice of every layer's 4-bit bytes and the
+  all-gather moves 4 bits a weight, as torchtune does.
 
 transformers quantizes inside `from_pretrained`, on a whole model in host RAM. bigfit builds on the
 meta device and fills each rank's tensors itself (loading/), so it quantizes there instead: each
 LoRA base layer's weight is read (from the safetensors slices or the seeded init) in bf16 on the
-device and quantized at once: the whole base up front for single and ddp, one FSDP2 unit at a time
-just before it is sharded otherwise (`UnitQuantizer`), so no device holds more than one unit's
-whole 4-bit layers beyond its shards. peft's LoRA layer calls its base_layer whatever it is, so the
-adapters train on top unchanged. Frozen 4-bit weights stay out of checkpoints: a resume builds and
-quantizes the base again from the same source, bit for bit.
+device and quantized at once: the whole base up front where each process holds all of it, each
+layer on the device a device map places it on before the rest gets storage, a pipeline rank's own
+stages' layers once it has dropped the others, one FSDP2 unit at a time just before it is sharded
+(`UnitQuantizer`), so no device holds more than one unit's whole 4-bit layers beyond its shards.
+peft's LoRA layer calls its base_layer whatever it is, so the adapters train on top unchanged; the
+optimizers, DDP and the offload engine see only the adapters. Frozen 4-bit weights stay out of
+checkpoints: a resume builds and quantizes the base again from the same source, bit for bit.
 """
 from __future__ import annotations
 
@@ -30,12 +34,11 @@ from .errors import BigfitError
 QUANT = dict(quant_type="nf4", compress_statistics=True)  # NF4, double quantisation (QLoRA's)
 BLOCK, SCALER_BLOCK = 64, 256  # weights an absmax covers, absmaxes a factor covers (both stores)
 SHARDED = ("zero2", "zero3", "zero3-offload")  # FSDP2's strategies: torchao's NF4Tensor, sharded
-RUNS = ("single", "ddp", *SHARDED)
 
 
 def backend(strategy: str, cuda: bool) -> str:
-    """Which library stores the 4-bit base (module docstring)."""
-    return "bitsandbytes" if cuda and strategy in ("single", "ddp") else "torchao"
+    """Which library stores a 4-bit layer (module docstring): `cuda`, whether it lives on a CUDA GPU."""
+    return "bitsandbytes" if cuda and strategy not in SHARDED else "torchao"
 
 
 def bnb():
@@ -55,7 +58,7 @@ def nf4():
         try:
             from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor, to_nf4
         except ImportError:
-            raise BigfitError("--load-in-4bit with a sharded strategy or without CUDA needs the torchao library: "
+            raise BigfitError("--load-in-4bit with a sharded base or layers on the host needs the torchao library: "
                               "pip install 'bigfit[qlora]'") from None
     from .nf4 import install
 
@@ -70,19 +73,20 @@ def check(cfg, cuda: bool, libraries: bool = True) -> None:
         return
     if not cfg.lora:
         raise BigfitError("--load-in-4bit quantizes a frozen base under LoRA adapters (QLoRA): add --lora")
-    if cfg.strategy not in (*RUNS, "auto"):  # auto: the planner rates these alone then
-        raise BigfitError(f"--load-in-4bit runs with --strategy {', '.join(RUNS)} or auto, not {cfg.strategy}: "
-                          "the offload engine, ZeRO-1, device maps and pipelines keep no 4-bit weights")
-    split = {f"--{k.replace('_', '-')}": getattr(cfg, k, None) for k in ("tp", "pp", "dp_replicate")}
+    # a pipeline's stages hold whole layers, and may have data-parallel replicas; nothing else splits them
+    allowed = ("pp", "dp_replicate") if cfg.strategy == "pipeline" else ()
+    split = {f"--{k.replace('_', '-')}": getattr(cfg, k, None) for k in ("tp", "pp", "dp_replicate") if k not in allowed}
     split = {k: v for k, v in split.items() if v not in (None, 1)}
     if split:
         k, v = next(iter(split.items()))
-        raise BigfitError(f"--load-in-4bit with {k} {v}: a 4-bit base is sharded by FSDP2 alone (zero2, zero3, "
-                          f"zero3-offload over data-parallel ranks); drop {k}")
+        raise BigfitError(f"--load-in-4bit with {k} {v}: a 4-bit base is split by FSDP2 (zero2, zero3, zero3-offload "
+                          f"over data-parallel ranks) or into whole layers (device_map, pipeline) alone; drop {k}")
     if cfg.precision not in ("bf16", None):
         raise BigfitError(f"--load-in-4bit computes in bf16: use --precision bf16, not {cfg.precision}")
     if libraries:
         bnb() if backend(cfg.strategy, cuda) == "bitsandbytes" else nf4()
+        if cuda and cfg.strategy == "device_map":  # its layers on the host, if any, are torchao's
+            nf4()
 
 
 def quantized_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, str]]:
@@ -97,15 +101,23 @@ def quantized_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module,
 
 
 @torch.no_grad()
-def quantize_base(model: torch.nn.Module, weights, device, store: str = "bitsandbytes") -> int:
-    """Every LoRA base layer in 4 bits on `device`, its weight read from `weights` (loading.Weights)
-    in bf16 and quantized there. Returns the layers quantized."""
+def quantize_base(model: torch.nn.Module, weights, device_of, cuda: bool | None = None) -> dict[str, int]:
+    """Every LoRA base layer in 4 bits on its device (`device_of(weight's name)`), its weight read
+    from `weights` (loading.Weights) in bf16 and quantized there, by the store for that device
+    (`backend`: whether it is a CUDA GPU, or `cuda` for all). Returns the layers quantized by each store."""
     layers = sorted(quantized_layers(model), key=lambda x: weights.order(x[0]))  # each init unit made once
-    if store != "bitsandbytes":
-        check_blocks(model, 1)
+    places = {name: torch.device(device_of(name)) for name, _, _ in layers}
+    stores = {name: backend("single", d.type == "cuda" if cuda is None else cuda) for name, d in places.items()}
+    check_blocks(model, 1, {name for name, store in stores.items() if store == "torchao"})
     for name, parent, attr in layers:
-        (_bnb_layer if store == "bitsandbytes" else _nf4_layer)(name, parent, attr, weights, device)
-    return len(layers)
+        (_bnb_layer if stores[name] == "bitsandbytes" else _nf4_layer)(name, parent, attr, weights, places[name])
+    return {store: sum(s == store for s in stores.values()) for store in sorted(set(stores.values()))}
+
+
+def describe(stores: dict[str, int], of: str = "") -> str:
+    """The run's line for its 4-bit base: how many layers (`of` what: " of rank 0's stages"), in which store."""
+    where = next(iter(stores)) if len(stores) == 1 else ", ".join(f"{n} in {k}" for k, n in stores.items())
+    return f"QLoRA: {sum(stores.values())} base layers{of} in 4 bits (NF4, double quantisation; {where})"
 
 
 def _bnb_layer(name, parent, attr, weights, device) -> None:
@@ -130,12 +142,14 @@ def _nf4_layer(name, parent, attr, weights, device) -> None:
     layer.weight = torch.nn.Parameter(to_nf4(value, BLOCK, SCALER_BLOCK), requires_grad=False)
 
 
-def check_blocks(model: torch.nn.Module, ranks: int) -> None:
+def check_blocks(model: torch.nn.Module, ranks: int, names=None) -> None:
     """torchao's NF4 of a layer, and FSDP2's share of it on each of `ranks`, holds whole blocks and
-    factors: every base layer's size a multiple of 64 x 256 x ranks, its rows of ranks (any real
-    model's linear layers are; tests/tiny.py's are not)."""
+    factors: every base layer's size (or those of `names`) a multiple of 64 x 256 x ranks, its rows
+    of ranks (any real model's linear layers are; tests/tiny.py's are not)."""
     multiple = BLOCK * SCALER_BLOCK * ranks
     for name, parent, attr in quantized_layers(model):
+        if names is not None and name not in names:
+            continue
         w = parent._modules[attr].weight
         if w.numel() % multiple or w.shape[0] % ranks:
             share, fewer = (f"{multiple} weights a rank's share, rows a multiple of {ranks}", ", or fewer ranks") \

@@ -3,7 +3,10 @@
 # 1. an 8B Llama shape, r 16 on all linear layers, 4 x 2048, bf16: --strategy single (bitsandbytes'
 #    Linear4bit) and --strategy zero3 on one process (torchao's NF4 under FSDP2), 6 steps each;
 # 2. a 70.8B Llama shape (80 x 8192), 1 x 2048, checkpointing: --strategy zero3-offload on one process,
-#    the 4-bit base's shards in host RAM, copied to the GPU a block at a time, 4 steps.
+#    the 4-bit base's shards in host RAM, copied to the GPU a block at a time, 4 steps;
+# 3. the 8B shape under --strategy zero2-offload (the offload engine: the 4-bit base on the GPU, the
+#    adapters stepped on the host; planned at 0.69 s against single's 0.82) and --strategy device_map
+#    (auto: every block on the GPU, bitsandbytes' layers behind the map's hooks), 6 steps each.
 # Before it, here (the GPU machine's image has neither library; carry .whl, 46 MB):
 #   pip download -q --no-deps -d .whl torchao==0.18.0
 #   pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -41,11 +44,14 @@ run() {  # NAME LIMIT_S ARGS...: a run into /tmp/NAME, its log and metrics into 
   echo "exit $? wall $(( $(date +%s) - t ))" >> $OUT/$name.log
   cp /tmp/$name/metrics.jsonl $OUT/$name-metrics.jsonl 2>/dev/null; rm -rf /tmp/$name
 }
-ROWS=${ROWS:-"q8-single q8-zero3 q70-zero3-offload"}  # a shorter call: ROWS="q8-zero3 q8-single"
+ROWS=${ROWS:-"q8-single q8-zero3 q70-zero3-offload q8-zero2-offload q8-device_map"}  # a shorter call: ROWS="q8-zero3 q8-single"
 for row in $ROWS; do case $row in
   q8-single) run q8-single 150 --model /tmp/l8 --strategy single --batch-size $B8 --max-steps $STEPS ;;
   q8-zero3) run q8-zero3 150 --model /tmp/l8 --strategy zero3 --nproc 1 --batch-size $B8 --max-steps $STEPS ;;
   q70-zero3-offload) run q70-zero3-offload 260 --model /tmp/l70 --strategy zero3-offload --nproc 1 --batch-size 1 \
     --max-steps 4 --activation-checkpointing ;;
+  q8-zero2-offload) run q8-zero2-offload 120 --model /tmp/l8 --strategy zero2-offload --nproc 1 --batch-size $B8 \
+    --max-steps $STEPS ;;
+  q8-device_map) run q8-device_map 120 --model /tmp/l8 --strategy device_map --batch-size $B8 --max-steps $STEPS ;;
 esac; done
 for row in $ROWS; do grep -h "QLoRA\|^step\|exit\|rror\|peak" $OUT/$row.log | cut -c1-200; done

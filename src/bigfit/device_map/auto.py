@@ -109,7 +109,7 @@ def profile_costs(prof, job, params=None, root=None, sizes=None) -> Costs:
     main["buffers"] += prof.logits_bytes // c * (4 + c) if c < 4 else prof.logits_bytes  # the logits' gradient
     bounds = [sum(sizes[:i + 1]) for i in range(len(sizes) - 1)]
     return frozen_costs(Costs(parts=parts, main_parts=main, boundaries=bounds,
-                              per_device=max(prof.block_saved, default=0) if job.checkpointing else 0), prof)
+                              per_device=max(prof.block_saved, default=0) if job.checkpointing else 0), prof, job)
 
 
 def assign(stacks, cost: Costs, budgets: list[tuple[str, int]], main=None) -> tuple[dict, list[str], str]:

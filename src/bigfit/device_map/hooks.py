@@ -10,6 +10,7 @@ forward working with reversible forward hooks (no model class is changed, no for
 - Caches are not tensors the hooks touch: each layer's keys and values are made on its device by the
   layer and stay there; `generate()` reorders beams per layer where the cache lives.
 - Tied parameters stay one parameter: a map that would put one on two devices is refused.
+- A 4-bit weight (QLoRA, quantize.py) is made on its device before the rest moves, and stays there.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import torch
 
 from ..errors import BigfitError
 from ..models import block_lists
+from ..quantize import is_quantized
 from ..strategies.placement import owners
 from .auto import auto_map
 from .maps import DeviceMap, Stack, canonical_device, name_stacks, real_device, resolve_map
@@ -112,6 +114,11 @@ def _placements(model, dmap: DeviceMap, stacks) -> tuple[dict[str, str], dict[st
     return placed, every
 
 
+def module_devices(model, dmap: DeviceMap) -> dict[str, str]:
+    """{module path: the device the map puts it on} for every module of `model`."""
+    return _placements(model, dmap, find_stacks(model))[1]
+
+
 def _check_ties(model, every: dict[str, str]) -> None:
     """A parameter or buffer reachable from modules on two devices (tied embeddings) is an error."""
     seen: dict[int, tuple[str, str]] = {}
@@ -132,15 +139,32 @@ def _move(model, placed: dict[str, str], main: str) -> None:
     module's device instead, to be filled there (bigfit.loading), with tied parameters kept tied."""
     held = owners(model)
     for path, dev in placed.items():
-        model.get_submodule(path)._apply(_to(real_device(dev)))
+        for mod in model.get_submodule(path).modules():
+            _apply_one(mod, _to(real_device(dev)))
     inside = {id(m) for p in placed for m in model.get_submodule(p).modules()}
     for mod in model.modules():
         if id(mod) not in inside:
-            mod._apply(_to(real_device(main)), recurse=False)
+            _apply_one(mod, _to(real_device(main)))
     for refs in held.values():  # `_apply` gives a meta parameter a new Parameter in each module holding it
         first = refs[0][0]._parameters[refs[0][1]]
         for mod, name in refs[1:]:
             mod._parameters[name] = first
+
+
+def _apply_one(mod: torch.nn.Module, fn) -> None:
+    """`fn` on the module's own tensors, a 4-bit weight left where it was made (Module._apply would
+    make a plain Parameter of bitsandbytes' or swap torchao's, losing what quantizes them)."""
+    four = {k: p for k, p in mod._parameters.items() if p is not None and is_quantized(p)}
+    if not four:
+        mod._apply(fn, recurse=False)
+        return
+    order = list(mod._parameters)
+    for k in four:
+        del mod._parameters[k]
+    mod._apply(fn, recurse=False)
+    mod._parameters.update(four)
+    for k in order:  # the original order: state dicts and named_parameters list them as before
+        mod._parameters[k] = mod._parameters.pop(k)
 
 
 def _to(device):

@@ -18,12 +18,13 @@ from ..loading import Weights, fill
 from ..lora import LoraSettings
 from ..planning.job import Job
 from ..precision import compute_dtype
+from ..quantize import describe as describe_4bit, quantize_base
 from ..strategies.base import Applied
 from ..userfiles import read_text
 from .auto import assign, costs, parse_budgets, plan_budgets
 from .casts import cast_once
-from .hooks import find_stacks, parallelize
-from .maps import canonical_device, resolve_map
+from .hooks import find_stacks, module_devices, parallelize
+from .maps import canonical_device, real_device, resolve_map
 from .pipeline import run_chunks, split_batch
 
 
@@ -82,7 +83,8 @@ def machine_budgets() -> dict[str, int]:
 def _job(cfg):
     return Job(batch_size=cfg.batch_size, seq_len=cfg.max_source_len, target_len=cfg.max_target_len,
                micro_batch=cfg.micro_batch_size, precision=cfg.precision or "fp32",
-               checkpointing=cfg.activation_checkpointing, lora=LoraSettings.from_config(cfg))
+               checkpointing=cfg.activation_checkpointing, lora=LoraSettings.from_config(cfg),
+               load_in_4bit=cfg.load_in_4bit)
 
 
 def _resolve(model, cfg, main) -> object:
@@ -118,13 +120,19 @@ def _this_device() -> str:
 
 def apply_device_map(model: torch.nn.Module, cfg, rt, weights: Weights | None = None) -> DeviceMapApplied:
     """The split step. A meta-device model with `weights` gets each module's storage on its device
-    and is filled there, one tensor at a time: no copy of the whole model is ever on the host."""
+    and is filled there, one tensor at a time: no copy of the whole model is ever on the host. A
+    4-bit base (QLoRA) is quantized first, each layer on its device, by that device's store."""
     main = canonical_device(rt.device)
     dmap = _resolve(model, cfg, main)
+    notes = []
+    if cfg.load_in_4bit:
+        where = module_devices(model, dmap)
+        stores = quantize_base(model, weights, lambda name: real_device(where[name.rsplit(".", 1)[0]]))
+        notes.append(describe_4bit(stores))
     parallelize(model, dmap.to_json())
     if weights is not None:
         fill(model, weights, main)
     types = tuple(sorted({torch.device(d.split(":")[0] if d.startswith("cpu") else d).type for d in dmap.devices()}))
     note = f"device map: {dmap.describe()}" + (f"; {cfg.chunks} chunks (GPipe)" if cfg.chunks > 1 else "")
     return DeviceMapApplied(model=model, module=model, strategy="device_map", autocast=compute_dtype(cfg.precision),
-                            notes=[note], main=main, chunks=cfg.chunks, device_types=types)
+                            notes=[note, *notes], main=main, chunks=cfg.chunks, device_types=types)

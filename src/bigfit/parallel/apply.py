@@ -8,7 +8,8 @@ or by the seeded init. On the rank-0 path (`.bin` weights, hub names not cached,
 model handed in with real weights) rank 0 brings the whole model and the others receive their parts.
 - 4-bit base (QLoRA, single or ddp): each LoRA base layer read in bf16 and quantized on the device
   (quantize.py), before anything allocates the rest of the model; under FSDP2 (zero2, zero3,
-  zero3-offload) a unit's layers at a time, just before the sharding step shards that unit.
+  zero3-offload) a unit's layers at a time, just before the sharding step shards that unit; with a
+  device map or pipeline stages at the split, the layers this process keeps, each on its device.
 - split: a device map (one process drives every device) or pipeline stages (this rank keeps its
   stages' blocks and fills them, or gets them from rank 0, and runs them through torch's
   schedules); first, because every later transform works on the blocks this rank keeps.
@@ -19,7 +20,8 @@ model handed in with real weights) rank 0 brings the whole model and the others 
 - sharding over the data-parallel ranks: FSDP2 units (ZeRO-2/3, HSDP), DDP (+ ZeRO-1; its
   replicas filled first, since DDP broadcasts rank 0's values as it wraps), or DDP's gradient
   all-reduce on pipeline stages. zero2-offload's engine shards rows itself (offload step). Under
-  autocast (single, ddp, zero1) and FSDP2 a frozen LoRA base is stored in the compute dtype first.
+  autocast (single, ddp, zero1, device maps, stages) and FSDP2 a frozen LoRA base is stored in the
+  compute dtype first.
 - materialise: each rank allocates its shards (FSDP2's, tensor parallelism's; the whole model on
   one process) and fills them; on the rank-0 path they receive rank 0's, so the whole model exists
   only on rank 0.
@@ -40,7 +42,7 @@ from ..errors import BigfitError
 from ..loading import Weights, WholeParams, fill, weights_for
 from ..pipeline.strategy import apply_pipeline
 from ..precision import DTYPES, compute_dtype
-from ..quantize import UnitQuantizer, backend, is_quantized, quantize_base
+from ..quantize import UnitQuantizer, describe, is_quantized, quantize_base
 from ..strategies.base import Applied
 from ..strategies.checkpointing import apply_activation_checkpointing
 from ..strategies.compiling import apply_compile
@@ -66,7 +68,7 @@ def apply(model: torch.nn.Module, plan: ParallelPlan, cfg, rt: Runtime) -> Appli
     engine = apply_sharding(model, split, plan, cfg, rt, weights, quantized)
     engine = apply_materialise(engine, full, plan, rt, weights)
     engine = apply_offloading(engine, plan, cfg, rt, weights)
-    engine.notes[:0] = notes + ([weights.describe()] if weights else []) + _described(quantized, plan, cfg, rt)
+    engine.notes[:0] = notes + ([weights.describe()] if weights else []) + _described(quantized)
     engine.frozen_in_checkpoints = not cfg.lora  # a LoRA base is made again from its source on every start
     if plan.sequence_parallel:  # torch 2.11 gathers uneven sequence splits into views its backward cannot use
         engine.sequence_multiple = plan.tp
@@ -76,28 +78,29 @@ def apply(model: torch.nn.Module, plan: ParallelPlan, cfg, rt: Runtime) -> Appli
     return engine
 
 
-def apply_4bit(model, plan: ParallelPlan, cfg, rt: Runtime, weights: Weights | None) -> UnitQuantizer | int:
+def apply_4bit(model, plan: ParallelPlan, cfg, rt: Runtime, weights: Weights | None) -> UnitQuantizer | dict:
     """QLoRA: each LoRA base layer read and quantized to 4 bits on the device (quantize.py), before
     anything allocates the rest; on the per-rank path only (its weights come from `weights`). Under
-    FSDP2 the quantizer the sharding step calls on each unit before it shards it."""
+    FSDP2 the quantizer the sharding step calls on each unit before it shards it; a device map or
+    pipeline stages quantize at the split, once they know where each kept layer lives. Returns the
+    quantizer, or the layers quantized by each store."""
     if not cfg.load_in_4bit:
-        return 0
+        return {}
     if weights is None:
         raise BigfitError(f"--load-in-4bit reads the base from safetensors files or a config; --model "
                           f"{cfg.model!r} has neither (convert its .bin weights with save_pretrained, "
                           "safe_serialization=True)")
+    if plan.split or plan.pp > 1:
+        return {}
     if plan.engine == "fsdp":
         return UnitQuantizer(model, weights, rt.device, plan.dp_shard)
-    return quantize_base(model, weights, rt.device, backend(plan.name, torch.cuda.is_available()))
+    return quantize_base(model, weights, lambda _: rt.device, torch.cuda.is_available())
 
 
-def _described(quantized: UnitQuantizer | int, plan: ParallelPlan, cfg, rt: Runtime) -> list[str]:
-    if not cfg.load_in_4bit:
-        return []
-    layers = quantized.done if isinstance(quantized, UnitQuantizer) else quantized
-    store = "torchao's NF4Tensor, sharded by FSDP2" if isinstance(quantized, UnitQuantizer) else \
-        backend(plan.name, torch.cuda.is_available())
-    return [f"QLoRA: {layers} base layers in 4 bits (NF4, double quantisation; {store})"]
+def _described(quantized: UnitQuantizer | dict) -> list[str]:
+    if isinstance(quantized, UnitQuantizer):
+        return [describe({"torchao's NF4Tensor, sharded by FSDP2": quantized.done})]
+    return [describe(quantized)] if quantized else []  # a split describes its own
 
 
 def _materialises(plan: ParallelPlan, rt: Runtime) -> bool:
@@ -139,6 +142,8 @@ def apply_sharding(model, split: Applied, plan: ParallelPlan, cfg, rt: Runtime,
     `quantizer` (QLoRA under FSDP2: apply_4bit's) quantizes each unit's base before it is sharded."""
     compute = compute_dtype(cfg.precision)
     if plan.split or plan.pp > 1:  # a device map (one process) or pipeline stages
+        if plan.engine != "offload":  # the offload engine places frozen weights itself (placement.py)
+            store_frozen(model, compute)
         # the offload engine shards the stages' rows itself; zero3-offload needs FSDP2 even on one rank
         if (plan.dp > 1 or plan.offload_params) and plan.engine != "offload":
             return split.shard_stages(plan, rt, compute, DTYPES[cfg.reduce_dtype])
@@ -161,12 +166,13 @@ def apply_sharding(model, split: Applied, plan: ParallelPlan, cfg, rt: Runtime,
 
 
 def store_frozen(model, compute) -> None:
-    """A frozen base under autocast (single, ddp, zero1 with --lora) or FSDP2's mixed precision: its
-    weights stored in the compute dtype, as peft users load theirs. Autocast keeps fp32 weights as the
-    optimizer's masters and FSDP2 fp32 shards, which frozen weights need not have: an 8B base takes 16
-    GB instead of 32, and each gather of it casts nothing (FSDP2 holds trainable parameters alone to
-    one dtype). Before the weights are filled (meta) or after (the rank-0 path): the values are the
-    fp32 init's, rounded as the casts round them."""
+    """A frozen base under autocast (single, ddp, zero1, device maps and pipeline stages with --lora)
+    or FSDP2's mixed precision: its weights stored in the compute dtype, as peft users load theirs.
+    Autocast keeps fp32 weights as the optimizer's masters and FSDP2 fp32 shards, which frozen
+    weights need not have: an 8B base takes 16 GB instead of 32, and each gather of it casts nothing
+    (FSDP2 holds trainable parameters alone to one dtype). Before the weights are filled (meta) or
+    after (the rank-0 path, a split's filled blocks): the values are the fp32 init's, rounded as the
+    casts round them."""
     if compute is None:
         return
     frozen = (p for p in model.parameters() if not p.requires_grad and p.is_floating_point() and not is_quantized(p))

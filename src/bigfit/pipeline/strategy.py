@@ -2,7 +2,8 @@
 
 Every rank plans the same split on its meta-device copy of the model, prunes it to its own stages,
 and only then gets weights: it fills the tensors it kept itself (bigfit.loading: its stages' slices of
-the weights files, or the seeded init), so no rank ever holds more than its stages. On the rank-0
+the weights files, or the seeded init), so no rank ever holds more than its stages; a 4-bit base's
+layers among them (QLoRA) are read and quantized on its device first. On the rank-0
 path rank 0's model is real and it sends each other rank just the tensors that rank kept.
 """
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch.distributed as dist
 from ..distributed import Runtime, gather_objects
 from ..loading import Weights, fill
 from ..precision import compute_dtype
+from ..quantize import describe as describe_4bit, quantize_base
 from ..strategies.materialise import to_empty
 from .cut import PipelineLayout
 from .runner import PipelineApplied
@@ -57,6 +59,7 @@ def apply_pipeline(model: torch.nn.Module, plan, cfg, rt: Runtime, weights: Weig
     groups = tied_groups(model, split)
     full = _all_tensors(model) if rt.is_main and weights is None else {}
     prune(model, split, layout.stages_of(position))
+    stores = quantize_base(model, weights, lambda _: rt.device) if cfg.load_in_4bit else {}  # the kept layers
     if weights is not None:
         fill(model, weights, rt.device)  # the kept tensors only: their names are the unpruned model's
     else:
@@ -65,7 +68,7 @@ def apply_pipeline(model: torch.nn.Module, plan, cfg, rt: Runtime, weights: Weig
     mods = [StageModule(model, split, s, compute_dtype(cfg.precision)) for s in layout.stages_of(position)]
     tied = _tied(model, groups, rt)
     notes = [f"pipeline {layout.schedule}, {layout.stages} stages, {layout.chunks} chunks per micro-batch: "
-             f"{describe(split)}"]
+             f"{describe(split)}"] + ([describe_4bit(stores, " of rank 0's stages")] if stores else [])
     if tied:
         notes.append(f"tied across stages (gradients summed each step): {', '.join(g[0][0] for g in groups)}")
     if getattr(model.config, "is_encoder_decoder", False):

@@ -15,6 +15,8 @@ import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from ..lora import inject
+from ..precision import DTYPES
+from .quantized import STORED, transient
 
 FROZEN_STATE = {"grads": 4, "optimizer": 8}  # fp32 bytes a frozen parameter does not have (AdamW: two moments)
 
@@ -59,22 +61,33 @@ def module_flop_weight(params) -> float:
     return sum(flop_weight(p.numel(), 0 if p.requires_grad else p.numel()) for p in params)
 
 
-def without_frozen(parts: dict, frozen: float) -> dict:
-    """Bytes by kind (estimate.KEYS) of parameters counted as training, less the gradients and AdamW
-    moments that `frozen` of them do not have."""
+def without_frozen(parts: dict, frozen: float, c: int = 4, quantized: float = 0) -> dict:
+    """Bytes by kind (estimate.KEYS) of parameters counted as training (state_bytes: fp32, with
+    autocast's copy in `c` bytes), less what `frozen` of them do not have: gradients and AdamW
+    moments; under autocast (c < 4) the fp32 weight and the copy, as the frozen weight is stored in
+    the compute dtype (parallel/apply.py store_frozen); `quantized` of them in NF4 instead."""
     if not frozen:
         return parts
-    return {k: v - FROZEN_STATE.get(k, 0) * frozen for k, v in parts.items()}
+    saved = {k: b * frozen for k, b in FROZEN_STATE.items()}
+    if c < 4:
+        saved.update(params=(4 - c) * frozen + (c - STORED) * quantized, buffers=c * frozen)
+    return {k: v - saved.get(k, 0) for k, v in parts.items()}
 
 
-def frozen_costs(cost, prof):
+def frozen_costs(cost, prof, job):
     """Costs counted with every parameter training (16 bytes) for a profile with frozen parameters:
-    each block's and the main device's without their gradients and moments. device_map/auto.py's
-    profile_costs applies it, so every caller of that gets the LoRA bytes once."""
+    each block's and the main device's without what their frozen parameters do not keep, the LoRA
+    base layers in NF4 under --load-in-4bit, and one layer's dequantisation temporaries on every
+    device beside a checkpointed block's recompute. device_map/auto.py's profile_costs applies it,
+    so every caller of that gets the LoRA bytes once."""
     if not prof.frozen_params:
         return cost
-    parts = [without_frozen(p, f) for p, f in zip(cost.parts, prof.blocks_frozen())]
-    return replace(cost, parts=parts, main_parts=without_frozen(cost.main_parts, prof.root_frozen))
+    c = DTYPES[job.precision].itemsize
+    quantized = prof.block_quantized if job.load_in_4bit and prof.block_quantized else [0] * len(cost.parts)
+    parts = [without_frozen(p, f, c, q) for p, f, q in zip(cost.parts, prof.blocks_frozen(), quantized)]
+    extra = transient(prof, "torchao") if job.load_in_4bit else 0  # the larger of the two stores'
+    return replace(cost, parts=parts, main_parts=without_frozen(cost.main_parts, prof.root_frozen, c),
+                   per_device=cost.per_device + extra)
 
 
 def outside_frozen_share(prof) -> float:

@@ -153,10 +153,13 @@ def memory(strategy: str, prof, hw, c: int, checkpointing: bool, accum: int = 1,
         # the last step's rows wait on the device through this step's forward (3.6B Llama on the H200,
         # 2026-12-04: 6.3 GB over the same job stepping after backward, 12.5 GB with fp32 rows)
         late = rows if grads_on_device and delayed else 0
-        # compute-dtype parameters (frozen ones too: placement.place_frozen); fp32 accumulators
-        gpu = _peak(dict(params=c * n, grads=4 * t * held + late),
-                    loss=dict(activations=act, buffers=2 * l32), head=dict(activations=loss_act, buffers=lc + bucket),
-                    **waiting)
+        # compute-dtype parameters (frozen ones too: placement.place_frozen; a 4-bit base in NF4, one layer
+        # dequantized at a time); fp32 accumulators
+        frozen = quantized.frozen_bytes(prof, c) if four_bit else c * (n - t)
+        dequant = quantized.transient(prof, quantized.store(strategy, hw)) if four_bit else 0
+        gpu = _peak(dict(params=c * t + frozen, grads=4 * t * held + late),
+                    loss=dict(activations=act, buffers=2 * l32 + dequant),
+                    head=dict(activations=loss_act, buffers=lc + bucket + dequant), **waiting)
         # the gradients' rows, or three slots of the largest bucket
         slots = (3 * max(ut, vt) / w if grads_on_device else t / w) * grad_bytes * g
         states_bytes = STATE_BYTES[states] * t / w * g

@@ -87,6 +87,7 @@ class ModelProfile:
     quantized_layers: int = 0
     largest_quantized: int = 0  # the largest of those layers: its bf16 copy is the dequantisation's temporary
     unit_quantized: int = 0  # those in the largest block: FSDP2 gathers them in 4 bits with that unit
+    block_quantized: list[float] = field(default_factory=list)  # those in each block (device maps, stages)
     nf4_ranks: int = 0  # torchao's NF4 splits every base layer into whole blocks over its divisors (0: none)
 
     @property

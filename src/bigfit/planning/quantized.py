@@ -1,8 +1,8 @@
 """QLoRA's 4-bit base in the plan (`--lora --load-in-4bit`, quantize.py): the bytes of the LoRA base
 layers' weights in NF4 with double quantisation, the bf16 copy each matmul dequantizes for itself,
 and that dequantisation's memory traffic. Two libraries store the same format (quantize.py): where
-each process holds the whole base on a CUDA GPU (single, ddp), bitsandbytes' Linear4bit and its
-fused kernels; where FSDP2 shards it (zero2, zero3, zero3-offload: each rank keeps its rows of every
+each GPU holds whole layers (single, ddp, a device map's GPUs, pipeline stages), bitsandbytes'
+Linear4bit and its fused kernels; where FSDP2 shards it (zero2, zero3, zero3-offload: each rank keeps its rows of every
 layer's blocks, the all-gathers move 4 bits a weight) or there is no CUDA, torchao's NF4Tensor, which
 dequantizes in a chain of eager operators. Everything else is LoRA's (adapters.py): the other frozen
 parameters in bf16 (store_frozen) or as FSDP2's fp32 shards, the adapters in fp32 with their
@@ -15,9 +15,8 @@ from types import SimpleNamespace
 
 import torch
 
-from ..errors import BigfitError
 from ..models import block_lists
-from ..quantize import RUNS as STRATEGIES, SHARDED, backend, check as check_4bit, quantized_layers
+from ..quantize import SHARDED, backend, check as check_4bit, quantized_layers
 from .devicecost import GATHER, MEM_EFFICIENCY
 
 # the layout both libraries share (blocksize 64, double quantisation): two weights a byte; an absmax
@@ -40,7 +39,7 @@ DEQUANT_BYTES = 1 / BLOCK + 3 * FP32_ABSMAX + 0.5 + FP32_ABSMAX + 2  # 2.77
 TRANSIENT_BYTES = 2 + 2 * FP32_ABSMAX
 # The dequantisation of torchao's NF4Tensor (bigfit's, nf4.py: torchao's own moves 33 and holds 14),
 # which F.linear calls on the weight in forward and in backward, in bytes a weight (read off its
-# operators on this CPU, tests/test_plan_qlora_sharded.py): the packed bytes made int32 indices (0.5
+# operators on this CPU, tests/test_plan_qlora.py): the packed bytes made int32 indices (0.5
 # read, 2 written), each byte's two code values looked up (2, 2), scaled by the block's bf16 absmax
 # into the copy (2 + 2 / BLOCK, 2); the absmaxes made bf16 and offset (7 / BLOCK). At once: the
 # indices and the looked-up values, or those values and the copy.
@@ -51,7 +50,7 @@ TORCHAO_TRANSIENT_BYTES = 2 + 2 + 2 / BLOCK  # 4.03
 def base_counts(model: torch.nn.Module) -> dict:
     """ModelProfile's quantized fields: the weights `--load-in-4bit` stores in 4 bits (every LoRA
     base layer's: quantize.quantized_layers, what training quantizes), how many layers, the largest,
-    those in the largest block, and the rank counts FSDP2 can split them over."""
+    those in the largest block and in each, and the rank counts FSDP2 can split them over."""
     weights = [getattr(parent, attr).weight for _, parent, attr in quantized_layers(model)]
     if not weights:
         return {}
@@ -63,7 +62,8 @@ def base_counts(model: torch.nn.Module) -> dict:
     whole = math.gcd(*sizes.values())
     ranks = math.gcd(whole // (BLOCK * BLOCK2), *(w.shape[0] for w in weights)) if whole % (BLOCK * BLOCK2) == 0 else 0
     return {"quantized_params": sum(sizes.values()), "quantized_layers": len(sizes),
-            "largest_quantized": max(sizes.values()), "unit_quantized": unit, "nf4_ranks": ranks}
+            "largest_quantized": max(sizes.values()), "unit_quantized": unit, "nf4_ranks": ranks,
+            "block_quantized": [sum(sizes.get(id(p), 0) for p in blk.parameters()) for blk in blocks]}
 
 
 def store(strategy: str, hw) -> str:
@@ -111,14 +111,15 @@ def transient(prof, library: str = "bitsandbytes") -> float:
     return per_weight * prof.largest_quantized
 
 
-def dequant_seconds(prof, hw, job, micro_batches: int, library: str = "bitsandbytes") -> float:
-    """The GPU's seconds a step of dequantising the base: every 4-bit matmul dequantizes its weight in
-    forward, again in backward for its input gradient (and in the recompute with checkpointing), once
-    per micro-batch whatever its size, at the memory-bound rate of devicecost.py's other operators.
-    Under FSDP2 each rank dequantizes every layer, as it computes with every gathered unit."""
+def dequant_seconds(prof, hw, job, micro_batches: int, library: str = "bitsandbytes", params=None) -> float:
+    """The GPU's seconds a step of dequantising the base (or `params` of its weights: a device's or a
+    stage's): every 4-bit matmul dequantizes its weight in forward, again in backward for its input
+    gradient (and in the recompute with checkpointing), once per micro-batch (or chunk) whatever its
+    size, at the memory-bound rate of devicecost.py's other operators. Under FSDP2 each rank
+    dequantizes every layer, as it computes with every gathered unit."""
     passes = 3 if job.checkpointing else 2
     per_weight = TORCHAO_DEQUANT_BYTES if library == "torchao" else DEQUANT_BYTES
-    moved = micro_batches * passes * per_weight * prof.quantized_params
+    moved = micro_batches * passes * per_weight * (prof.quantized_params if params is None else params)
     return moved / (hw.gpu_mem_gbps * 1e9 * MEM_EFFICIENCY)
 
 
@@ -128,11 +129,6 @@ def gather_saving(prof, hw, micro_batches: int, gathers: int) -> float:
     copy into the layer's own tensors each read and write a weight's 0.516 bytes."""
     spared = micro_batches * gathers * (GATHER - 4 * STORED) * prof.quantized_params
     return spared / (hw.gpu_mem_gbps * 1e9 * MEM_EFFICIENCY)
-
-
-def rated(strategies, job) -> tuple[str, ...]:
-    """The strategies a job with a 4-bit base is rated with: those of STRATEGIES asked for."""
-    return tuple(s for s in strategies if s in STRATEGIES) if job.load_in_4bit else tuple(strategies)
 
 
 def check(lora: bool, precision: str, degrees: dict | None = None) -> None:
@@ -149,6 +145,6 @@ def describe(prof) -> str:
     q = prof.quantized_params
     return (f"4-bit base (QLoRA): {prof.quantized_layers} LoRA base layers, {q / 1e9:.2f}B parameters in NF4 "
             f"with double quantisation, {STORED * q / 1e9:.1f} GB ({2 * q / 1e9:.1f} GB in bf16), each dequantized "
-            f"to bf16 in forward and backward; rated with {', '.join(STRATEGIES[:-1])} and {STRATEGIES[-1]} "
-            "(bitsandbytes holds the whole base in each process on single and ddp; torchao's NF4Tensor is "
-            "sharded by FSDP2 on the others, offloaded with zero3-offload); no composed layout")
+            "to bf16 in forward and backward; bitsandbytes holds whole layers on each GPU (single, ddp, zero1, "
+            "zero2-offload, device_map, pipeline), torchao's NF4Tensor is sharded by FSDP2 (zero2, zero3, "
+            "zero3-offload: offloaded with it); no composed layout")

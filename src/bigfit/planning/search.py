@@ -68,10 +68,9 @@ def plan(prof, hw, job: Job, strategies=ALL, autocast_prof=None, split_prof=None
     autocast strategies; `split_prof`: traced at one process's whole micro-batch, for device_map and
     pipeline (default `prof`, the same when there is one GPU); `prof` otherwise, traced at
     job.micro(world). `layouts`: None for the named rows alone, else the composed plans too, with
-    these degrees fixed ({} for all: layouts.py). A 4-bit base (job.load_in_4bit) is rated with
-    single, ddp, zero2, zero3 and zero3-offload alone, and with no composed plan: nothing else runs
-    it (quantized.py)."""
-    world, strategies = hw.world_size, quantized.rated(strategies, job)
+    these degrees fixed ({} for all: layouts.py). A 4-bit base (job.load_in_4bit) is rated with no
+    composed plan: none runs it (quantized.py)."""
+    world = hw.world_size
     accum = max(1, job.batch_size // (job.micro(world) * world))
     c = DTYPES[job.precision].itemsize
     tokens = job.batch_size * (job.seq_len + job.target_len)
@@ -83,6 +82,7 @@ def plan(prof, hw, job: Job, strategies=ALL, autocast_prof=None, split_prof=None
             # device maps and pipeline stages run autocast over fp32 weights, as single does
             row = (device_map_row if name in SPLIT_STRATEGIES else pipeline_row)(split_prof or autocast_prof or prof, hw, job)
             why, sections[name] = row.no_fit or _host_fit(row.estimate, hw), row.section
+            why = why or (quantized.unrunnable(prof, name, hw) if job.load_in_4bit else None)
             out.append(Candidate(row.estimate, why is None, why or row.not_candidate, tokens / row.estimate.step_time_s))
             continue
         rated = [_row(name, states, prof, autocast_prof, hw, job, c, accum, tokens) for states in _formats(name, job)]
@@ -98,8 +98,8 @@ def plan(prof, hw, job: Job, strategies=ALL, autocast_prof=None, split_prof=None
     result = Plan(out, best, why, hw.describe(), job, device_map=sections.get("device_map"),
                   pipeline=sections.get("pipeline"), params=prof.params, trainable_params=prof.trainable_params)
     if layouts is not None and job.load_in_4bit:
-        result.layout_reason = ("not rated with --load-in-4bit (a 4-bit base runs with single, ddp, zero2, zero3 "
-                                "or zero3-offload alone)")
+        result.layout_reason = ("not rated with --load-in-4bit (a 4-bit base is split by FSDP2 or into whole "
+                                "layers by device_map and pipeline alone)")
     elif layouts is not None:
         result.layouts, result.layout_rejected = layout_rows(prof, hw, job, layouts)
         result.layout_pick, result.layout_reason = choose(out, result.layouts)
@@ -214,9 +214,8 @@ def _parameter_traffic(name: str, prof, hw, job: Job, accum: int) -> float:
 
 
 def plan_for_config(model_config, hw, job: Job, strategies=ALL, layouts: dict | None = None) -> Plan:
-    if job.load_in_4bit:  # only the rows that run a 4-bit base are traced (device_map's trace costs seconds)
+    if job.load_in_4bit:
         quantized.check(job.lora is not None, job.precision)
-        strategies = quantized.rated(strategies, job)
     micro = job.micro(hw.world_size)
     lengths = (model_config, micro, job.seq_len, job.target_len or job.seq_len, job.precision, hw.device)
     # the data-parallel trace, at each process's micro-batch: the named data-parallel rows and the composed ones

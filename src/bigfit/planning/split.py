@@ -11,7 +11,8 @@ device at its peak moment, when its gradients and activations are not all alive 
 copies at each change of device, plus the host's AdamW for parameters mapped to `cpu`; with GPipe
 chunks the slowest stage sets the pace; the one host computes its own blocks and issues every GPU's
 kernels in turn. With LoRA a frozen parameter has no gradient and no moments (adapters.frozen_costs)
-and the host steps its adapters alone.
+and the host steps its adapters alone; with a 4-bit base (QLoRA) each device keeps its layers in NF4
+and dequantizes them every pass.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from ..device_map.auto import device_parts, plan_budgets, profile_costs, split_p
 from .devicecost import MFU, traffic_seconds
 from .estimate import Estimate, _bytes
 from .hostcost import FORWARD_SHARE, HOOK_S, pass_seconds
+from .quantized import dequant_seconds
 
 NAME = "device_map"
 # Host seconds per parameter of a block mapped to the host, each pass (micro-batch or chunk) whatever its
@@ -60,7 +62,7 @@ def device_map_row(prof, hw, job) -> SplitRow:
     shown = max(gpus, key=lambda d: sum(gpus[d].values()))
     section["shown"] = shown
     costs, stage = map_costs(prof, hw, job, assignment, main)
-    e = Estimate(NAME, _bytes(**parts[shown]), _host(prof, parts.get("cpu")), sum(costs.values()), costs,
+    e = Estimate(NAME, _bytes(**parts[shown]), _host(prof, job, parts.get("cpu")), sum(costs.values()), costs,
                  labels={"compute": _label(stage, chunks, hw.gpus_per_node)})
     return SplitRow(e, section, section.get("why_not"), _no_split(set(stage), hw, e))
 
@@ -110,6 +112,8 @@ def stage_seconds(prof, hw, job, assignment: list[str], main: str, passes: int,
             out[d] += passes * recompute * sum(prof.block_params[g] for g in mine) * HOST_SWEEP_S
             continue
         out[d] += traffic_seconds(prof, hw, job, mine, d == main, job.batch_size)
+        if job.load_in_4bit:  # its 4-bit layers dequantized by bitsandbytes, each pass
+            out[d] += dequant_seconds(prof, hw, job, passes, params=sum(prof.block_quantized[g] for g in mine))
         out[d] = max(out[d], passes * (pass_seconds(prof, hw, job, mine, outside=d == main) + host_per_pass))
     return out
 
@@ -167,10 +171,12 @@ def _host_params(prof, assignment: list[str], main: str) -> float:
     return on_host + (prof.root_trainable if main.startswith("cpu") else 0)
 
 
-def _host(prof, cpu_parts: dict | None) -> dict[str, int]:
+def _host(prof, job, cpu_parts: dict | None) -> dict[str, int]:
     """One node's RAM: the larger of the fp32 model built there before its blocks move (4N, as every row
-    counts it) and what the map keeps on the host while training."""
-    return max(_bytes(buffers=4 * prof.params), _bytes(**(cpu_parts or {})), key=lambda b: b["total"])
+    counts it; a 4-bit base is made on its devices instead) and what the map keeps on the host while
+    training."""
+    built = _bytes(buffers=0 if job.load_in_4bit else 4 * prof.params)
+    return max(built, _bytes(**(cpu_parts or {})), key=lambda b: b["total"])
 
 
 def _label(stage: dict[str, float], chunks: int, gpus: int) -> str:

@@ -11,7 +11,8 @@ activations of the chunks its schedule keeps in flight, the receive buffers torc
 chunk, and on the last stage the loss's fp32 logits. Time: the slowest rank's compute stretched by
 the bubble, plus its point-to-point receives, the tied gradients' all-reduce and the optimizer step
 of the fullest rank. With LoRA frozen parameters have no gradient and no moments (adapters.py): no
-optimizer step and no all-reduce of a frozen tied embedding.
+optimizer step and no all-reduce of a frozen tied embedding; with a 4-bit base (QLoRA) each rank keeps
+its stages' layers in NF4 and dequantizes one at a time.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from ..precision import DTYPES
 from .adapters import outside_frozen_share, without_frozen
 from .estimate import KEYS, RESERVE, Estimate, _bytes
 from .hostcost import PIPELINE_ACTION_S
+from .quantized import transient
 from .split import stage_seconds
 
 NAME = "pipeline"
@@ -50,7 +52,8 @@ def pipeline_row(prof, hw, job) -> PipelineRow:
     shown = max(range(layout.world), key=lambda r: ranks[r]["total"])
     costs, bubble = _costs(prof, hw, job, layout, runs, ranks)
     label = f"compute (pipeline bubble {bubble:.0%})" if layout.world > 1 else "compute (one stage: the whole job)"
-    e = Estimate(NAME, ranks[shown], _bytes(buffers=4 * prof.params), sum(costs.values()), costs,
+    e = Estimate(NAME, ranks[shown], _bytes(buffers=0 if job.load_in_4bit else 4 * prof.params), sum(costs.values()),
+                 costs,
                  labels={"compute": label})
     return PipelineRow(e, _section(prof, layout, runs, ranks, budgets, shown), _no_fit(ranks, budgets), why)
 
@@ -118,12 +121,14 @@ def rank_bytes(prof, job, layout, runs) -> list[dict[str, int]]:
     frozen = outside_frozen_share(prof)
     for n, held in holders(prof, layout, runs):
         for r in held:
-            _add(ranks[r], without_frozen(state_bytes(n, c), n * frozen))
+            _add(ranks[r], without_frozen(state_bytes(n, c), n * frozen, c))
     for r, held in enumerate(ranks):
         stages = layout.stages_of(r)
         held["activations"] = sum(k * per_chunk[s] for k, s in zip(in_flight(layout, r), stages))
         if job.checkpointing:  # one block's activations again while it is recomputed, for one chunk
             held["activations"] += max(prof.block_saved[g] for s in stages for g in range(*runs[s])) / m
+        if job.load_in_4bit:  # one layer dequantized at a time (bitsandbytes: a rank holds whole layers)
+            held["buffers"] += transient(prof)
     logits32 = 4 * (prof.logits_numel or prof.logits_bytes // c)
     ranks[layout.rank_of(last)]["buffers"] += 2 * logits32 / m  # the loss of one chunk (estimate.memory's loss moment)
     return [_bytes(**r) for r in ranks]

@@ -9,6 +9,7 @@ import math
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
+from ..quantize import is_quantized
 from .buckets import Bucket, local_view
 
 
@@ -27,8 +28,9 @@ def materialise(b: Bucket, master: torch.Tensor, io, rank: int, dtype: torch.dty
 
 @torch.no_grad()
 def place_frozen(model: torch.nn.Module, io, dtype: torch.dtype, held: dict) -> None:
-    """Parameters that do not train: on the device in the compute dtype, nothing on the host."""
-    for p in {id(p): p for p in model.parameters() if not p.requires_grad}.values():
+    """Parameters that do not train: on the device in the compute dtype, nothing on the host; a 4-bit
+    weight (QLoRA, quantize.py) is there already."""
+    for p in {id(p): p for p in model.parameters() if not p.requires_grad and not is_quantized(p)}.values():
         _put(p, io.whole(p).to(dtype), held)
 
 

@@ -1,18 +1,21 @@
-"""QLoRA with the base sharded (quantize.py's torchao store): `--lora --load-in-4bit` under ddp, zero2,
-zero3 and zero3-offload on 2 gloo ranks against single-process QLoRA on the same 4-bit base, through
-the real training loop, bf16: equal losses each step and equal adapters after 3 steps (a Llama under
-each, a T5 with tied embeddings and unequal depth under zero3; GPT-2's Conv1D layers are not nn.Linear,
-so no layer of it is stored in 4 bits, by either library); each rank
-stores half of every base layer's 4-bit bytes; checkpoints hold the adapters alone and a resumed
-zero3 run continues exactly; the quantized base is torchao's NF4 of the seeded init.
+"""QLoRA under every strategy (quantize.py's torchao store, the one without CUDA): `--lora
+--load-in-4bit` under ddp, zero1, zero2-offload, zero2, zero3, zero3-offload and pipeline on 2 gloo
+ranks, and device_map over two devices (cpu, cpu:1) in one process, against single-process QLoRA on
+the same 4-bit base, through the real training loop, bf16: equal losses each step and equal adapters
+after 3 steps (a Llama under each, a T5 with tied embeddings and unequal depth under zero3; GPT-2's
+Conv1D layers are not nn.Linear, so no layer of it is stored in 4 bits, by either library); each
+rank stores half of every base layer's 4-bit bytes; checkpoints hold the adapters alone and a
+resumed zero3 run continues exactly; the quantized base is torchao's NF4 of the seeded init.
 
-Models wider than tests/tiny.py's (hidden 256): each rank's share of a layer must hold
-whole NF4 blocks and factors (64 x 256 weights), which any real model's layers do.
+Models wider than tests/tiny.py's (hidden 256): each rank's share of a layer must hold whole NF4
+blocks and factors (64 x 256 weights), which any real model's layers do.
 
 Tolerances: bf16 compute and one reduction order against another (2 ranks' gradients summed, then
-averaged, against one process's): the Llama's runs are equal bit for bit on torch 2.13, CPU (bf16
-gradients sum exactly in fp32), held to 2e-3; T5's steps after the first differ by autocast against
-FSDP2's casts, with a 4-bit base as with a bf16 one (below).
+averaged, against one process's): the Llama's data-parallel runs are equal bit for bit on torch 2.13,
+CPU (bf16 gradients sum exactly in fp32); the offload engine's bf16 adapters and host AdamW, and
+device_map's and pipeline's chunks of one sample, round otherwise (2e-5 to 8e-5 relative in the
+losses); all held to 2e-3. T5's steps after the first differ by autocast against FSDP2's casts, with
+a 4-bit base as with a bf16 one (below).
 """
 from __future__ import annotations
 
@@ -24,8 +27,11 @@ from dist import run_ranks, threads_per_rank, torch_threads
 
 pytest.importorskip("torchao")
 SHARDED = ("zero2", "zero3", "zero3-offload")
-RANKS = ("ddp", *SHARDED)  # ddp: each rank holds the whole 4-bit base
+# ddp, zero1 and the offload engine: each rank holds the whole 4-bit base; pipeline: its stages'
+RANKS = ("ddp", "zero1", "zero2-offload", *SHARDED, "pipeline")
+ONE_PROCESS = ("single", "device_map")  # device_map: block 0 on cpu, block 1 on the virtual cpu:1
 LOSS_TOL, PARAM_TOL = 2e-3, 2e-3
+LR = 3e-3
 T5_LOSS_TOL = 5e-3  # test_parity's mechanism tolerance is 1e-2
 
 
@@ -40,6 +46,7 @@ def wide(tmp_path_factory):
     T5Config(vocab_size=384, d_model=256, d_kv=64, d_ff=512, num_layers=1, num_decoder_layers=2, num_heads=4,
              dropout_rate=0.0, tie_word_embeddings=True, decoder_start_token_id=0, pad_token_id=0,
              eos_token_id=1).save_pretrained(root / "t5")
+    (root / "map.json").write_text('{"cpu": [0], "cpu:1": [1]}')
     return root
 
 
@@ -51,10 +58,12 @@ def wide_llama(wide):
 def job(model_dir, data, out, strategy: str, **kw):
     from bigfit.config import TrainConfig
 
+    split = {"device_map": dict(device_map=str(model_dir.parent / "map.json"), chunks=2),
+             "pipeline": dict(chunks=2)}.get(strategy, {})
     values = dict(model=str(model_dir), data=str(data), output_dir=str(out), strategy=strategy, precision="bf16",
                   max_steps=3, batch_size=8, micro_batch_size=2, warmup_steps=0, eval_every=0, eval_on_start=False,
-                  save_every=0, eval_samples=0, consolidate=False, lr=3e-3, lora=True, lora_r=4, lora_alpha=8.0,
-                  lora_dropout=0.0, load_in_4bit=True, max_source_len=32, max_target_len=32)
+                  save_every=0, eval_samples=0, consolidate=False, lr=LR, lora=True, lora_r=4, lora_alpha=8.0,
+                  lora_dropout=0.0, load_in_4bit=True, max_source_len=32, max_target_len=32, **split)
     return TrainConfig(**{**values, **kw})
 
 
@@ -76,7 +85,7 @@ def runs(wide, pairs_file, tmp_path_factory):
 
     def reference():
         with torch_threads(threads_per_rank(2)):
-            run(wide, pairs_file, root, ("single",))
+            run(wide, pairs_file, root, ONE_PROCESS)
 
     run_ranks(run, 2, wide, pairs_file, root, RANKS, meanwhile=reference)
     return root
@@ -88,7 +97,7 @@ def final_adapters(run_dir) -> dict:
     return {k: v for k, v in final_state(run_dir)["model"].items() if ".lora_" in k}
 
 
-@pytest.mark.parametrize("strategy", [*RANKS, "t5-zero3"])
+@pytest.mark.parametrize("strategy", [*RANKS, "device_map", "t5-zero3"])
 def test_qlora_sharded_matches_single_process_qlora(runs, strategy):
     ref, got = runs / ("t5-single" if strategy.startswith("t5") else "single"), runs / strategy
     a_losses, b_losses = ([r["loss"] for r in read_jsonl(d / "metrics.jsonl")] for d in (ref, got))
@@ -97,15 +106,22 @@ def test_qlora_sharded_matches_single_process_qlora(runs, strategy):
     assert a and set(a) == set(b)
     loss_diff = max(abs(x - y) / x for x, y in zip(a_losses, b_losses))
     worst = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
-    print(f"qlora {strategy}: max loss rel diff {loss_diff:.1e}, max adapter diff {worst:.1e}")
-    if strategy.startswith("t5"):
-        # T5 in bf16 follows autocast (single) and FSDP2's casts (zero3) apart after the first update,
-        # with a bf16 base as with a 4-bit one (step 3: 4.6e-4 and 1.4e-4 relative on torch 2.13, CPU);
-        # the first step's loss is the same base's and the same forward's
-        assert b_losses[0] == a_losses[0] and loss_diff <= T5_LOSS_TOL, f"losses {b_losses} vs {a_losses}"
+    apart = sum(((a[k].float() - b[k].float()).abs() > PARAM_TOL).sum().item() for k in a) / sum(
+        a[k].numel() for k in a)
+    print(f"qlora {strategy}: max loss rel diff {loss_diff:.1e}, max adapter diff {worst:.1e}, {apart:.2%} apart")
+    if strategy in ("ddp", "zero1", *SHARDED):
+        assert loss_diff <= LOSS_TOL, f"losses {b_losses} vs {a_losses}"
+        assert worst <= PARAM_TOL, f"largest adapter difference {worst:.2e}"
         return
-    assert loss_diff <= LOSS_TOL, f"losses {b_losses} vs {a_losses}"
-    assert worst <= PARAM_TOL, f"largest adapter difference {worst:.2e}"
+    # bf16 rounded otherwise: T5 by autocast (single) against FSDP2's casts (zero3), with a bf16 base as
+    # with a 4-bit one (step 3: 4.6e-4 and 1.4e-4 relative on torch 2.13, CPU); device_map's and
+    # pipeline's chunks of one sample; the offload engine's bf16 adapters and host AdamW. An element whose gradient is near zero may then take AdamW's
+    # step (about lr, whatever the gradient's size) the other way: at most 2 lr a step apart, and few
+    # such (seen: 0.10% to 0.19% of the elements, 6.0e-3 to 6.8e-3 apart after 3 steps)
+    if strategy.startswith("t5"):  # the first step's loss: the same base's and the same forward's
+        assert b_losses[0] == a_losses[0]
+    assert loss_diff <= (T5_LOSS_TOL if strategy.startswith("t5") else LOSS_TOL), f"losses {b_losses} vs {a_losses}"
+    assert worst <= 2 * LR * 3 and apart <= 0.01, f"adapters {worst:.2e} apart at most, {apart:.2%} beyond {PARAM_TOL}"
 
 
 def test_qlora_checkpoints_hold_adapters_alone_and_resume_exactly(runs):

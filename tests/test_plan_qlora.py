@@ -1,8 +1,9 @@
-"""QLoRA's 4-bit base on FSDP2's rows (planning/quantized.py): zero2, zero3 and zero3-offload hold
-their rows of the base in torchao's NF4 and gather it in 4 bits, so a base that a 16-bit one would
-not let fit does, its share falls with the ranks, and zero3-offload keeps it in host RAM; single's
-and ddp's figures stay bitsandbytes' (pinned as they were before FSDP2 ran a 4-bit base); the NF4
-dequantisation's bytes (nf4.py's) are read off its operators here."""
+"""QLoRA's 4-bit base in the plan (planning/quantized.py): zero2, zero3 and zero3-offload hold their
+rows of the base in torchao's NF4 and gather it in 4 bits, so a base that a 16-bit one would not let
+fit does, its share falls with the ranks, and zero3-offload keeps it in host RAM; device_map's devices
+and pipeline's ranks hold their blocks' layers whole in NF4; single's and ddp's figures stay
+bitsandbytes' (pinned as they were before FSDP2 ran a 4-bit base); the NF4 dequantisation's bytes
+(nf4.py's) are read off its operators here."""
 from __future__ import annotations
 
 import sys
@@ -43,15 +44,45 @@ def plan(shape: str, gpus: int, gb: int, four_bit: bool = True, strategies=None)
 
 
 def test_fsdp_rows_fit_a_4bit_base_where_a_16bit_one_does_not():
-    assert all(c.fits for c in plan("8b", 2, 24).values())
+    assert all(c.fits for n, c in plan("8b", 2, 24).items() if n != "zero2-offload-nvme")  # no NVMe described
     for shape, gb in (("8b", 12), ("70b", 80)):
         four, bf16 = plan(shape, 2, gb), plan(shape, 2, gb, four_bit=False, strategies=FSDP)
-        assert list(four) == ["ddp", *FSDP]
         assert four["zero3"].fits and four["zero3-offload"].fits and not bf16["zero3"].fits, (shape, four, bf16)
         assert four["zero3"].estimate.per_gpu["params"] < bf16["zero3"].estimate.per_gpu["params"] / 2
-    # 70B on two 24 GB GPUs: only zero3-offload, the base's rows in host RAM
+    # 70B on two 24 GB GPUs: zero3-offload, the base's rows in host RAM; or a device map computing
+    # what the GPUs cannot hold on the host, scores of times slower
     rows = plan("70b", 2, 24)
-    assert [n for n, c in rows.items() if c.fits] == ["zero3-offload"]
+    assert [n for n, c in rows.items() if c.fits] == ["zero3-offload", "device_map"]
+    assert rows["device_map"].estimate.step_time_s > 20 * rows["zero3-offload"].estimate.step_time_s
+
+
+def test_device_maps_and_stages_hold_whole_layers_in_nf4():
+    """Every device of a map, every pipeline rank: its blocks' base layers in NF4, the other frozen
+    parameters in bf16 (store_frozen), the adapters in fp32 with their moments, one layer dequantized
+    at a time; a 4-bit base is made on the devices (no fp32 model on the host first)."""
+    from bigfit.planning.search import plan_for_config
+
+    prof, hw = profile("8b"), Hardware(gpu_bytes=(12 * GB,) * 2, cpu_ram=128 * GB)
+    q, t = prof.quantized_params, prof.trainable_params
+    want = quantized.STORED * q + 2 * (prof.params - q - t) + 4 * t
+    for four_bit in (True, False):
+        job = Job(batch_size=2, seq_len=2048, micro_batch=2, checkpointing=True, lora=LORA, load_in_4bit=four_bit,
+                  chunks=2)
+        result = plan_for_config(llama("8b"), hw, job, ("device_map", "pipeline"))
+        rows = {c.estimate.name: c for c in result.candidates}
+        devices = [d["parts"] for d in result.device_map["devices"].values()]
+        held = sum(d["params"] for d in devices)
+        if not four_bit:  # 16.2 GB with the base in bf16: more than the two 12 GB GPUs, the host takes blocks
+            assert held == pytest.approx(want + (2 - quantized.STORED) * q, rel=1e-3)
+            assert "cpu" in result.device_map["devices"]
+            continue
+        assert held == pytest.approx(want, rel=1e-3) and "cpu" not in result.device_map["devices"]
+        # the balancer's per-device bytes (device_map/auto.py Costs.per_device) hold the dequantisation's
+        assert all(d["activations"] >= quantized.TORCHAO_TRANSIENT_BYTES * prof.largest_quantized for d in devices)
+        stages = [r["parts"]["params"] for r in result.pipeline["devices"].values()]
+        assert sum(stages) == pytest.approx(want, rel=0.02) and len(stages) == 2  # the head, embeddings: one each
+        assert rows["device_map"].fits and rows["pipeline"].fits
+        assert rows["device_map"].estimate.per_host["total"] == 0
 
 
 def test_sharded_base_falls_with_the_ranks():
@@ -124,10 +155,15 @@ def test_layers_that_split_into_no_whole_blocks_are_refused():
     for gpus, runnable in ((4, True), (3, False)):  # its layers hold 16 x 16,384 weights, in rows of 256 at least
         hw = Hardware(gpu_bytes=(80 * GB,) * gpus, cpu_ram=512 * GB)
         rows = plan_for_config(config, hw, Job(batch_size=gpus, seq_len=128, lora=LORA, load_in_4bit=True)).candidates
-        assert all(c.fits == runnable or c.estimate.name == "ddp" for c in rows), [(c.estimate.name, c.why_not) for c in rows]
+        assert all(c.fits == runnable for c in rows if c.estimate.name in FSDP), [(c.estimate.name, c.why_not) for c in rows]
     hw = Hardware(gpu_bytes=(80 * GB,) * 2, cpu_ram=512 * GB)
     rows = plan_for_config(tiny_config("llama"), hw, Job(batch_size=2, seq_len=32, lora=LORA, load_in_4bit=True))
-    assert rows.recommended == "ddp" and all("whole blocks" in c.why_not for c in rows.candidates[1:])
+    assert rows.recommended not in FSDP and all("whole blocks" in c.why_not for c in rows.candidates
+                                                if c.estimate.name in FSDP)
+    # on a CPU machine every row's layers are torchao's: whole blocks or nothing
+    hw = Hardware(gpu_bytes=(8 * GB,) * 2, cpu_ram=512 * GB, device="cpu")
+    rows = plan_for_config(tiny_config("llama"), hw, Job(batch_size=2, seq_len=32, lora=LORA, load_in_4bit=True))
+    assert all("whole blocks" in c.why_not for c in rows.candidates if c.estimate.name != "zero2-offload-nvme")  # no disk
 
 
 def test_check_refuses_what_train_refuses_and_imports_no_library():
