@@ -121,3 +121,22 @@ def test_config_only_model_with_a_larger_vocabulary_than_the_byte_tokenizer(tmp_
                  "--max-new-tokens", "6", "--no-consolidate", "--output-dir", str(tmp_path / "out")])
     assert code == 0
     assert "eval_bleu" in read_jsonl(tmp_path / "out/eval.jsonl")[-1]
+
+
+def test_the_allocators_defaults_leave_the_users_choice(monkeypatch):
+    """stamp_start (before torch is imported): 2 MB pages for the CPU's allocator, expandable segments
+    for CUDA's; a setting of the user's, under either of torch's names, is kept as it is."""
+    from bigfit.launch import stamp_start
+
+    for key in ("THP_MEM_ALLOC_ENABLE", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "BIGFIT_STARTED_AT"):
+        monkeypatch.delenv(key, raising=False)  # and put back as they were after the test
+    stamp_start()
+    assert os.environ["THP_MEM_ALLOC_ENABLE"] == "1"
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    for key in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+        monkeypatch.setenv(key, "max_split_size_mb:128")
+        stamp_start()
+        assert os.environ[key] == "max_split_size_mb:128" and os.environ.get("PYTORCH_CUDA_ALLOC_CONF") in (
+            None, "max_split_size_mb:128")
+        monkeypatch.delenv(key)

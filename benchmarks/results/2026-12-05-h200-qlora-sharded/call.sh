@@ -20,7 +20,7 @@ if [ "${SCALE:-full}" = tiny ]; then
 else
   python -m pip install -q --no-index --no-deps --target /tmp/site .whl/torchao-*.whl .whl/bitsandbytes-*.whl > $OUT/pip.txt 2>&1
   export PYTHONPATH=$PWD/src:/tmp/site
-  SHAPES="4096 32 32 8 14336 8192 80 64 8 28672"; VOCAB=128256; STEPS=6; LEN=2048; B8=4
+  SHAPES="4096 32 32 8 14336 8192 80 64 8 28672"; VOCAB=128256; STEPS=6; LEN=2048; B8=${B8:-4}  # B8=2 on an 80 GB card
 fi
 ( nvidia-smi --query-gpu=name,memory.total --format=csv 2>/dev/null; nproc; free -g;
   python -c "import torch, torchao, bitsandbytes; print(torch.__version__, torchao.__version__, bitsandbytes.__version__)" 2>&1 | tail -1 ) > $OUT/machine.txt
