@@ -6,10 +6,11 @@ The model comes on the meta device on every rank (bigfit.loading): each transfor
 weights, and each rank then fills only what it stores, from its slices of the safetensors weights
 or by the seeded init. On the rank-0 path (`.bin` weights, hub names not cached, device maps, a
 model handed in with real weights) rank 0 brings the whole model and the others receive their parts.
-- 4-bit base (QLoRA, single or ddp): each LoRA base layer read in bf16 and quantized on the device
-  (quantize.py), before anything allocates the rest of the model; under FSDP2 (zero2, zero3,
-  zero3-offload) a unit's layers at a time, just before the sharding step shards that unit; with a
-  device map or pipeline stages at the split, the layers this process keeps, each on its device.
+- 4-bit base (QLoRA): each LoRA base layer read in bf16 and quantized on the device (quantize.py),
+  before anything allocates the rest of the model, where each process holds all of it (single, ddp,
+  zero1, the offload engine); under FSDP2 (zero2, zero3, zero3-offload) a unit's layers at a time,
+  just before the sharding step shards that unit; with a device map or pipeline stages at the
+  split, the layers this process keeps, each on its device.
 - split: a device map (one process drives every device) or pipeline stages (this rank keeps its
   stages' blocks and fills them, or gets them from rank 0, and runs them through torch's
   schedules); first, because every later transform works on the blocks this rank keeps.
