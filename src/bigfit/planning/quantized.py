@@ -1,13 +1,14 @@
 """QLoRA's 4-bit base in the plan (`--lora --load-in-4bit`, quantize.py): the bytes of the LoRA base
 layers' weights in NF4 with double quantisation, the bf16 copy each matmul dequantizes for itself,
 and that dequantisation's memory traffic. Two libraries store the same format (quantize.py): where
-each GPU holds whole layers (single, ddp, a device map's GPUs, pipeline stages), bitsandbytes'
-Linear4bit and its fused kernels; where FSDP2 shards it (zero2, zero3, zero3-offload: each rank keeps its rows of every
-layer's blocks, the all-gathers move 4 bits a weight) or there is no CUDA, torchao's NF4Tensor, which
-dequantizes in a chain of eager operators. Everything else is LoRA's (adapters.py): the other frozen
-parameters in bf16 (store_frozen) or as FSDP2's fp32 shards, the adapters in fp32 with their
-gradients and AdamW's moments, the trace's activations (a 4-bit matmul, like a frozen bf16 one,
-saves no input). Pure arithmetic on the trace's counts; nothing here imports either library."""
+each GPU holds whole layers (single, ddp, zero1, zero2-offload, a device map's GPUs, pipeline
+stages), bitsandbytes' Linear4bit and its fused kernels; where FSDP2 shards it (zero2, zero3,
+zero3-offload: each rank keeps its rows of every layer's blocks, the all-gathers move 4 bits a
+weight) or there is no CUDA, torchao's NF4Tensor, which dequantizes in a chain of eager operators.
+Everything else is LoRA's (adapters.py): the other frozen parameters in bf16 (store_frozen), the
+adapters in fp32 with their gradients and AdamW's moments, the trace's activations (a 4-bit matmul,
+like a frozen bf16 one, saves no input). Pure arithmetic on the trace's counts; nothing here imports
+either library."""
 from __future__ import annotations
 
 import math

@@ -52,9 +52,8 @@ def pipeline_row(prof, hw, job) -> PipelineRow:
     shown = max(range(layout.world), key=lambda r: ranks[r]["total"])
     costs, bubble = _costs(prof, hw, job, layout, runs, ranks)
     label = f"compute (pipeline bubble {bubble:.0%})" if layout.world > 1 else "compute (one stage: the whole job)"
-    e = Estimate(NAME, ranks[shown], _bytes(buffers=0 if job.load_in_4bit else 4 * prof.params), sum(costs.values()),
-                 costs,
-                 labels={"compute": label})
+    built = _bytes(buffers=0 if job.load_in_4bit else 4 * prof.params)  # a 4-bit base is made on the GPUs
+    e = Estimate(NAME, ranks[shown], built, sum(costs.values()), costs, labels={"compute": label})
     return PipelineRow(e, _section(prof, layout, runs, ranks, budgets, shown), _no_fit(ranks, budgets), why)
 
 
