@@ -98,7 +98,7 @@ def final_adapters(run_dir) -> dict:
 
 
 @pytest.mark.parametrize("strategy", [*RANKS, "device_map", "t5-zero3"])
-def test_qlora_sharded_matches_single_process_qlora(runs, strategy):
+def test_qlora_under_each_strategy_matches_single_process_qlora(runs, strategy):
     ref, got = runs / ("t5-single" if strategy.startswith("t5") else "single"), runs / strategy
     a_losses, b_losses = ([r["loss"] for r in read_jsonl(d / "metrics.jsonl")] for d in (ref, got))
     assert len(a_losses) == 3 and a_losses[-1] < a_losses[0]
