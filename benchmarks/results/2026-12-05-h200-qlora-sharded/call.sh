@@ -36,13 +36,14 @@ rng = random.Random(0)
 open("/tmp/q.txt", "w").write("".join("".join(rng.choice(string.ascii_letters + " ") for _ in range(2100)) + "\n"
                                       for _ in range(64)))
 PY
-run() {  # NAME LIMIT_S ARGS...: a run into /tmp/NAME, its log and metrics into $OUT
+run() {  # NAME LIMIT_S ARGS...: a run into /tmp/NAME, its log with its metrics.jsonl at the end into $OUT
+  # (one file a row: the tool returns 8 files a call)
   name=$1 limit=$2; shift 2; t=$(date +%s)
   timeout $limit python -m bigfit train --data /tmp/q.txt --lora --lora-r 16 --lora-targets all-linear --load-in-4bit \
     --precision bf16 --max-source-len $LEN --eval-samples 0 --no-checkpoints --lr 1e-4 --warmup-steps 0 \
     --lr-schedule constant --overwrite --output-dir /tmp/$name "$@" > $OUT/$name.log 2>&1
   echo "exit $? wall $(( $(date +%s) - t ))" >> $OUT/$name.log
-  cp /tmp/$name/metrics.jsonl $OUT/$name-metrics.jsonl 2>/dev/null; rm -rf /tmp/$name
+  cat /tmp/$name/metrics.jsonl >> $OUT/$name.log 2>/dev/null; rm -rf /tmp/$name
 }
 ROWS=${ROWS:-"q8-single q8-zero3 q70-zero3-offload q8-zero2-offload q8-device_map"}  # a shorter call: ROWS="q8-zero3 q8-single"
 for row in $ROWS; do case $row in
