@@ -36,9 +36,15 @@ BLOCK, SCALER_BLOCK = 64, 256  # weights an absmax covers, absmaxes a factor cov
 SHARDED = ("zero2", "zero3", "zero3-offload")  # FSDP2's strategies: torchao's NF4Tensor, sharded
 
 
+def whole_store(cuda: bool) -> str:
+    """The library that stores a whole 4-bit layer: bitsandbytes on a CUDA GPU, torchao elsewhere."""
+    return "bitsandbytes" if cuda else "torchao"
+
+
 def backend(strategy: str, cuda: bool) -> str:
-    """Which library stores a 4-bit layer (module docstring): `cuda`, whether it lives on a CUDA GPU."""
-    return "bitsandbytes" if cuda and strategy not in SHARDED else "torchao"
+    """Which library stores the 4-bit layers of `strategy` (module docstring): `cuda`, whether they
+    live on a CUDA GPU; FSDP2's shards are torchao's wherever they are."""
+    return "torchao" if strategy in SHARDED else whole_store(cuda)
 
 
 def bnb():
@@ -107,7 +113,7 @@ def quantize_base(model: torch.nn.Module, weights, device_of, cuda: bool | None 
     (`backend`: whether it is a CUDA GPU, or `cuda` for all). Returns the layers quantized by each store."""
     layers = sorted(quantized_layers(model), key=lambda x: weights.order(x[0]))  # each init unit made once
     places = {name: torch.device(device_of(name)) for name, _, _ in layers}
-    stores = {name: backend("single", d.type == "cuda" if cuda is None else cuda) for name, d in places.items()}
+    stores = {name: whole_store(d.type == "cuda" if cuda is None else cuda) for name, d in places.items()}
     check_blocks(model, 1, {name for name, store in stores.items() if store == "torchao"})
     for name, parent, attr in layers:
         (_bnb_layer if stores[name] == "bitsandbytes" else _nf4_layer)(name, parent, attr, weights, places[name])

@@ -132,9 +132,8 @@ def memory(strategy: str, prof, hw, c: int, checkpointing: bool, accum: int = 1,
         # to cast but the adapters, all of them linear layers
         copies = c * min(prof.matmul_params or n, t) if c < 4 else 0
         head_grad = (4 + c) * vt if c < 4 else 4 * vt  # in the compute dtype, then accumulated in fp32
-        frozen = quantized.frozen_bytes(prof, c) if four_bit else c * (n - t)
-        # a layer's bf16 weight and its temporaries, in forward and backward
-        copies += quantized.transient(prof, quantized.store(strategy, hw)) if four_bit else 0
+        frozen, dequant = _frozen_whole(strategy, prof, hw, c, four_bit)
+        copies += dequant
         return _peak(dict(params=4 * t + frozen, grads=4 * t * held, optimizer=optim),
                      loss=dict(activations=act, buffers=fixed + copies + 2 * l32),
                      head=dict(activations=loss_act, buffers=fixed + copies + lc + head_grad),
@@ -155,8 +154,7 @@ def memory(strategy: str, prof, hw, c: int, checkpointing: bool, accum: int = 1,
         late = rows if grads_on_device and delayed else 0
         # compute-dtype parameters (frozen ones too: placement.place_frozen; a 4-bit base in NF4, one layer
         # dequantized at a time); fp32 accumulators
-        frozen = quantized.frozen_bytes(prof, c) if four_bit else c * (n - t)
-        dequant = quantized.transient(prof, quantized.store(strategy, hw)) if four_bit else 0
+        frozen, dequant = _frozen_whole(strategy, prof, hw, c, four_bit)
         gpu = _peak(dict(params=c * t + frozen, grads=4 * t * held + late),
                     loss=dict(activations=act, buffers=2 * l32 + dequant),
                     head=dict(activations=loss_act, buffers=lc + bucket + dequant), **waiting)
@@ -192,6 +190,15 @@ def memory(strategy: str, prof, hw, c: int, checkpointing: bool, accum: int = 1,
                  loss=dict(activations=act, buffers=forward + 2 * l32 + dequant),
                  head=dict(activations=loss_act, buffers=lc + head + dequant),
                  update=dict(grads=tshard, buffers=4 * ut + reduce - 4 * rt / w)), _bytes(buffers=init)
+
+
+def _frozen_whole(strategy: str, prof, hw, c: int, four_bit: bool) -> tuple[float, float]:
+    """(bytes, dequantisation temporaries) of a frozen (LoRA) base that each process holds whole in the
+    compute dtype (store_frozen, placement.place_frozen), its base layers in NF4 under `four_bit`, one
+    of them dequantized at a time in forward and backward."""
+    if not four_bit:
+        return c * prof.frozen_params, 0.0
+    return quantized.frozen_bytes(prof, c), quantized.transient(prof, quantized.store(strategy, hw))
 
 
 def _peak(common: dict, **moments: dict) -> dict[str, int]:
