@@ -1,6 +1,7 @@
 """`bigfit bench` (bigfit/bench/): its table and files from rows, a failed row among measured ones,
 Ctrl-C keeping the rows so far, its one-line refusals, and real runs on the embedded tiny T5 on this
-CPU: the probe's exact largest micro-batch (an injected out-of-memory above 16), and a method that
+CPU: the probe's exact largest micro-batch (an injected out-of-memory above 16), a size the probe
+confirmed that training cannot hold (trained at a smaller one, said in the row), and a method that
 crashes becoming a row with its reason while the bench goes on."""
 from __future__ import annotations
 
@@ -108,12 +109,30 @@ def test_a_real_bench_finds_the_exact_largest_micro_batch_and_keeps_a_crashed_me
     assert row["train_s"] == pytest.approx(row["step_s"] * 64 / 16, rel=0.01, abs=0.001) and row["eval_s"] > 0
     assert row["bleu"] is not None and row["predicted_micro"] >= 16 and row["predicted_step_s"] > 0
     assert "fastest measured: single fp32" in printed.out and (tmp_path / "b" / "bench.png").is_file()
+    # a size the probe confirmed that training cannot hold (here: above 15): the row trains at a smaller one
+    monkeypatch.setenv("BIGFIT_FAULT", "oom-above:16:15")
+    code, printed = _bench(capsys, "--output-dir", tmp_path / "r", *small)
+    (row,) = json.loads((tmp_path / "r" / "bench.json").read_text())["rows"]
+    assert code == 0 and row["status"] == "ok" and row["oom_in_training"] == [16] and row["micro"] <= 15, row
+    said = f"micro-batch 16 ran out of memory in training after the probe confirmed it; trained at {row['micro']}"
+    assert row["reason"] == said and said in " ".join(printed.out.split()) and said in (tmp_path / "r" / "bench.md").read_text()
     # a method that crashes (here in its probe, the row's first work: the cheapest crash to wait for)
     monkeypatch.setenv("BIGFIT_FAULT", "probe:0:0:raise")
     code, printed = _bench(capsys, "--output-dir", tmp_path / "c", *small)
     assert code == 0 and "no method ran to the end" in printed.out
     (row,) = json.loads((tmp_path / "c" / "bench.json").read_text())["rows"]
     assert row["status"] != "ok" and "injected fault at probe 0" in row["reason"], row
+
+
+def test_after_an_out_of_memory_in_training_the_row_tries_smaller_sizes_the_probe_confirmed_first():
+    from bigfit.bench.rows import _smaller
+    from bigfit.planning.sizes import ProbeSearch
+
+    search = ProbeSearch(16, list(range(1, 33)), [[16, True, None], [24, False, None], [20, True, None],
+                                                  [22, False, None], [21, True, None]])
+    assert _smaller(search, 21) == [20, 18]  # the next confirmed, then a tenth below (none confirmed there)
+    assert _smaller(ProbeSearch(8, [4, 8, 16], [[8, True, None]]), 8) == [4]
+    assert _smaller(ProbeSearch(1, [1, 2], [[1, True, None]]), 1) == []
 
 
 def test_max_train_samples_keeps_the_first_samples_after_the_held_out_ones(tmp_path):

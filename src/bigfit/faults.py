@@ -5,7 +5,8 @@ OOM killer or a machine fault would, or with `raise` fails with an exception ins
 (after the optimizer step and its metrics), `save` (after every rank wrote its part of a
 checkpoint, before it is marked complete) and `probe` (step 0: micro-batch auto's probe, before its
 first size). Unset, this costs one dictionary look-up per call.
-BIGFIT_FAULT=oom-above:<n> makes micro-batch auto's probe steps above n run out of memory.
+BIGFIT_FAULT=oom-above:<n>[:<t>] makes micro-batch auto's probe steps above n run out of memory, and
+training steps above t (a size the probe confirmed that training cannot hold: `bigfit bench` retries).
 """
 from __future__ import annotations
 
@@ -24,12 +25,16 @@ def maybe_die(point: str, step: int, rt) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def inject_oom(module, micro_batch: int):
-    """BIGFIT_FAULT=oom-above:<n> (the probe's tests): a micro-batch larger than n runs out of memory
-    at the end of `module`'s forward, as a real error would half-way through a step, with the graph
-    and its activations built. Returns the hook's handle to remove, or None."""
+def inject_oom(module, micro_batch: int, training: bool = False):
+    """BIGFIT_FAULT=oom-above:<n>[:<t>] (the probe's tests): a micro-batch larger than n in a probe
+    step (t in a training step; none if t is not given) runs out of memory at the end of `module`'s
+    forward, as a real error would half-way through a step, with the graph and its activations built.
+    Returns the hook's handle to remove, or None."""
     spec = os.environ.get("BIGFIT_FAULT", "")
-    if not (spec.startswith("oom-above:") and micro_batch > int(spec.split(":")[1])):
+    if not spec.startswith("oom-above:"):
+        return None
+    limits = spec.split(":")[1:]
+    if training and len(limits) < 2 or micro_batch <= int(limits[int(training)]):
         return None
     import torch
 

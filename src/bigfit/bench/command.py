@@ -150,7 +150,15 @@ def _run_row(out: Path, bench: BenchSettings, base: TrainConfig, strategy: str, 
     ok = status == "ok" and found.get("exit") == 0 and found.get("train_s") is not None
     return {"method": f"{strategy} {precision}", "strategy": strategy, "precision": precision, **found,
             "status": "ok" if ok else status if status != "ok" else "failed",
-            "reason": None if ok else _reason(row, found, status)}
+            "reason": _retried(found) if ok else _reason(row, found, status)}
+
+
+def _retried(found: dict) -> str | None:
+    """An ok row's note where training ran out of memory at sizes its probe had confirmed."""
+    if not found.get("oom_in_training"):
+        return None
+    sizes = ", ".join(map(str, found["oom_in_training"]))
+    return f"micro-batch {sizes} ran out of memory in training after the probe confirmed it; trained at {found['micro']}"
 
 
 def _wait(row: Path, timeout: float) -> str:
@@ -200,7 +208,7 @@ def _show(rows: list[dict], meta: dict) -> None:
         t.add_row(*(c[i] for i in shown))
     Console(highlight=False, width=max(console.width, 170)).print(t)  # narrow or piped: one line a row all the same
     for r in rows:
-        if r["status"] != "ok":
+        if r.get("reason"):
             console.print(f"{r['method']}: {r['status']}: {r['reason']}")
     console.print(f"[bold]{meta['recommendation']}[/bold]")
     if meta.get("interrupted"):

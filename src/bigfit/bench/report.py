@@ -57,7 +57,9 @@ def write(out: Path, rows: list[dict], meta: dict) -> list[Path]:
     md = ["| " + " | ".join(headers) + " |", "|" + " --- |" * len(headers)]
     md += ["| " + " | ".join(c.replace("|", "/") for c in t) + " |" for t in table]
     notes = [f"- {k}: {v}" for k, v in meta.items() if k != "rows"]
-    (out / "bench.md").write_text("# bigfit bench\n\n" + "\n".join(notes) + "\n\n" + "\n".join(md) + "\n")
+    why = [f"- {r['method']}: {r['status']}: {r['reason']}" for r in rows if r.get("reason")]
+    (out / "bench.md").write_text("# bigfit bench\n\n" + "\n".join(notes) + "\n\n" + "\n".join(md) + "\n"
+                                  + ("\n" + "\n".join(why) + "\n" if why else ""))
     with open(out / "bench.csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow([k for k, _, _ in COLUMNS if k != "score"] + ["bleu", "ppl", "reason"])

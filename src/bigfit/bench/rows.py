@@ -3,20 +3,26 @@ strategy that crashes, runs out of memory or hangs ends its row, never the bench
 largest micro-batch that runs (autobatch.py: worker sets of its own, the model built once per set),
 then trains on --train-samples samples (--max-train-samples) at it, after the untimed steps, for as
 many steps as they make (at least MIN_TIMED), and evaluates once at the end, all through `bigfit
-train`'s own code (training/command.py), in ROW/probe and ROW/train. Its train time is the median
+train`'s own code; where training runs out of memory at the probe's size, at the next confirmed size
+below it (up to RETRIES times, the row says so) (training/command.py), in ROW/probe and ROW/train. Its train time is the median
 timed step x samples / global batch. What it learns goes to ROW/row.json as it learns it, so a row
 cut short keeps what it measured; `collect` reads that, metrics.jsonl and eval.jsonl back into one
 flat record."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import math
+import shutil
 import statistics
 import sys
 from pathlib import Path
 
+from ..probefile import OOM_EXIT
+
 ROW_FILE = "row.json"
+RETRIES = 2  # smaller confirmed sizes tried after training ran out of memory at the probe's largest
 MIN_TIMED = 3  # timed steps at least, for a median, where --train-samples is one or two batches
 
 
@@ -26,9 +32,8 @@ def run(spec: dict) -> int:
     from ..checks import validate
     from ..config import TrainConfig
     from ..errors import BigfitError
-    from ..planning.command import auto_micro_batch, plan_here
+    from ..planning.command import auto_micro_batch
     from ..probefile import load, path
-    from ..training.command import train_command
 
     row, nproc = Path(spec["row_dir"]), spec["nproc"]
     cfg = TrainConfig(**spec["train"])
@@ -38,23 +43,60 @@ def run(spec: dict) -> int:
         pred = auto_micro_batch(cfg, nproc)
         found.update(predicted_micro=pred.size, predicted_micro_gb=round(pred.need / 1e9, 2))
         _write(row, found)
-        micro, batch = choose_micro_batch(["train"], cfg, nproc, speaks=True, pred=pred)  # not planned twice
-        peak = load(path(cfg.output_dir)).peak(micro)
-        steps = spec["warmup"] + max(MIN_TIMED, math.ceil(spec["samples"] / batch))
-        job = dataclasses.replace(cfg, micro_batch_size=micro, batch_size=batch, max_steps=steps, eval_every=steps,
-                                  output_dir=str(row / "train"), probe_only=False)
-        plan = plan_here(job, nproc, (job.strategy,))
-        e = plan.candidates[0].estimate
-        found.update(params=plan.params, micro=micro, batch=batch, steps=steps,
-                     probe_peak_gb=peak and round(peak / 1e9, 2), predicted_step_s=round(e.step_time_s, 4),
-                     predicted_peak_gb=round(e.per_gpu["total"] / 1e9, 2))
-        _write(row, found)
-        code = train_command(["train"], job)
+        micro, _ = choose_micro_batch(["train"], cfg, nproc, speaks=True, pred=pred)  # not planned twice
+        search = load(path(cfg.output_dir))
+        tries = [micro] + _smaller(search, micro)
+        for i, micro in enumerate(tries):
+            code = _train_at(row, cfg, nproc, spec, micro, search.peak(micro), found)
+            if code != OOM_EXIT:
+                break
+            found["oom_in_training"] = found.get("oom_in_training", []) + [micro]
+            if i + 1 < len(tries):
+                print(f"bench: micro-batch {micro} ran out of memory in training; again at {tries[i + 1]}", flush=True)
+                shutil.rmtree(row / "train", ignore_errors=True)  # the failed attempt's (this bench's own directory)
+        else:
+            found["error"] = (f"out of memory in training at micro-batch {', '.join(map(str, tries))} (the probe had "
+                              f"confirmed {tries[0]})")
     except BigfitError as e:
         found["error"] = str(e)
         code = 2
     _write(row, {**found, "exit": code})
     return code
+
+
+def _smaller(search, micro: int) -> list[int]:
+    """What to train at after a size the probe confirmed ran out of memory over a whole run (batches
+    of other lengths, the allocator's fragments): the next sizes below it that the probe confirmed,
+    and the largest allowed size a tenth below it (the search may have confirmed none below)."""
+    tenth = [s for s in search.sizes if s <= 0.9 * micro]
+    below = {s for s in search.ran() if s < micro} | set(tenth[-1:])
+    return sorted(below, reverse=True)[:RETRIES]
+
+
+def _train_at(row: Path, cfg, nproc: int, spec: dict, micro: int, peak: int | None, found: dict) -> int:
+    """Train the row at `micro` (one micro-batch a process), its plan beside it in `found`; the exit
+    status, OOM_EXIT where one process (this one, or a worker) ran out of memory."""
+    import torch
+
+    from ..planning.command import plan_here
+    from ..training.command import train_command
+
+    batch = micro * nproc
+    steps = spec["warmup"] + max(MIN_TIMED, math.ceil(spec["samples"] / batch))
+    job = dataclasses.replace(cfg, micro_batch_size=micro, batch_size=batch, max_steps=steps, eval_every=steps,
+                              output_dir=str(row / "train"), probe_only=False)
+    plan = plan_here(job, nproc, (job.strategy,))
+    e = plan.candidates[0].estimate
+    found.update(params=plan.params, micro=micro, batch=batch, steps=steps, probe_peak_gb=peak and round(peak / 1e9, 2),
+                 predicted_step_s=round(e.step_time_s, 4), predicted_peak_gb=round(e.per_gpu["total"] / 1e9, 2))
+    _write(row, found)
+    try:
+        return train_command(["train"], job)
+    except torch.OutOfMemoryError:  # one process: training ran here
+        pass
+    gc.collect()  # the failed step's tensors went with the exception's frames
+    torch.cuda.empty_cache()
+    return OOM_EXIT
 
 
 def _write(row: Path, found: dict) -> None:
@@ -70,7 +112,7 @@ def collect(row: Path, warmup: int, samples: int) -> dict:
     steps = _jsonl(row / "train" / "metrics.jsonl")
     timed = [s["tokens"] / s["tokens_per_s"] for s in steps[warmup:] if s.get("tokens_per_s")]
     out = {k: found.get(k) for k in ("micro", "batch", "predicted_micro", "predicted_step_s", "predicted_peak_gb",
-                                     "probe_peak_gb")}
+                                     "probe_peak_gb", "oom_in_training")}
     if timed:
         step = statistics.median(timed)
         tokens = statistics.median(s["tokens"] for s in steps[warmup:])

@@ -98,6 +98,7 @@ def _train(job: Job, rt: Runtime, clock: StartClock) -> dict:
     scaler = LossScaler.from_config(cfg) if cfg.precision == "fp16" else None
     if cfg.probe_only:
         return _probe(job, applied, rt)
+    faults.inject_oom(applied.module, cfg.micro_batch_size, training=True)  # the bench's tests; unset: nothing
     step = 0
     if job.resume_from:
         trainer = checkpoint.load(job.resume_from, applied, rt)
