@@ -86,7 +86,8 @@ def job(r: dict, strategy: str, override: dict) -> Job:
     return Job(batch_size=batch, seq_len=b["seq_len"], target_len=b["target_len"], micro_batch=b["micro_batch"],
                precision=f["precision"], checkpointing=f["checkpointing"], delayed_update=f["delayed_update"],
                offload_grads=f["offload_grads"], nvme_host_gb=f["nvme_host_gb"] or 0.0, clipping=f["clipping"],
-               chunks=f["chunks"], pipeline_schedule=f["pipeline_schedule"], compile=f["compile"])
+               chunks=f["chunks"], pipeline_schedule=f["pipeline_schedule"], compile=f["compile"],
+               optimizer_states=f.get("optimizer_states") or "fp32")
 
 
 def measured_map(prof, layout: dict, main: str = "cuda:0") -> list[str]:
@@ -161,6 +162,8 @@ def flags_text(r: dict) -> str:
     if f["device_map"]:
         d = f["device_map"]
         out.append(f"{d['layout']} {d['devices']}" + (" host-after" if d.get("host_beside") is False else ""))
+    if f.get("optimizer_states") not in (None, "fp32"):
+        out.append(f"states:{f['optimizer_states']}")
     if f["host_adam"] and f["host_adam"] != "kernel":
         out.append(f"adam:{f['host_adam']}")
     return ",".join(out) or "-"

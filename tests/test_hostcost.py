@@ -121,11 +121,15 @@ def test_calibration_is_kept_per_device_and_used(tmp_path, monkeypatch, capsys):
 
 def test_the_engines_host_step_takes_the_measured_rate_of_its_format():
     """Calibrated, a format's host step is its measured rate (fp32 gradients cost their extra bytes);
-    without, its bytes against torch's fused rate, as before the formats were measured."""
-    from bigfit.planning.estimate import host_adam_rate, host_step_bytes
+    without, the fp32 kernel's bytes against torch's fused rate, times the format's speed against it
+    measured on a 16-core host (bf16 faster, int8 slower, neither by its bytes)."""
+    from bigfit.planning.estimate import FORMAT_SPEED, host_adam_rate, host_step_bytes
 
     plain = Hardware(gpu_bytes=(80 * GB,), cpu_adam_params_per_s=4e9)
-    assert host_adam_rate(plain, 2, "int8") == pytest.approx(4e9 * 40 / host_step_bytes(2, "int8"))
+    assert host_adam_rate(plain, 2, "fp32") == pytest.approx(4e9 * 40 / 32)
+    assert host_adam_rate(plain, 2, "int8") == pytest.approx(4e9 * 40 / 32 * FORMAT_SPEED["int8"])
+    assert host_adam_rate(plain, 2, "int8") < 4e9
+    assert 4e9 * 40 / 32 < host_adam_rate(plain, 2, "bf16") < 4e9 * 40 / host_step_bytes(2, "bf16")
     assert host_adam_rate(replace(plain, cpu_adam_kernel=False), 4) == pytest.approx(4e9 * 0.8)
     measured = replace(plain, host_adam_rates=(("bf16", 1.6e9), ("int8", 1e9)))
     assert host_adam_rate(measured, 2, "int8") == pytest.approx(1e9)

@@ -37,7 +37,9 @@ dm6-b8-flat dm6-b8-flat-c4 dm6-b8-flat-c4-after dm6c4-b64-tail dm6c4-b64-unsplit
 dm6c4-b64-tail-c2-after-compiled dm6c4-b128-tail-compiled pp2-gpipe-m4 o4-3b-clip o4-3b-eager o4-3b-delayed
 o4-3b-devgrads o4-3b-delayed-devgrads o4-3b-torchadam o4-3b-delayed-torchadam o4-1b-clip o4-1b-torchadam dm7-b16-flat
 dm7-b16-split dm7-b16-flat-c2 dm7-b16-split-c2 dm8-b64-unsplit-compiled dm8-b64-tail-compiled o4-3b-torchadam-eager
-o4-3b-torchadam-devgrads o4-3b-delayed-torchadam-devgrads""".split()
+o4-3b-torchadam-devgrads o4-3b-delayed-torchadam-devgrads os-10.9b-bf16-clip os-10.9b-bf16-eager os-10.9b-bf16-delayed
+cve5-zero3-0 cve5-zero2-1 cve5-zero3-offload-2 cve5-zero3-3 bench5-single bench5-zero2 bench5-zero3
+bench5-zero3-offload""".split()
 
 
 @pytest.fixture(scope="module")

@@ -37,16 +37,28 @@ def host_step_bytes(grad_bytes: int, states: str = "fp32") -> float:
     return 12 + 2 * (STATE_BYTES[states] - 4) + 2 * grad_bytes
 
 
+# bigfit's kernel per format against its fp32 step on a 16-core host where that step is bound by memory
+# (benchmarks/host_adam.py, 268M parameters, bf16 gradients, the H100 machine, 2026-12-05: fp32 5.86,
+# bf16 7.10, int8 4.50 G parameters/s): the compact formats compute more a byte (bf16's stochastic
+# rounding, int8's codes), so their bytes alone overrate them, bf16 by 10% and int8 by 2x. The 10.9B
+# under zero2-offload with bf16 states on the H200 machine stepped its host in 1.90 s (--delayed-update,
+# 2026-12-05): 5.7 G/s, where its bytes said 6.7 and this says 6.1.
+FORMAT_SPEED = {"fp32": 1.0, "bf16": 7.10 / 5.86, "int8": 4.50 / 5.86}
+
+
 def host_adam_rate(hw, grad_bytes: int, states: str = "fp32") -> float:
     """Parameters a second of the offload engine's host step on one node: bigfit's kernel at this
     format's measured rate (hw.host_adam_rates, measured with bf16 gradients; fp32 ones cost their
-    bytes more), else rated by its bytes against torch's fused step (hw.cpu_adam_params_per_s, 40
-    bytes a parameter), which is slower still where torch's step stands in for the kernel."""
+    bytes more), else its fp32 step rated by its bytes against torch's fused step
+    (hw.cpu_adam_params_per_s, 40 bytes a parameter) times the format's FORMAT_SPEED; slower still
+    where torch's step stands in for the kernel."""
     measured = dict(hw.host_adam_rates)
     if hw.cpu_adam_kernel and states in measured:
         return measured[states] * host_step_bytes(2, states) / host_step_bytes(grad_bytes, states)
-    rate = hw.cpu_adam_params_per_s * HOST_STEP_BYTES[4] / host_step_bytes(grad_bytes, states)
-    return rate if hw.cpu_adam_kernel else rate * TORCH_ENGINE_ADAM
+    if not hw.cpu_adam_kernel:
+        return hw.cpu_adam_params_per_s * HOST_STEP_BYTES[4] / host_step_bytes(grad_bytes, states) * TORCH_ENGINE_ADAM
+    fp32 = hw.cpu_adam_params_per_s * HOST_STEP_BYTES[4] / host_step_bytes(2)  # the kernel's, bf16 gradients
+    return fp32 * FORMAT_SPEED[states] * host_step_bytes(2, states) / host_step_bytes(grad_bytes, states)
 
 
 # zero3-offload's host step (FSDP2's CPUOffloadPolicy: torch's AdamW on each unit's host shards, with
