@@ -109,6 +109,7 @@ def main() -> None:
                      "eval_loss": round(held_out, 5), "wall_s": round(seconds, 1)})
         print(f"{fmt}: {len(curves[fmt])} steps in {seconds:.0f} s, final loss (last 100 steps) {final:.5f}, "
               f"held-out {held_out:.5f}", flush=True)
+        (root / "summary.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))  # a run cut short keeps it
     base = rows[0]
     for r in rows:
         r["vs_fp32"] = round(r["final_loss"] / base["final_loss"] - 1, 5)
