@@ -117,8 +117,8 @@ def test_micro_batch_auto_steps_down_after_out_of_memory(model_dirs, pairs_file,
     assert code == 0, printed.err
     assert "probe micro-batch 16: out of memory" in printed.out and "probe micro-batch 8: out of memory" in printed.out
     out = " ".join(printed.out.split())
-    # a fixed batch takes divisors of it: 16 fails, 4 (between 0 and 16) runs, 8 (between 4 and 16) fails
-    assert "micro-batch auto -> 4: predicted 16 (" in out and "probes 16 OOM, 4 ok, 8 OOM; confirmed 4 (peak" in out
+    # a fixed batch takes divisors of it: 16 fails, then down by a step doubling each probe: 8 fails, 4 runs
+    assert "micro-batch auto -> 4: predicted 16 (" in out and "probes 16 OOM, 8 OOM, 4 ok; confirmed 4 (peak" in out
     assert "global 16 = 1 data-parallel x 4 accumulation x micro-batch 4" in out
     assert len(read_jsonl(tmp_path / "metrics.jsonl")) == 2
 
