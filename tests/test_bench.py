@@ -101,21 +101,20 @@ def test_a_real_bench_finds_the_exact_largest_micro_batch_and_keeps_a_crashed_me
     """`bigfit bench` in this process (its rows are processes of their own, which inherit the fault)."""
     small = ["--strategies", "single", "--train-samples", "64", "--eval-samples", "8", "--num-beams", "2",
              "--max-new-tokens", "4", "--untimed-steps", "1"]
-    monkeypatch.setenv("BIGFIT_FAULT", "oom-above:16")  # the probe's OOM above 16
+    # the probe's OOM above 16, and training's above 15: a size the probe confirmed that a whole run cannot
+    # hold, so the row trains at the next size below and says so
+    monkeypatch.setenv("BIGFIT_FAULT", "oom-above:16:15")
     code, printed = _bench(capsys, "--output-dir", tmp_path / "b", *small)
     assert code == 0
     (row,) = json.loads((tmp_path / "b" / "bench.json").read_text())["rows"]
-    assert row["status"] == "ok" and row["micro"] == 16 and row["batch"] == 16  # exact, not a power of two's guess
-    assert row["train_s"] == pytest.approx(row["step_s"] * 64 / 16, rel=0.01, abs=0.001) and row["eval_s"] > 0
+    assert row["status"] == "ok" and row["oom_in_training"] == [16], row  # exact, not a power of two's guess
+    micro = row["micro"]
+    assert micro <= 15 and row["batch"] == micro
+    said = f"micro-batch 16 ran out of memory in training after the probe confirmed it; trained at {micro}"
+    assert row["reason"] == said and said in " ".join(printed.out.split()) and said in (tmp_path / "b" / "bench.md").read_text()
+    assert row["train_s"] == pytest.approx(row["step_s"] * 64 / micro, rel=0.01, abs=0.001) and row["eval_s"] > 0
     assert row["bleu"] is not None and row["predicted_micro"] >= 16 and row["predicted_step_s"] > 0
     assert "fastest measured: single fp32" in printed.out and (tmp_path / "b" / "bench.png").is_file()
-    # a size the probe confirmed that training cannot hold (here: above 15): the row trains at a smaller one
-    monkeypatch.setenv("BIGFIT_FAULT", "oom-above:16:15")
-    code, printed = _bench(capsys, "--output-dir", tmp_path / "r", *small)
-    (row,) = json.loads((tmp_path / "r" / "bench.json").read_text())["rows"]
-    assert code == 0 and row["status"] == "ok" and row["oom_in_training"] == [16] and row["micro"] <= 15, row
-    said = f"micro-batch 16 ran out of memory in training after the probe confirmed it; trained at {row['micro']}"
-    assert row["reason"] == said and said in " ".join(printed.out.split()) and said in (tmp_path / "r" / "bench.md").read_text()
     # a method that crashes (here in its probe, the row's first work: the cheapest crash to wait for)
     monkeypatch.setenv("BIGFIT_FAULT", "probe:0:0:raise")
     code, printed = _bench(capsys, "--output-dir", tmp_path / "c", *small)
