@@ -92,7 +92,8 @@ def test_no_probe_under_torchrun(monkeypatch, model_dirs, capsys):
     monkeypatch.setattr(autobatch, "launch_local", lambda *a, **k: pytest.fail("no probe under torchrun"))
     pred = autobatch.auto_micro_batch(TrainConfig(model=str(model_dirs["gpt2"]), strategy="single", batch_size=8), 1)
     cfg = TrainConfig(model=str(model_dirs["gpt2"]), strategy="single", batch_size=8, micro_batch_size="auto")
-    assert autobatch.choose_micro_batch([], cfg, 1, speaks=True) == (pred.size, 8)
+    chosen = autobatch.choose_micro_batch([], cfg, 1, speaks=True)
+    assert (chosen.micro_batch_size, chosen.batch_size) == (pred.size, 8)
     assert f"micro-batch auto -> {pred.size}: predicted {pred.size} (" in capsys.readouterr().out
 
 
@@ -212,3 +213,32 @@ def test_an_oom_inside_the_first_optimizer_step_leaves_no_half_made_state():
     engine.drop_optimizer_states()
     engine.optimizer.step()  # made again, whole
     assert set(engine.optimizer.state[model.weight]) == {"step", "exp_avg", "exp_avg_sq"}
+
+
+def test_a_planned_device_map_is_balanced_once_for_the_prediction_and_the_job_runs_it(model_dirs, pairs_file,
+                                                                                       tmp_path, capsys, monkeypatch):
+    """The balancer moves blocks off the main device as the micro-batch grows: the probe and the job
+    run the map balanced for the prediction (kept in logs/probe/device_map.json), never a map balanced
+    for the probe's own settings (one sample: every block on the main device)."""
+    from bigfit.config import TrainConfig
+    from bigfit.device_map.strategy import _resolve, _meta_model, _this_device
+    from bigfit.models import load_config, locate
+
+    budgets = tmp_path / "budgets.json"
+    budgets.write_text(json.dumps({"auto": {"cpu": "8MB", "cpu:1": "100MB"}}))
+    monkeypatch.setenv("BIGFIT_FAULT", "oom-above:6")
+    code = _train(model_dirs["t5"], pairs_file, tmp_path / "out", "--strategy", "device_map", "--device-map", str(budgets))
+    printed = " ".join(capsys.readouterr().out.split())
+    assert code == 0, printed
+    pinned = tmp_path / "out" / "logs" / "probe" / "device_map.json"
+    predicted = int(printed.split("balanced for the predicted micro-batch ")[1].split(",")[0])
+    assert f"kept in {pinned} for the probe and the job" in printed and "confirmed 6" in printed
+    model = _meta_model(load_config(locate(str(model_dirs["t5"]))))
+
+    def balanced(micro: int) -> dict:
+        cfg = TrainConfig(model=str(model_dirs["t5"]), strategy="device_map", device_map=str(budgets),
+                          micro_batch_size=micro, batch_size=micro)
+        return _resolve(model, cfg, _this_device()).to_json()
+
+    assert json.loads(pinned.read_text()) == balanced(predicted) != balanced(1)
+    assert "encoder 0-1 -> cpu:1" in printed  # the job's description: the pinned map, blocks off the main device

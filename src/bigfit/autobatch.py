@@ -1,11 +1,11 @@
 """`--micro-batch-size auto` / `--batch-size auto`: the largest micro-batch the planner predicts to
 fit (planning/command.py), then the largest that runs, found by probe workers (training/probe.py).
 
-The probe starts at the prediction, grows past it while sizes run and bisects between the largest
-that ran and the smallest that failed (planning/sizes.py). Its workers build the model once and try
-the sizes one after another; one process recovers from an out-of-memory error in place, while with
-several ranks an OOM ends the worker set (OOM_EXIT) and this launcher starts another from the
-outcomes recorded so far (probefile.py). The probe's processes exit before the real job starts, so
+The probe starts at the prediction, steps away from it (up while sizes run, down while they fail)
+and bisects between the largest that ran and the smallest that failed (planning/sizes.py). Its
+workers build the model once and try the sizes one after another; one process recovers from an
+out-of-memory error in place, while with several ranks an OOM ends the worker set (OOM_EXIT) and
+this launcher starts another from the outcomes recorded so far (probefile.py). The probe's processes exit before the real job starts, so
 its OOMs never reach the job's process group."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import dataclasses
 
 import torch
 
-from .config import TrainConfig
+from .config import SPLIT_STRATEGIES, TrainConfig
 from .distributed import launched_by_torchrun_env
 from .errors import BigfitError
 from .launch import launch_local
@@ -27,15 +27,18 @@ def exit_status(e: BaseException) -> int:
 
 
 def choose_micro_batch(argv: list[str], cfg: TrainConfig, world: int, speaks: bool,
-                       pred: Prediction | None = None) -> tuple[int, int]:
-    """(micro-batch, global batch): the prediction (`pred`, else made here) confirmed and pushed as far
-    as probes allow; under torchrun, whose processes are the job's, the prediction alone."""
+                       pred: Prediction | None = None) -> TrainConfig:
+    """cfg with its micro-batch and global batch decided: the prediction (`pred`, else made here)
+    confirmed and pushed as far as probes allow; under torchrun, whose processes are the job's, the
+    prediction alone. A device map balanced by the planner is balanced once, for the prediction
+    (OUTPUT/logs/probe/device_map.json): the probe confirms sizes for the map the job then runs."""
     pred = pred or auto_micro_batch(cfg, world)
+    cfg = _pinned_map(cfg, pred.size, speaks)
     said = f"predicted {pred.size} ({_gb(pred.need)} of {_gb(pred.budget)})"
     if launched_by_torchrun_env():
         if speaks:
             print(f"micro-batch auto -> {pred.size}: {said}; not probed under torchrun (its processes are the job's)")
-        return pred.size, _batch(cfg, world, pred.size)
+        return _decided(cfg, world, pred.size)
     search = _probe(argv, cfg, world, pred)
     best = search.best()
     if search.start < pred.size:  # the workers keep to sizes the longest samples can fill
@@ -50,7 +53,25 @@ def choose_micro_batch(argv: list[str], cfg: TrainConfig, world: int, speaks: bo
               "or where the engine cannot go on after one")
     print(f"micro-batch auto -> {best}: {said}, probes {outcome_text(search.outcomes)}; confirmed {best} "
           f"({measured}; {builds})")
-    return best, _batch(cfg, world, best)
+    return _decided(cfg, world, best)
+
+
+def _pinned_map(cfg: TrainConfig, micro: int, speaks: bool) -> TrainConfig:
+    if cfg.strategy not in SPLIT_STRATEGIES:
+        return cfg
+    from .device_map.strategy import pin_auto_map  # here: a launcher imports this module, not the training stack
+
+    pinned = pin_auto_map(cfg, micro, path(cfg.output_dir).parent / "device_map.json")
+    if pinned is None:  # the user's map
+        return cfg
+    if speaks:
+        print(f"--device-map auto: balanced for the predicted micro-batch {micro}, kept in {pinned} for the probe "
+              "and the job")
+    return dataclasses.replace(cfg, device_map=pinned)
+
+
+def _decided(cfg: TrainConfig, world: int, micro: int) -> TrainConfig:
+    return dataclasses.replace(cfg, micro_batch_size=micro, batch_size=_batch(cfg, world, micro))
 
 
 def _probe(argv: list[str], cfg: TrainConfig, world: int, pred: Prediction) -> ProbeSearch:

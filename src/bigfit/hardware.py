@@ -67,6 +67,9 @@ class Hardware:
     # the kernel's parameters a second per optimizer-state format, measured (bigfit plan --calibrate);
     # () rates its step by the bytes it moves against cpu_adam_params_per_s (planning/estimate.py)
     host_adam_rates: tuple[tuple[str, float], ...] = ()
+    # `--device-map {"auto": budgets}`: the devices and bytes device_map's balancer may use, in place
+    # of this machine's GPUs and RAM (planning/split.py budgets)
+    map_budgets: tuple[tuple[str, int], ...] = ()
     notes: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self):

@@ -43,9 +43,9 @@ def run(spec: dict) -> int:
         pred = auto_micro_batch(cfg, nproc)
         found.update(predicted_micro=pred.size, predicted_micro_gb=round(pred.need / 1e9, 2))
         _write(row, found)
-        micro, _ = choose_micro_batch(["train"], cfg, nproc, speaks=True, pred=pred)  # not planned twice
+        cfg = choose_micro_batch(["train"], cfg, nproc, speaks=True, pred=pred)  # not planned twice
         search = load(path(cfg.output_dir))
-        tries = [micro] + _smaller(search, micro)
+        tries = [cfg.micro_batch_size] + _smaller(search, cfg.micro_batch_size)
         for i, micro in enumerate(tries):
             code = _train_at(row, cfg, nproc, spec, micro, search.peak(micro), found)
             if code != OOM_EXIT:

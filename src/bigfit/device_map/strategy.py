@@ -6,6 +6,7 @@ host RAM as the overflow. `check` runs before any process or weight (on a meta-d
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,12 +107,31 @@ def _resolve(model, cfg, main) -> object:
 
 def check(cfg, job_model_config) -> str:
     """Every check of the map before any weight exists: returns its description."""
+    return _resolve(_meta_model(job_model_config), cfg, _this_device()).describe()
+
+
+def _meta_model(config) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
-    auto = AutoModelForSeq2SeqLM if getattr(job_model_config, "is_encoder_decoder", False) else AutoModelForCausalLM
+    auto = AutoModelForSeq2SeqLM if getattr(config, "is_encoder_decoder", False) else AutoModelForCausalLM
     with torch.device("meta"):
-        model = auto.from_config(job_model_config)
-    return _resolve(model, cfg, _this_device()).describe()
+        return auto.from_config(config)
+
+
+def pin_auto_map(cfg, micro: int, where: Path) -> str | None:
+    """`--device-map auto` balanced once, for micro-batch `micro`, written to `where` (its path
+    returned; None where the map is the user's). The balancer moves blocks to the host as the
+    micro-batch grows, so micro-batch auto's probe and the job it confirms must both run this map:
+    balanced again at each size, the probe would confirm sizes for one map and train with another."""
+    from ..models import load_config, locate
+
+    if read_spec(cfg)[0] != "auto":
+        return None
+    model = _meta_model(load_config(locate(cfg.model)))
+    dmap = _resolve(model, dataclasses.replace(cfg, micro_batch_size=micro), _this_device())
+    where.parent.mkdir(parents=True, exist_ok=True)
+    where.write_text(json.dumps(dmap.to_json(), indent=1))
+    return str(where)
 
 
 def _this_device() -> str:

@@ -155,6 +155,17 @@ def _this_machine(world: int, strategy: str | None = None, nvme_dir: str | None 
     return hw if strategy == DEVICE_MAP else replace(hw, gpu_bytes=hw.gpu_bytes[:world])
 
 
+def _with_map_budgets(hw: Hardware, cfg) -> Hardware:
+    """device_map rated on the budgets `--device-map {"auto": {...}}` names, as its balancer will place it."""
+    if cfg.strategy not in SPLIT_STRATEGIES:
+        return hw
+    from ..device_map.auto import parse_budgets
+    from ..device_map.strategy import read_spec  # a map file's reading and its one-line errors
+
+    kind, spec = read_spec(cfg)
+    return replace(hw, map_budgets=tuple(parse_budgets(spec))) if kind == "auto" and spec else hw
+
+
 def _job(cfg, config, batch: int, micro: int | None) -> Job:
     return Job(batch_size=batch, seq_len=cfg.max_source_len,
                target_len=cfg.max_target_len if config.is_encoder_decoder else 0, micro_batch=micro,
@@ -268,7 +279,7 @@ def auto_micro_batch(cfg, world: int) -> Prediction:
     (accumulation steps are whole), at least --chunks. The planner's bytes grow with the micro-batch,
     so sizes.largest_true plans about 2 log2(answer) of them, not every one."""
     config = load_config(locate(cfg.model))
-    hw = _this_machine(world, cfg.strategy)
+    hw = _with_map_budgets(_this_machine(world, cfg.strategy), cfg)
     auto = cfg.batch_size == "auto"
     low = cfg.chunks or 1  # a device_map's GPipe chunks split each micro-batch
     # --max-train-samples bounds a process's share (the probe would find the data's bound too, later)

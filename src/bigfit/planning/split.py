@@ -43,7 +43,10 @@ class SplitRow:
 
 
 def budgets(hw) -> list[tuple[str, int]]:
-    """The devices one process drives: each GPU of one node, then host RAM; a CPU machine is one device."""
+    """The devices one process drives: the user's budgets where given (hw.map_budgets), else each GPU
+    of one node, then host RAM; a CPU machine is one device."""
+    if hw.map_budgets:
+        return list(hw.map_budgets)
     return [("cpu", int(hw.cpu_ram * 0.9))] if hw.device == "cpu" else plan_budgets(hw)
 
 

@@ -179,5 +179,4 @@ def _check_split(job, nproc: int) -> None:
 
 
 def _auto_batch(cfg: TrainConfig, argv: list[str], nproc: int) -> TrainConfig:
-    micro, batch = autobatch.choose_micro_batch(argv, cfg, nproc, speaks=speaks())
-    return dataclasses.replace(cfg, micro_batch_size=micro, batch_size=batch)
+    return autobatch.choose_micro_batch(argv, cfg, nproc, speaks=speaks())
