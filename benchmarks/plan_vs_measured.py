@@ -11,13 +11,15 @@ balancer's own map; the balancer's row is given as a note. Where several strateg
 (a record's `group`), a second table puts the fastest measured beside the fastest predicted row and beside
 what `--strategy auto` (plan_for_config over the strategies measured) picks.
 
-  .venv/bin/python benchmarks/plan_vs_measured.py [--only ID,...] [--json OUT] [--data FILE]
+  .venv/bin/python benchmarks/plan_vs_measured.py [--only ID,...] [--json OUT] [--data FILE] [--markdown PAGE]
 
 CPU only, nothing is downloaded; the 3.6B-10.9B shapes trace under FakeTensorMode in seconds each.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import sys
 import time
@@ -275,12 +277,36 @@ def print_groups(records: list[dict], rows: list[dict]) -> list[dict]:
     return out
 
 
+DOC_HEAD = """# The planner against every H200 measurement
+
+Written by `python benchmarks/plan_vs_measured.py --markdown docs/plan_accuracy.md` ({date}): every case in
+tests/data/h200_measured.json (its command, machine and raw output named there) with the planner's
+prediction beside it. Target: step time within 20%, peak GPU memory within 10%; tests/test_plan_accuracy.py
+holds the rows inside it (and checks that this page shows their current predictions); docs/planning.md
+("Accuracy, measured") says why the rows outside it are.
+
+"""
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", default=str(DATA))
     ap.add_argument("--only", help="comma-separated record ids")
     ap.add_argument("--json", help="write the rows (and the groups) here")
+    ap.add_argument("--markdown", help="write the tables and the summary to this page too (docs/plan_accuracy.md)")
     a = ap.parse_args()
+    if not a.markdown:
+        return report(a)
+    shown = io.StringIO()
+    with contextlib.redirect_stdout(shown):
+        report(a)
+    text = shown.getvalue()
+    print(text, end="")
+    kept = [line for line in text.splitlines() if "records rated in" not in line]  # the page changes with the model only
+    Path(a.markdown).write_text(DOC_HEAD.format(date=time.strftime("%Y-%m-%d")) + "\n".join(kept) + "\n")
+
+
+def report(a) -> None:
     t0 = time.perf_counter()
     records = json.loads(Path(a.data).read_text())
     if a.only:

@@ -113,3 +113,20 @@ def test_qlora_prediction_within_target_or_its_known_miss(qlora_rated, case):
             assert abs(errors[kind]) <= target, (kind, errors, e.costs)
         else:
             assert errors[kind] == pytest.approx(miss, abs=MISS_DRIFT), (kind, errors, e.costs)
+
+
+def test_the_accuracy_page_shows_every_case_and_the_current_predictions(rated):
+    """docs/plan_accuracy.md (benchmarks/plan_vs_measured.py --markdown) lists every record, and its
+    predictions of the held rows are today's: a change to the planner rewrites the page."""
+    page = (ROOT / "docs" / "plan_accuracy.md").read_text()
+    rows = {}
+    for line in page.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 12 and cells[0] not in ("id", "---"):
+            rows[cells[0].split(" (since:")[0]] = cells
+    records = json.loads((ROOT / "tests" / "data" / "h200_measured.json").read_text())
+    assert set(rows) == {r["id"] for r in records}
+    rewrite = "python benchmarks/plan_vs_measured.py --markdown docs/plan_accuracy.md"
+    for case, (_, predicted) in rated.items():
+        shown = (rows[case][6], rows[case][9])
+        assert shown == (f"{predicted['step_s']:.3f}", f"{predicted['gpu_bytes'] / 1e9:.1f}"), (case, rewrite)
