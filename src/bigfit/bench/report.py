@@ -13,7 +13,8 @@ COLUMNS = (("method", "method", "{}"), ("micro", "max BS", "{}"), ("train_s", "t
            ("step_s", "step s", "{:.4f}"), ("tokens_per_s", "tokens/s", "{:,.0f}"), ("tflops", "TFLOP/s", "{:.2f}"),
            ("peak_gpu_gb", "peak GPU GB", "{:.2f}"), ("host_rss_gb", "host RSS GB", "{:.2f}"),
            ("predicted_micro", "predicted max BS", "{}"), ("predicted_peak_gb", "predicted GB", "{:.2f}"),
-           ("predicted_step_s", "predicted step s", "{:.4f}"), ("status", "status", "{}"))
+           ("predicted_step_s", "predicted step s", "{:.4f}"),
+           ("predicted_train_s", "predicted train s at predicted max BS", "{:.2f}"), ("status", "status", "{}"))
 
 
 # the terminal's columns (bench.md and bench.csv have them all)
@@ -43,11 +44,17 @@ def recommendation(rows: list[dict], auto_pick: str | None) -> str:
         return "no method ran to the end: nothing to recommend"
     best = min(ran, key=lambda r: r["train_s"])
     said = f"fastest measured: {best['method']} ({best['train_s']:.2f} s to train, micro-batch {best['micro']})"
-    if auto_pick is None:
-        return said
-    agrees = auto_pick == best["strategy"]
-    return said + (f"; --strategy auto picks it too ({auto_pick})" if agrees else
-                   f"; --strategy auto would pick {auto_pick} instead")
+    if auto_pick is not None:
+        agrees = auto_pick == best["strategy"]
+        said += (f"; --strategy auto picks it too ({auto_pick})" if agrees else
+                 f"; --strategy auto would pick {auto_pick} instead")
+    rated = [r for r in rows if r.get("predicted_train_s") is not None]
+    if rated:  # each method at its own predicted largest batch: what a bench compares
+        planned = min(rated, key=lambda r: r["predicted_train_s"])
+        said += (f"; the planner, each method at its predicted largest micro-batch, picks "
+                 f"{'it too' if planned['method'] == best['method'] else planned['method']} "
+                 f"({planned['predicted_train_s']:.2f} s predicted)")
+    return said
 
 
 def write(out: Path, rows: list[dict], meta: dict) -> list[Path]:
