@@ -5,8 +5,8 @@ The probe starts at the prediction, steps away from it (up while sizes run, down
 and bisects between the largest that ran and the smallest that failed (planning/sizes.py). Its
 workers build the model once and try the sizes one after another; one process recovers from an
 out-of-memory error in place, while with several ranks an OOM ends the worker set (OOM_EXIT) and
-this launcher starts another from the outcomes recorded so far (probefile.py). The probe's processes exit before the real job starts, so
-its OOMs never reach the job's process group."""
+this launcher starts another from the outcomes recorded so far (probefile.py). The probe's
+processes exit before the real job starts, so its OOMs never reach the job's process group."""
 from __future__ import annotations
 
 import dataclasses

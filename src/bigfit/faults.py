@@ -34,7 +34,7 @@ def inject_oom(module, micro_batch: int, training: bool = False):
     if not spec.startswith("oom-above:"):
         return None
     limits = spec.split(":")[1:]
-    if training and len(limits) < 2 or micro_batch <= int(limits[int(training)]):
+    if (training and len(limits) < 2) or micro_batch <= int(limits[int(training)]):
         return None
     import torch
 

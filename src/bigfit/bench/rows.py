@@ -3,9 +3,9 @@ strategy that crashes, runs out of memory or hangs ends its row, never the bench
 largest micro-batch that runs (autobatch.py: worker sets of its own, the model built once per set),
 then trains on --train-samples samples (--max-train-samples) at it, after the untimed steps, for as
 many steps as they make (at least MIN_TIMED), and evaluates once at the end, all through `bigfit
-train`'s own code; where training runs out of memory at the probe's size, at the next confirmed size
-below it (up to RETRIES times, the row says so) (training/command.py), in ROW/probe and ROW/train. Its train time is the median
-timed step x samples / global batch. What it learns goes to ROW/row.json as it learns it, so a row
+train`'s own code (training/command.py), in ROW/probe and ROW/train; where training runs out of
+memory at the probe's size, again below it (RETRIES times at most; the row says so). Its train time
+is the median timed step x samples / global batch. What it learns goes to ROW/row.json as it learns it, so a row
 cut short keeps what it measured; `collect` reads that, metrics.jsonl and eval.jsonl back into one
 flat record."""
 from __future__ import annotations
@@ -45,23 +45,26 @@ def run(spec: dict) -> int:
                      predicted_train_s=_predicted_train_s(cfg, nproc, pred.size, spec["samples"]))
         _write(row, found)
         cfg = choose_micro_batch(["train"], cfg, nproc, speaks=True, pred=pred)  # not planned twice
-        search = load(path(cfg.output_dir))
-        tries = [cfg.micro_batch_size] + _smaller(search, cfg.micro_batch_size)
-        for i, micro in enumerate(tries):
-            code = _train_at(row, cfg, nproc, spec, micro, search.peak(micro), found)
-            if code != OOM_EXIT:
-                break
-            found["oom_in_training"] = found.get("oom_in_training", []) + [micro]
-            if i + 1 < len(tries):
-                print(f"bench: micro-batch {micro} ran out of memory in training; again at {tries[i + 1]}", flush=True)
-                shutil.rmtree(row / "train", ignore_errors=True)  # the failed attempt's (this bench's own directory)
-        else:
-            found["error"] = (f"out of memory in training at micro-batch {', '.join(map(str, tries))} (the probe had "
-                              f"confirmed {tries[0]})")
+        code = _train(row, cfg, nproc, spec, load(path(cfg.output_dir)), found)
     except BigfitError as e:
         found["error"] = str(e)
         code = 2
     _write(row, {**found, "exit": code})
+    return code
+
+
+def _train(row: Path, cfg, nproc: int, spec: dict, search, found: dict) -> int:
+    """Train at the probe's size; where that runs out of memory over a whole run, at smaller ones."""
+    tries = [cfg.micro_batch_size] + _smaller(search, cfg.micro_batch_size)
+    for i, micro in enumerate(tries):
+        code = _train_at(row, cfg, nproc, spec, micro, search.peak(micro), found)
+        if code != OOM_EXIT:
+            return code
+        found["oom_in_training"] = found.get("oom_in_training", []) + [micro]
+        if i + 1 < len(tries):
+            print(f"bench: micro-batch {micro} ran out of memory in training; again at {tries[i + 1]}", flush=True)
+            shutil.rmtree(row / "train", ignore_errors=True)  # the failed attempt's (this bench's own directory)
+    found["error"] = f"out of memory in training at micro-batch {', '.join(map(str, tries))} (the probe confirmed {tries[0]})"
     return code
 
 
