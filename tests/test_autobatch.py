@@ -72,7 +72,7 @@ def test_the_prediction_searches_every_size_and_keeps_divisors_for_a_fixed_batch
 
     def plan(config, hw, job, strategies):  # the planner's bytes grow with the micro-batch; 300 still fits
         planned.append(job.micro_batch)
-        est = SimpleNamespace(per_gpu={"total": job.micro_batch * 10**6})
+        est = SimpleNamespace(per_gpu={"total": job.micro_batch * 10**6}, step_time_s=0.1)
         return SimpleNamespace(candidates=[SimpleNamespace(fits=job.micro_batch <= 300, estimate=est)])
 
     monkeypatch.setattr(command, "plan_for_config", plan)
@@ -221,8 +221,8 @@ def test_a_planned_device_map_is_balanced_once_for_the_prediction_and_the_job_ru
     run the map balanced for the prediction (kept in logs/probe/device_map.json), never a map balanced
     for the probe's own settings (one sample: every block on the main device)."""
     from bigfit.config import TrainConfig
-    from bigfit.device_map.strategy import _resolve, _meta_model, _this_device
-    from bigfit.models import load_config, locate
+    from bigfit.device_map.strategy import _resolve, _this_device
+    from bigfit.models import load_config, locate, meta_model
 
     budgets = tmp_path / "budgets.json"
     budgets.write_text(json.dumps({"auto": {"cpu": "8MB", "cpu:1": "100MB"}}))
@@ -233,7 +233,7 @@ def test_a_planned_device_map_is_balanced_once_for_the_prediction_and_the_job_ru
     pinned = tmp_path / "out" / "logs" / "probe" / "device_map.json"
     predicted = int(printed.split("balanced for the predicted micro-batch ")[1].split(",")[0])
     assert f"kept in {pinned} for the probe and the job" in printed and "confirmed 6" in printed
-    model = _meta_model(load_config(locate(str(model_dirs["t5"]))))
+    model = meta_model(load_config(locate(str(model_dirs["t5"]))))
 
     def balanced(micro: int) -> dict:
         cfg = TrainConfig(model=str(model_dirs["t5"]), strategy="device_map", device_map=str(budgets),

@@ -75,6 +75,14 @@ def is_seq2seq(config) -> bool:
     return bool(getattr(config, "is_encoder_decoder", False))
 
 
+def meta_model(config) -> torch.nn.Module:
+    """The model class for `config` on the meta device: shapes only, for the checks and plans made
+    before any weight exists."""
+    auto = AutoModelForSeq2SeqLM if is_seq2seq(config) else AutoModelForCausalLM
+    with torch.device("meta"):
+        return auto.from_config(config)
+
+
 def load_tokenizer(src: ModelSource, config):
     """The model's own tokenizer when one ships with it, else the file-free byte-level one."""
     has_files = src.kind == "hub" or (src.name and any((Path(src.name) / f).exists() for f in TOKENIZER_FILES))

@@ -41,8 +41,10 @@ def run(spec: dict) -> int:
     try:
         validate(cfg)
         pred = auto_micro_batch(cfg, nproc)
+        # the planner's time to train the samples at its predicted largest micro-batch: a method's own
+        # figure of merit in a bench, where each runs at the largest batch it holds
         found.update(predicted_micro=pred.size, predicted_micro_gb=round(pred.need / 1e9, 2),
-                     predicted_train_s=_predicted_train_s(cfg, nproc, pred.size, spec["samples"]))
+                     predicted_train_s=round(pred.step_s * spec["samples"] / (pred.size * nproc), 3))
         _write(row, found)
         cfg = choose_micro_batch(["train"], cfg, nproc, speaks=True, pred=pred)  # not planned twice
         code = _train(row, cfg, nproc, spec, load(path(cfg.output_dir)), found)
@@ -75,16 +77,6 @@ def _smaller(search, micro: int) -> list[int]:
     tenth = [s for s in search.sizes if s <= 0.9 * micro]
     below = {s for s in search.ran() if s < micro} | set(tenth[-1:])
     return sorted(below, reverse=True)[:RETRIES]
-
-
-def _predicted_train_s(cfg, nproc: int, micro: int, samples: int) -> float:
-    """The planner's time to train `samples` at its predicted largest micro-batch: the method's own
-    figure of merit in a bench, where each method runs at the largest batch it holds."""
-    from ..planning.command import plan_here
-
-    job = dataclasses.replace(cfg, micro_batch_size=micro, batch_size=micro * nproc)
-    step = plan_here(job, nproc, (cfg.strategy,)).candidates[0].estimate.step_time_s
-    return round(step * samples / (micro * nproc), 3)
 
 
 def _train_at(row: Path, cfg, nproc: int, spec: dict, micro: int, peak: int | None, found: dict) -> int:

@@ -107,15 +107,9 @@ def _resolve(model, cfg, main) -> object:
 
 def check(cfg, job_model_config) -> str:
     """Every check of the map before any weight exists: returns its description."""
-    return _resolve(_meta_model(job_model_config), cfg, _this_device()).describe()
+    from ..models import meta_model
 
-
-def _meta_model(config) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
-
-    auto = AutoModelForSeq2SeqLM if getattr(config, "is_encoder_decoder", False) else AutoModelForCausalLM
-    with torch.device("meta"):
-        return auto.from_config(config)
+    return _resolve(meta_model(job_model_config), cfg, _this_device()).describe()
 
 
 def pin_auto_map(cfg, micro: int, where: Path) -> str | None:
@@ -123,11 +117,11 @@ def pin_auto_map(cfg, micro: int, where: Path) -> str | None:
     returned; None where the map is the user's). The balancer moves blocks to the host as the
     micro-batch grows, so micro-batch auto's probe and the job it confirms must both run this map:
     balanced again at each size, the probe would confirm sizes for one map and train with another."""
-    from ..models import load_config, locate
+    from ..models import load_config, locate, meta_model
 
     if read_spec(cfg)[0] != "auto":
         return None
-    model = _meta_model(load_config(locate(cfg.model)))
+    model = meta_model(load_config(locate(cfg.model)))
     dmap = _resolve(model, dataclasses.replace(cfg, micro_batch_size=micro), _this_device())
     where.parent.mkdir(parents=True, exist_ok=True)
     where.write_text(json.dumps(dmap.to_json(), indent=1))

@@ -30,11 +30,9 @@ def layout_of(cfg, positions: int) -> PipelineLayout:
 
 def check(cfg, model_config, positions: int) -> str:
     """Every check of the split before any process or weight (on a meta-device model)."""
-    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
+    from ..models import meta_model
 
-    auto = AutoModelForSeq2SeqLM if getattr(model_config, "is_encoder_decoder", False) else AutoModelForCausalLM
-    with torch.device("meta"):
-        model = auto.from_config(model_config)
+    model = meta_model(model_config)
     split = plan_split(model, layout_of(cfg, positions))
     tied_groups(model, split)  # raises for models whose non-block modules cannot be placed
     return describe(split)

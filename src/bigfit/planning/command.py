@@ -297,4 +297,5 @@ def auto_micro_batch(cfg, world: int) -> Prediction:
     if best is None:
         raise BigfitError(f"--micro-batch-size auto: not even micro-batch {sizes[0] if sizes else low} is predicted "
                           f"to fit with {cfg.strategy}; see `bigfit plan` for what would")
-    return Prediction(best, row(best).estimate.per_gpu["total"], min(hw.gpu_bytes) - RESERVE, sizes)
+    e = row(best).estimate
+    return Prediction(best, e.per_gpu["total"], min(hw.gpu_bytes) - RESERVE, sizes, e.step_time_s)

@@ -55,6 +55,7 @@ class Prediction:
     need: int  # its predicted bytes on the fullest GPU
     budget: int  # what the plan hands out per GPU (the smallest GPU less the reserve)
     sizes: list[int]  # the micro-batches a run may take, ascending (divisors of a fixed per-rank share)
+    step_s: float = 0.0  # its predicted step time
 
 
 @dataclass

@@ -77,12 +77,9 @@ def _config(ckpt: Path):
 
 def _meta_model(ckpt: Path) -> torch.nn.Module:
     """The checkpoint's base model on the meta device (its config.json; no weights)."""
-    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
+    from ..models import meta_model
 
-    config = _config(ckpt)
-    auto = AutoModelForSeq2SeqLM if getattr(config, "is_encoder_decoder", False) else AutoModelForCausalLM
-    with torch.device("meta"):
-        return auto.from_config(config)
+    return meta_model(_config(ckpt))
 
 
 def _lora(ckpt: Path, merge: bool, base: str | None) -> tuple[LoraCheckpoint | None, Held]:
