@@ -1,6 +1,7 @@
 """The planning trace runs three blocks of each stack whose later blocks are alike (planning/shorten.py):
 its profile must equal the whole model's trace, field for field, for every family, device, precision
-and LoRA, and a stack whose blocks differ is traced whole."""
+and LoRA, and a stack whose blocks differ is traced whole. Micro-batches above 3 are drawn from the
+traces at 2 and 3 (profile._affine): equal to their own trace, field for field, too."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,6 +11,7 @@ from transformers import GPT2Config, LlamaConfig, T5Config
 
 from bigfit.lora import LoraSettings
 from bigfit.planning import shorten
+from bigfit.planning import profile
 from bigfit.planning.profile import _profile
 
 
@@ -42,6 +44,19 @@ def test_the_short_trace_equals_the_whole_one(monkeypatch, family, device, autoc
     assert short.n_blocks == whole.n_blocks >= 6
     for f in dataclasses.fields(whole):
         assert getattr(short, f.name) == getattr(whole, f.name), f.name
+
+
+@pytest.mark.parametrize("family", ["t5", "gpt2", "llama"])
+@pytest.mark.parametrize("device,autocast,precision,lora", CASES)
+def test_a_large_micro_batch_drawn_from_two_small_ones_equals_its_trace(monkeypatch, family, device, autocast,
+                                                                        precision, lora):
+    config, args = deep(family), (16, 8, precision, device, autocast, lora)
+    monkeypatch.setattr(profile, "_traced", {})
+    drawn = profile.profile_model(config, 11, *args)
+    assert len(profile._traced) == 3  # 2, 3 and 11 drawn from them: 11 was not traced
+    traced = _profile(config, 11, *args)
+    for f in dataclasses.fields(traced):
+        assert getattr(drawn, f.name) == getattr(traced, f.name), f.name
 
 
 def test_a_stack_whose_blocks_differ_is_traced_whole():

@@ -14,6 +14,7 @@ if [ "${SCALE:-full}" = tiny ]; then
 else
   SHAPES="60 52"; H=6144; HEADS=48; INTER=16384; PREC=bf16; LEN=2048; LIMIT=420
 fi
+END=$(( $(date +%s) + ${BUDGET_S:-570} ))  # the call's own limit: the second shape gets what is left
 python - $H $HEADS $INTER $SHAPES <<'PY'
 import random, string, sys
 from transformers import LlamaConfig
@@ -26,6 +27,8 @@ r = random.Random(0)
 open("/tmp/letters.txt", "w").write("".join(r.choice(string.ascii_letters + " ") for _ in range(60000)))
 PY
 for n in $SHAPES; do
+  left=$(( END - $(date +%s) )); [ $left -lt $LIMIT ] && LIMIT=$left
+  [ $LIMIT -lt 60 ] && { echo "no time left for $n" >> $OUT/machine.txt; break; }
   timeout $LIMIT python -m bigfit train --model /tmp/m$n --data /tmp/letters.txt --precision $PREC \
     --activation-checkpointing --batch-size 1 --max-source-len $LEN --eval-samples 0 --no-checkpoints --overwrite \
     --nproc 1 --strategy zero2-offload-nvme --optimizer-states int8 --offload-grads device --max-steps 5 \

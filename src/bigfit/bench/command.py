@@ -123,15 +123,14 @@ def _world(base: TrainConfig, strategy: str) -> int:
 
 def _auto_pick(base: TrainConfig, strategies: set[str]) -> tuple[str | None, str]:
     """What `--strategy auto --batch-size auto` would pick among the strategies benched, and why."""
-    from ..planning.command import plan_here
+    from ..planning.command import auto_named
 
     named = tuple(s for s in STRATEGIES + SPLIT_STRATEGIES if s in strategies)
     try:
-        p = plan_here(dataclasses.replace(base, batch_size="auto", micro_batch_size="auto"), _world(base, "zero3"),
-                      named)
+        return auto_named(dataclasses.replace(base, batch_size="auto", micro_batch_size="auto"),
+                          _world(base, "zero3"), named)
     except BigfitError as e:
         return None, str(e)
-    return p.recommended, p.reason
 
 
 def _run_row(out: Path, bench: BenchSettings, base: TrainConfig, strategy: str, precision: str) -> dict:

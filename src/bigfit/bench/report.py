@@ -38,7 +38,8 @@ def _score(row: dict) -> str | None:
 
 
 def recommendation(rows: list[dict], auto_pick: str | None) -> str:
-    """The fastest measured method that ran, and whether `--strategy auto` picks it."""
+    """The fastest measured method that ran, and whether `--strategy auto` picks it (planned, like
+    the rows, at each method's largest micro-batch: planning/command.py _sized_pick)."""
     ran = [r for r in rows if r.get("train_s") is not None and r["status"] == "ok"]
     if not ran:
         return "no method ran to the end: nothing to recommend"
@@ -48,12 +49,6 @@ def recommendation(rows: list[dict], auto_pick: str | None) -> str:
         agrees = auto_pick == best["strategy"]
         said += (f"; --strategy auto picks it too ({auto_pick})" if agrees else
                  f"; --strategy auto would pick {auto_pick} instead")
-    rated = [r for r in rows if r.get("predicted_train_s") is not None]
-    if rated:  # each method at its own predicted largest batch: what a bench compares
-        planned = min(rated, key=lambda r: r["predicted_train_s"])
-        said += (f"; the planner, each method at its predicted largest micro-batch, picks "
-                 f"{'it too' if planned['method'] == best['method'] else planned['method']} "
-                 f"({planned['predicted_train_s']:.2f} s predicted)")
     return said
 
 

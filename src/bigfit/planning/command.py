@@ -21,7 +21,7 @@ from .flags import LORA_FLAGS
 from .layouts import SHOWN, check_degrees, flag
 from .quantized import check as check_4bit
 from .report import device_map_text, layout_table, pipeline_text, plan_table, plot_plan, rejected_text
-from .search import Job, plan_for_config
+from .search import SPLIT_MARGIN, WHOLE, Job, plan_for_config
 from .sizes import MAX_MICRO, Prediction, divisors, largest_true
 from .split import NAME as DEVICE_MAP
 from .tp_trace import split_counts
@@ -195,7 +195,7 @@ def auto_strategy(cfg, world: int, one_process: bool = True) -> tuple[str, str]:
     p = _auto(cfg, world, _named(cfg, world, one_process), None)
     if p.recommended is None:
         raise BigfitError(f"--strategy auto: {p.reason}")
-    return p.recommended, p.reason
+    return _sized_pick(cfg, world, p)
 
 
 def auto_plan(cfg, world: int, one_process: bool = True) -> tuple[str, dict[str, int], str]:
@@ -210,7 +210,73 @@ def auto_plan(cfg, world: int, one_process: bool = True) -> tuple[str, dict[str,
         return p.layout_pick.strategy, p.layout_pick.degrees, p.layout_reason
     if p.recommended is None:
         raise BigfitError(f"--strategy auto: {p.reason}; composed plans: {p.layout_reason}")
-    return p.recommended, _degrees(p.recommended, world), f"{p.reason}; composed plans: {p.layout_reason}"
+    name, reason = _sized_pick(cfg, world, p)
+    return name, _degrees(name, world), f"{reason}; composed plans: {p.layout_reason}"
+
+
+def auto_named(cfg, world: int, strategies: tuple[str, ...]) -> tuple[str | None, str]:
+    """`--strategy auto`'s pick among the named `strategies` and why (None: none fits): `bigfit
+    bench`'s pick beside the fastest it measured."""
+    p = _auto(cfg, world, strategies, None)
+    return _sized_pick(cfg, world, p) if p.recommended else (None, p.reason)
+
+
+def _sized_pick(cfg, world: int, p) -> tuple[str, str]:
+    """The plan's pick with the batch sizes given; with `--batch-size auto`, where each strategy will
+    run at the largest micro-batch it holds, the one that trains a sample in the least time there
+    (strategies that hold more samples, zero2 and zero3 beside single, gain by it; `bigfit bench` on
+    an H200, T5-large: single fastest at one sample, zero2 and zero3 at their largest)."""
+    if cfg.batch_size != "auto":
+        return p.recommended, p.reason
+    rated = sorted(r for r in (_at_largest(cfg, world, c.estimate.name) for c in p.candidates if c.fits) if r)
+    if not rated:
+        return p.recommended, p.reason
+    *_, name, micro, per_s = rated[0]
+    others = ", ".join(f"{n} {s:.1f} at {m}" for *_, n, m, s in rated[1:4])
+    return name, (f"{name} trains the most samples a second at the largest micro-batch each strategy is predicted "
+                  f"to hold (--batch-size auto): {per_s:.1f} at micro-batch {micro}" + (f"; {others}" if others else ""))
+
+
+def _at_largest(cfg, world: int, name: str) -> tuple | None:
+    """`name` under --batch-size auto at the largest micro-batch predicted to fit, as search._rank
+    orders rows (the seconds a sample with device_map's and pipeline's margin for what is unmeasured;
+    on a tie the one that communicates less, then the smaller), then (name, micro-batch, samples a
+    second); None where not even the smallest fits."""
+    procs = 1 if name in SPLIT_STRATEGIES else world
+    rated = _largest_micro(_auto_job(cfg, world), name, _micro_sizes(cfg, procs),
+                           lambda m: {"batch_size": m * procs, "micro_batch": m})
+    if rated is None:
+        return None
+    micro, c = rated
+    e = c.estimate
+    per_sample = e.step_time_s / (micro * procs)
+    return (round(per_sample * (SPLIT_MARGIN if name in WHOLE else 1.0), 9), e.costs.get("communication", 0.0),
+            e.per_gpu["total"], name, micro, 1 / per_sample)
+
+
+def _largest_micro(planned, name: str, sizes: list[int], job_at) -> tuple[int, object] | None:
+    """The largest of `sizes` at which `name` fits, with its row: `planned` is (config, machine, job),
+    the job changed by job_at(m). The bytes grow with the micro-batch, so sizes.largest_true plans
+    about 2 log2(answer) sizes, and the trace of each is drawn from two (profile.py)."""
+    config, hw, job = planned
+    rows = {}
+
+    def row(m: int):
+        if m not in rows:
+            rows[m] = plan_for_config(config, hw, replace(job, **job_at(m)), strategies=(name,)).candidates[0]
+        return rows[m]
+
+    best = largest_true(lambda m: row(m).fits, sizes)
+    return None if best is None else (best, row(best))
+
+
+def _micro_sizes(cfg, procs: int) -> list[int]:
+    """The micro-batches a process may run: any up to MAX_MICRO (and to its share of
+    --max-train-samples) for --batch-size auto, else those that split its share of the batch into
+    whole accumulation steps; at least --chunks (a device_map's GPipe chunks split each micro-batch)."""
+    low = cfg.chunks or 1
+    top = MAX_MICRO if cfg.max_train_samples is None else max(low, min(MAX_MICRO, cfg.max_train_samples // procs))
+    return list(range(low, top + 1)) if cfg.batch_size == "auto" else divisors(cfg.batch_size // procs, low)
 
 
 def _named(cfg, world: int, one_process: bool) -> tuple[str, ...]:
@@ -222,6 +288,13 @@ def _named(cfg, world: int, one_process: bool) -> tuple[str, ...]:
 
 
 def _auto(cfg, world: int, strategies: tuple[str, ...], layouts: dict | None):
+    config, hw, job = _auto_job(cfg, world)
+    return plan_for_config(config, hw, job, strategies, layouts)
+
+
+def _auto_job(cfg, world: int):
+    """(model config, machine, job) that `--strategy auto` plans: the job at cfg's sizes (one sample
+    a process where they are auto), the NVMe tier's disk in the machine."""
     config = load_config(locate(cfg.model))
     micro = cfg.micro_batch_size if isinstance(cfg.micro_batch_size, int) else None
     batch = cfg.batch_size if isinstance(cfg.batch_size, int) else world
@@ -229,7 +302,7 @@ def _auto(cfg, world: int, strategies: tuple[str, ...], layouts: dict | None):
     job = _job(cfg, config, batch, micro)
     if not cfg.nvme_host_gb:  # not chosen: zero2-offload-nvme rated with the states RAM can hold kept there
         job = replace(job, nvme_host_gb=None)
-    return plan_for_config(config, _this_machine(world, nvme_dir=nvme_dir), job, strategies, layouts)
+    return config, _this_machine(world, nvme_dir=nvme_dir), job
 
 
 def plan_here(cfg, world: int, strategies: tuple[str, ...]):
@@ -276,26 +349,15 @@ def auto_micro_batch(cfg, world: int) -> Prediction:
     """`--micro-batch-size auto` (and `--batch-size auto`): the largest micro-batch predicted to fit
     for cfg.strategy, among any size up to MAX_MICRO for --batch-size auto (no accumulation: the
     global batch is micro x processes) or the divisors of each process's share of a fixed batch
-    (accumulation steps are whole), at least --chunks. The planner's bytes grow with the micro-batch,
-    so sizes.largest_true plans about 2 log2(answer) of them, not every one."""
+    (accumulation steps are whole), at least --chunks."""
+    sizes = _micro_sizes(cfg, world)
+    auto = cfg.batch_size == "auto"
     config = load_config(locate(cfg.model))
     hw = _with_map_budgets(_this_machine(world, cfg.strategy), cfg)
-    auto = cfg.batch_size == "auto"
-    low = cfg.chunks or 1  # a device_map's GPipe chunks split each micro-batch
-    # --max-train-samples bounds a process's share (the probe would find the data's bound too, later)
-    top = MAX_MICRO if cfg.max_train_samples is None else max(low, min(MAX_MICRO, cfg.max_train_samples // world))
-    sizes = list(range(low, top + 1)) if auto else divisors(cfg.batch_size // world, low)
-    rows = {}
-
-    def row(m: int):
-        if m not in rows:
-            job = _job(cfg, config, m * world if auto else cfg.batch_size, m)
-            rows[m] = plan_for_config(config, hw, job, strategies=(cfg.strategy,)).candidates[0]
-        return rows[m]
-
-    best = largest_true(lambda m: row(m).fits, sizes)
-    if best is None:
-        raise BigfitError(f"--micro-batch-size auto: not even micro-batch {sizes[0] if sizes else low} is predicted "
-                          f"to fit with {cfg.strategy}; see `bigfit plan` for what would")
-    e = row(best).estimate
-    return Prediction(best, e.per_gpu["total"], min(hw.gpu_bytes) - RESERVE, sizes, e.step_time_s)
+    rated = _largest_micro((config, hw, _job(cfg, config, 1, None)), cfg.strategy, sizes,
+                           lambda m: {"batch_size": m * world if auto else cfg.batch_size, "micro_batch": m})
+    if rated is None:
+        raise BigfitError(f"--micro-batch-size auto: not even micro-batch {sizes[0] if sizes else cfg.chunks or 1} is "
+                          f"predicted to fit with {cfg.strategy}; see `bigfit plan` for what would")
+    best, c = rated
+    return Prediction(best, c.estimate.per_gpu["total"], min(hw.gpu_bytes) - RESERVE, sizes, c.estimate.step_time_s)

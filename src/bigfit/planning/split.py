@@ -111,8 +111,11 @@ def stage_seconds(prof, hw, job, assignment: list[str], main: str, passes: int,
     out = {d: f * job.batch_size * recompute / _flops_per_s(d, hw) for d, f in flops.items()}
     for d in out:
         mine = [g for g, dev in enumerate(assignment) if dev == d]
-        if d.startswith("cpu"):  # the host's own blocks: its compute is its issuing, plus their weights' sweeps
-            out[d] += passes * recompute * sum(prof.block_params[g] for g in mine) * HOST_SWEEP_S
+        if d.startswith("cpu"):  # the host's own blocks: their FLOPs and weights' sweeps (HOST_SWEEP_S was fitted
+            # with their operators' dispatch inside), at least that dispatch: what bounds small blocks, as on
+            # a machine without GPUs, which maps every block here
+            out[d] += passes * max(recompute * sum(prof.block_params[g] for g in mine) * HOST_SWEEP_S,
+                                   pass_seconds(prof, hw, job, mine, outside=d == main))
             continue
         out[d] += traffic_seconds(prof, hw, job, mine, d == main, job.batch_size)
         if job.load_in_4bit:  # its 4-bit layers dequantized by bitsandbytes, each pass
