@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from bigfit.planning.sizes import ProbeSearch, divisors, largest_true, outcome_text
+from bigfit.planning.sizes import Prediction, ProbeSearch, divisors, largest_true, outcome_text
 from conftest import read_jsonl
 from tiny import write_pairs
 
@@ -95,6 +95,31 @@ def test_no_probe_under_torchrun(monkeypatch, model_dirs, capsys):
     chosen = autobatch.choose_micro_batch([], cfg, 1, speaks=True)
     assert (chosen.micro_batch_size, chosen.batch_size) == (pred.size, 8)
     assert f"micro-batch auto -> {pred.size}: predicted {pred.size} (" in capsys.readouterr().out
+
+
+def test_a_probe_worker_killed_on_a_machine_without_gpus_counts_as_out_of_memory(monkeypatch, model_dirs, tmp_path,
+                                                                                capsys):
+    """The CPU's out of memory is the kernel's OOM killer (SIGKILL: launch.py returns 128 + 9): the
+    search takes it as a size that failed and goes on in new processes, as after a CUDA OOM."""
+    from bigfit import autobatch, probefile
+    from bigfit.config import TrainConfig
+
+    where = probefile.path(str(tmp_path))
+
+    def workers(*args, **kwargs):  # each set builds once, runs sizes up to 9, and is killed above
+        search = probefile.load(where)
+        search.worker_sets += 1
+        while (size := search.next()) is not None and size <= 9:
+            search.outcomes.append([size, True, None])
+        probefile.save(where, search)
+        return 0 if size is None else autobatch.KILLED
+
+    monkeypatch.setattr(autobatch, "launch_local", workers)
+    monkeypatch.setattr(autobatch.torch.cuda, "is_available", lambda: False)
+    cfg = TrainConfig(model=str(model_dirs["gpt2"]), strategy="single", batch_size="auto", output_dir=str(tmp_path))
+    chosen = autobatch.choose_micro_batch([], cfg, 1, speaks=True, pred=Prediction(12, 1, 2, list(range(1, 13))))
+    assert chosen.micro_batch_size == 9
+    assert "probe micro-batch 12: out of memory on a rank; new probe processes go on" in capsys.readouterr().out
 
 
 def test_a_step_that_never_finishes_after_an_oom_ends_the_probe():

@@ -29,7 +29,7 @@ def runs(model_dirs, pairs_file, tmp_path_factory):
 
 def test_kill_during_save_is_reported_once_and_leaves_no_complete_checkpoint(runs):
     k = runs["killed"]
-    assert k.returncode != 0
+    assert k.returncode == 128 + 9  # as a shell reports a process killed by SIGKILL
     assert k.stderr.count("worker rank 0 was killed by SIGKILL") == 1
     assert runs["ckpts"] == [".step-00000004.partial", "step-00000002"]
     assert [r["step"] for r in runs["killed_metrics"]] == [1, 2, 3, 4]

@@ -21,6 +21,11 @@ from .planning.command import auto_micro_batch
 from .planning.sizes import Prediction, ProbeSearch, outcome_text
 from .probefile import OOM_EXIT, RETRY_EXIT, load, path, save
 
+# a worker killed by SIGKILL (launch.py: 128 + 9): on a machine without GPUs, where the micro-batch
+# fills host RAM, that is the kernel's OOM killer, not a CUDA out-of-memory error
+KILLED = 128 + 9
+
+
 def exit_status(e: BaseException) -> int:
     """A failed worker's exit status: OOM_EXIT for out-of-memory, 1 otherwise."""
     return OOM_EXIT if isinstance(e, torch.OutOfMemoryError) else 1
@@ -86,6 +91,8 @@ def _probe(argv: list[str], cfg: TrainConfig, world: int, pred: Prediction) -> P
     settings = dataclasses.replace(cfg, micro_batch_size=low, batch_size=_batch(cfg, world, low), probe_only=True)
     while search.next() is not None:
         code = launch_local(argv, world, where.parent, quiet=True, settings=settings.to_dict())
+        if code == KILLED and not torch.cuda.is_available():  # the kernel's OOM killer: the CPU's "out of memory"
+            code = OOM_EXIT
         seen, sets, search = len(search.outcomes), search.worker_sets, load(where)
         _show(search.outcomes[seen:])
         if code == OOM_EXIT and search.worker_sets == sets:  # it never reached a probe step

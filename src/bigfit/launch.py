@@ -102,7 +102,8 @@ def stamp_start() -> None:
 
 def launch_local(argv: list[str], nproc: int, log_dir: Path, quiet: bool = False, lock_fd: int | None = None,
                  settings: dict | None = None) -> int:
-    """Run `python -m bigfit <argv>` as `nproc` workers on this machine; returns the exit status.
+    """Run `python -m bigfit <argv>` as `nproc` workers on this machine; returns the exit status
+    (the first failed worker's; 128 + the signal's number for one killed by a signal).
     `quiet`: rank 0 writes a log too, and a failure is left to the caller to report (its message in
     log_dir/error.txt). `lock_fd`: the
     output directory's lock (training/lock.py), inherited by every worker so that it stays held while
@@ -147,7 +148,7 @@ def launch_local(argv: list[str], nproc: int, log_dir: Path, quiet: bool = False
                         (log_dir / "error.txt").write_text(report + "\n")
                     else:
                         print(report, file=sys.stderr)
-                    return code if code > 0 else 1
+                    return code if code > 0 else 128 - code  # killed by a signal: the shell's 128 + its number
         except KeyboardInterrupt:
             _stop(procs)
             print("interrupted: all workers stopped", file=sys.stderr)
