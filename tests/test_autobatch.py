@@ -204,18 +204,24 @@ def test_an_encoder_decoder_config_without_a_decoder_start_is_one_line(tmp_path,
     assert not (tmp_path / "out").exists()
 
 
-def test_an_engine_that_cannot_go_on_after_an_oom_probes_on_in_new_processes(model_dirs, tmp_path, capsys,
-                                                                           monkeypatch):
-    """The offload engine's failed backward leaves its buckets claimed: after an OOM its probe goes on
-    in new processes at once, not after a step that would never finish."""
+@pytest.mark.parametrize("delayed", [False, True], ids=["exact", "delayed"])
+def test_the_offload_engine_probes_on_in_place_unless_a_host_step_runs_during_backward(model_dirs, tmp_path, capsys,
+                                                                                     monkeypatch, delayed):
+    """The exact offload engine frees the buckets a failed step claimed and probes on in its process,
+    the model built once; with --delayed-update a host step may be under way during backward: after
+    an OOM its probe goes on in new processes at once, not after a step that would never finish."""
     monkeypatch.setenv("BIGFIT_FAULT", "oom-above:5")
     data = write_pairs(tmp_path / "pairs.jsonl", n=12)
-    code = _train(model_dirs["gpt2"], data, tmp_path / "out", "--strategy", "zero2-offload", "--nproc", "1")
+    code = _train(model_dirs["gpt2"], data, tmp_path / "out", "--strategy", "zero2-offload", "--nproc", "1",
+                  *["--delayed-update"] * delayed)
     printed = capsys.readouterr()
     assert code == 0, printed.err
     search = ProbeSearch.from_json(json.loads((tmp_path / "out" / "logs" / "probe" / "search.json").read_text()))
     assert search.best() == 5
     failed = sum(1 for _, ran, _ in search.outcomes if not ran)
+    if not delayed:
+        assert failed >= 2 and search.worker_sets == 1 and "the model built once" in printed.out
+        return
     assert search.worker_sets == failed + 1 - (not search.outcomes[-1][1])  # one set after each OOM but a last
     assert "in new probe processes (the last ones could not go on after an out-of-memory error)" in printed.out
 
@@ -235,7 +241,7 @@ def test_an_oom_inside_the_first_optimizer_step_leaves_no_half_made_state():
     model(torch.ones(2, 4)).sum().backward()
     with pytest.raises(KeyError):
         engine.optimizer.step()
-    engine.drop_optimizer_states()
+    engine.recover_from_oom()
     engine.optimizer.step()  # made again, whole
     assert set(engine.optimizer.state[model.weight]) == {"step", "exp_avg", "exp_avg_sq"}
 

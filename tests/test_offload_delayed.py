@@ -50,3 +50,48 @@ def test_two_ranks_match_one_on_the_whole_batch(grads, compute):
         torch.testing.assert_close(torch.tensor(two[0]["params"][n]), torch.tensor(p), **tol)
     mean = [(a + b) / 2 for a, b in zip(two[0]["losses"], two[1]["losses"])]
     torch.testing.assert_close(torch.tensor(mean), torch.tensor(one["losses"]), **loss_tol)
+
+
+def _steps(x: torch.Tensor, fail_at: int | None) -> dict:
+    """Three exact (clipped) offload steps on one process; `fail_at`: that step's first backward runs
+    out of memory half-way (three of five buckets already sent down), then the engine recovers
+    (micro-batch auto's probe) and the step runs again."""
+    from bigfit.distributed import Runtime
+    from bigfit.strategies.offloading import apply_offload
+
+    torch.manual_seed(0)
+    model = Stack(width=5)
+    applied = apply_offload(model, "zero2-offload", Runtime(0, 1, 0, torch.device("cpu")), None, delayed=False,
+                            nvme_dir=None)
+    applied.attach_optimizer(torch.optim.AdamW, lr=0.01, fused=True)
+
+    def oom(*_):
+        raise torch.OutOfMemoryError("injected half-way through backward")
+
+    for step in range(3):
+        if step == fail_at:
+            handle = model.layers[1].register_full_backward_pre_hook(oom)
+            with pytest.raises(torch.OutOfMemoryError):
+                model(x).pow(2).mean().backward()
+            handle.remove()
+            assert applied.recovers_from_oom
+            applied.recover_from_oom()
+        model(x).pow(2).mean().backward()
+        applied.engine.clip_and_step(1.0)
+    applied.engine.flush()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_a_step_that_ran_out_of_memory_in_backward_is_abandoned_and_the_next_runs_exactly():
+    """Without recovery the step after would wait forever for the buckets the failed backward sent
+    down (their host gradients never stepped): run in a thread with a limit."""
+    import threading
+
+    x = torch.randn(6, 5)
+    out = {}
+    worker = threading.Thread(target=lambda: out.update(failed=_steps(x, 1)), daemon=True)
+    worker.start()
+    worker.join(20)
+    assert not worker.is_alive(), "the step after the failed one never finished"
+    for n, p in _steps(x, None).items():
+        assert torch.equal(out["failed"][n], p), n

@@ -16,8 +16,8 @@ MAX_MICRO = 4096  # the largest micro-batch `auto` considers: a step of more is 
 # it; later steps double, so even a prediction far off costs only about log2 probes. Predictions are
 # near: the data-parallel rows of `bigfit bench` on an H200 (T5-large, 2026-12-05) within 1-2% of the
 # probe's answer. A small first step leaves a small gap to bisect, and bisecting from 0 after a
-# prediction that failed cost the offload engine a new worker set at every size that failed on the
-# way (it cannot go on after an in-process out-of-memory).
+# prediction that failed cost several failed sizes on the way, each a new worker set on several ranks
+# (and, until 2026-12-05, for the offload engine on one).
 FIRST_STEP = 0.1
 
 

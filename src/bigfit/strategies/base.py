@@ -64,8 +64,8 @@ class Engine(Protocol):
     generates: bool  # evaluation may call generate()
     counts: bool  # this rank's losses and texts are counted: False on tensor-parallel peers, which repeat them
     sequence_multiple: int  # batches are padded to a multiple of this length (sequence parallelism: tp)
-    # a step that ran out of memory can be dropped and the next one run in this process (micro-batch
-    # auto's probe, training/probe.py); the offload engine's bucket states cannot, so its probe restarts
+    # a step that ran out of memory can be dropped (`recover_from_oom`) and the next one run in this
+    # process (micro-batch auto's probe, training/probe.py); else its probe restarts the processes
     recovers_from_oom: bool
     # False: checkpoints hold the trainable parameters and the optimizer only (a LoRA run: its frozen
     # base is made again from its source on every start, so it need not be saved)
@@ -107,9 +107,10 @@ class Engine(Protocol):
 
     def reshard(self) -> None: ...
 
-    def drop_optimizer_states(self) -> None:
-        """After an out-of-memory error in micro-batch auto's probe: the optimizer's states may be half
-        made (one inside its first step), so none are kept; the next step makes them again."""
+    def recover_from_oom(self) -> None:
+        """After an out-of-memory error in micro-batch auto's probe: drop what the failed step left
+        half made (an optimizer's states made inside its first step: the next step makes them again;
+        the offload engine's buckets)."""
 
 
 @dataclass
@@ -130,7 +131,7 @@ class Applied:
     optimizer: torch.optim.Optimizer | None = None
 
     # -- the optimizer -------------------------------------------------------------------------
-    def drop_optimizer_states(self) -> None:
+    def recover_from_oom(self) -> None:
         # torch's Adam makes a parameter's exp_avg, then its exp_avg_sq: an OOM between them leaves a
         # state its next step reads as a KeyError (seen on an H200, T5-large fp32, 2026-12-04)
         if self.optimizer is not None:

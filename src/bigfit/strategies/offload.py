@@ -223,6 +223,21 @@ class OffloadEngine(HostSteps, EngineStates):
             self._raise()
             self.io.wait_arrived(b.state)
 
+    def abandon_step(self) -> None:
+        """After a forward or backward that failed (an out-of-memory error, before `clip_and_step`):
+        the gradients it left in buckets dropped and every bucket free again, as if it never ran.
+        Not where a host step may run during backward (eager, delayed): that thread would wait for
+        buckets that never land."""
+        assert not (self.eager or self.delayed), "a host step may be under way"
+        if self.io.cuda:
+            torch.cuda.synchronize()  # the reductions and copies the failed backward queued
+        for b in self.buckets:
+            b.state.update(ready=0, acc=None, sq=None, dev_grad=None)
+            b.state["reduced"].clear()
+            b.state["free"].set()
+            for s in b.slots:
+                s.param.grad = None
+
     def flush(self) -> None:
         """Land every update on the device: before evaluation, checkpoints and the end."""
         self._join()

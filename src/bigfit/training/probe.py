@@ -47,7 +47,7 @@ def probe(job: Job, engine: Engine, rt: Runtime) -> dict:
             ran, peak = _attempt(job, engine, rt, longest, micro, twice=not stepped)
         slowest = max(slowest, time.perf_counter() - t0)
         if not ran and engine.recovers_from_oom:  # its states may be half made: dropped, so step twice again
-            engine.drop_optimizer_states()
+            engine.recover_from_oom()
         stepped, failed = ran or (stepped and not engine.recovers_from_oom), failed or not ran
         search.outcomes.append([micro, ran, _largest(peak, rt) if ran else None])
         _agreed_save(where, search, rt)
