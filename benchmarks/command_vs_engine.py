@@ -9,6 +9,7 @@ host RSS is the largest child's peak.
 
   python benchmarks/command_vs_engine.py --size 1b --seq 1024 --rows single,zero3,zero2-offload --out rows.jsonl
   python benchmarks/command_vs_engine.py --start-only --size 3b --rows zero2-offload   (time to first step)
+  python benchmarks/command_vs_engine.py --rows zero3,zero3,zero3,zero3 --alternate   (rounds, the order alternated)
 """
 from __future__ import annotations
 
@@ -123,25 +124,36 @@ def main() -> None:
     ap.add_argument("--start-only", action="store_true", help="only bigfit train's time to the first step")
     ap.add_argument("--work", default="/tmp/cve")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--alternate", action="store_true", help="every second row runs bigfit train before the engine")
     a = ap.parse_args()
     root = Path(a.work)
     root.mkdir(parents=True, exist_ok=True)
     t = time.perf_counter()
     model = write_inputs(root, a.size, a.seq, a.weights)
     print(f"inputs ready in {time.perf_counter() - t:.1f} s", flush=True)
-    for variant in a.rows.split(","):
+    for i, variant in enumerate(a.rows.split(",")):
         row = {"variant": variant, "size": a.size, "mbs": a.mbs, "seq": a.seq, "weights": a.weights}
+        first = "command" if a.alternate and i % 2 else "engine"  # alternated: neither always runs on a warm machine
+        row["first"] = first
+        if first == "command":
+            c = _command(a, variant, model, root)
         if not a.start_only:
             e = engine_row(variant, a.size, a.mbs, a.seq, a.steps - 3)
             row["engine_step_s"], row["engine_error"] = e.get("step_s"), e.get("error")
-        run = root / f"run-{variant}"
-        subprocess.run(["rm", "-rf", str(run)])
-        c = command_row(variant, model, root / "data.txt", a.mbs, a.seq, a.steps if not a.start_only else 2, run)
-        subprocess.run(["rm", "-rf", str(run)])  # its final checkpoint: the next row needs the disk
+        if first == "engine":
+            c = _command(a, variant, model, root)
         row.update({f"command_{k}": v for k, v in c.items()})
         if row.get("engine_step_s") and c.get("step_s"):
             row["command_over_engine"] = round(c["step_s"] / row["engine_step_s"], 3)
         emit(row, a.out)
+
+
+def _command(a, variant: str, model: Path, root: Path) -> dict:
+    run = root / f"run-{variant}"
+    subprocess.run(["rm", "-rf", str(run)])
+    c = command_row(variant, model, root / "data.txt", a.mbs, a.seq, a.steps if not a.start_only else 2, run)
+    subprocess.run(["rm", "-rf", str(run)])  # its final checkpoint: the next row needs the disk
+    return c
 
 
 def emit(row: dict, out: str | None) -> None:
