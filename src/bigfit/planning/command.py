@@ -226,7 +226,7 @@ def _sized_pick(cfg, world: int, p) -> tuple[str, str]:
     run at the largest micro-batch it holds, the one that trains a sample in the least time there
     (strategies that hold more samples, zero2 and zero3 beside single, gain by it; `bigfit bench` on
     an H200, T5-large: single fastest at one sample, zero2 and zero3 at their largest)."""
-    if cfg.batch_size != "auto":
+    if cfg.batch_size != "auto" or isinstance(cfg.micro_batch_size, int):  # the sizes are the user's
         return p.recommended, p.reason
     rated = sorted(r for r in (_at_largest(cfg, world, c.estimate.name) for c in p.candidates if c.fits) if r)
     if not rated:
