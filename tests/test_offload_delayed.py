@@ -95,3 +95,29 @@ def test_a_step_that_ran_out_of_memory_in_backward_is_abandoned_and_the_next_run
     assert not worker.is_alive(), "the step after the failed one never finished"
     for n, p in _steps(x, None).items():
         assert torch.equal(out["failed"][n], p), n
+
+
+def test_the_nvme_tier_refuses_a_disk_that_cannot_hold_its_files(tmp_path, monkeypatch):
+    """Sparse files on a disk too small end a job in SIGBUS mid-step: the store says so up front,
+    counting the node's ranks (a directory each on the same disk) and an earlier run's files it replaces."""
+    import os
+    import shutil
+    from collections import namedtuple
+
+    from bigfit.errors import BigfitError
+    from bigfit.strategies.nvme import NVMeStore
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**12, 0, 10**9))  # 1 GB free
+    sizes = [10**7] * 10  # 12 bytes an element: 120 MB a bucket, 1.2 GB in all
+    with pytest.raises(BigfitError, match=r"--nvme-host-gb 0: zero2-offload-nvme would keep 1.2 GB .* 1.0 GB free; "
+                                          r"keep 0.2 GB more in host RAM"):
+        NVMeStore(tmp_path / "rank-0", sizes)
+    NVMeStore(tmp_path / "rank-0", sizes, host_bytes=3 * 12 * 10**7)  # three buckets in RAM: 0.84 GB in files
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(BigfitError, match="would keep 1.7 GB"):  # two ranks' files on the same disk
+        NVMeStore(tmp_path / "rank-1", sizes, host_bytes=3 * 12 * 10**7)
+    with open(tmp_path / "rank-1" / "bucket-0009-master.bin", "wb") as f:  # an earlier run's file, 0.2 GB on disk
+        os.posix_fallocate(f.fileno(), 0, 2 * 10**8)
+    with pytest.raises(BigfitError, match="1.2 GB free"):  # made anew: its blocks come free
+        NVMeStore(tmp_path / "rank-1", sizes, host_bytes=3 * 12 * 10**7)

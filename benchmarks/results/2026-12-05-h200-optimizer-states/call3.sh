@@ -2,11 +2,13 @@
 # with the disk tier beside the RAM (zero2-offload-nvme, int8 states, gradients on the GPU), on the
 # H200 machine's 64 GiB disk and 125 GiB of RAM: a 25.0B Llama (60 x 6144; `bigfit plan --gpus 141GB
 # --cpu-ram 125GiB --nvme 60GB --nvme-gbps 1.4 ...` plans 55.7 s a step, bound by the disk) after a
-# 21.9B (52 x 6144, 28.7 s planned) has run, in the time left. `df` and `free` sampled every 10 s.
+# 21.9B (52 x 6144, 28.7 s planned) has run, in the time left; 112 GB of the states in RAM, as the
+# plan keeps there (all of them on the 64 GB disk ended the first try in SIGBUS: the disk was full).
+# `df` and `free` sampled every 10 s.
 # CPU dry run: SCALE=tiny bash call3.sh
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
-export PYTHONPATH=$PWD/src
+export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 ( nvidia-smi --query-gpu=name,memory.total --format=csv 2>/dev/null; nproc; free -g; df -h /tmp ) > $OUT/machine.txt
 ( while sleep 10; do echo "$(date +%T) $(free -g | awk '/Mem/{print "used", $3, "avail", $7}') disk $(df -BG --output=used /tmp | tail -1)"; done ) >> $OUT/machine.txt &
 if [ "${SCALE:-full}" = tiny ]; then
@@ -32,6 +34,7 @@ for n in $SHAPES; do
   timeout $LIMIT python -m bigfit train --model /tmp/m$n --data /tmp/letters.txt --precision $PREC \
     --activation-checkpointing --batch-size 1 --max-source-len $LEN --eval-samples 0 --no-checkpoints --overwrite \
     --nproc 1 --strategy zero2-offload-nvme --optimizer-states int8 --offload-grads device --max-steps 5 \
+    --nvme-host-gb ${NVME_HOST:-112} \
     --output-dir /tmp/n$n > $OUT/nvme-$n.log 2>&1
   code=$?; echo "exit $code" >> $OUT/nvme-$n.log; cp /tmp/n$n/metrics.jsonl $OUT/nvme-$n-metrics.jsonl 2>/dev/null
   rm -rf /tmp/n$n

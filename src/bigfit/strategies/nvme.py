@@ -10,9 +10,12 @@ the rest streams from the disk each step (DeepSpeed's NVMe offload is all or not
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import torch
+
+from ..errors import BigfitError
 
 
 def on_disk(sizes: list[int], host_bytes: float, per_element: float = 12.0) -> list[int]:
@@ -35,6 +38,22 @@ class NVMeStore:
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.files: dict[int, list[Path]] = {b: [] for b in on_disk(sizes, host_bytes, per_element)}
+        self._check_room(per_element * sum(sizes[b] for b in self.files), host_bytes)
+
+    def _check_room(self, mine: float, host_bytes: float) -> None:
+        """The files are made sparse and filled as the states are written: a disk that cannot hold
+        them all ends the job in SIGBUS mid-step (a 21.9B's states on a 64 GB disk, 2026-12-05). So
+        this node's ranks' bytes (one directory each on the same disk) are checked up front."""
+        ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        # an earlier run's files are made anew: the blocks they hold come free
+        replaced = sum(p.stat().st_blocks * 512 for p in self.dir.glob("bucket-*.bin"))
+        free = shutil.disk_usage(self.dir).free + replaced
+        if mine * ranks > free:
+            raise BigfitError(
+                f"--nvme-host-gb {host_bytes * ranks / 1e9:g}: zero2-offload-nvme would keep {mine * ranks / 1e9:.1f} GB "
+                f"of optimizer states in files under {self.dir.parent}, whose disk has {free / 1e9:.1f} GB free; keep "
+                f"{(mine * ranks - free) / 1e9:.1f} GB more in host RAM (--nvme-host-gb), choose a compact "
+                f"--optimizer-states (bf16, int8), or point --nvme-dir at a larger disk")
 
     def tensor(self, bucket: int, kind: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
         path = self.dir / f"bucket-{bucket:04d}-{kind}.bin"
