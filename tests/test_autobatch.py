@@ -210,14 +210,14 @@ def test_the_offload_engine_probes_on_in_place_unless_a_host_step_runs_during_ba
     """The exact offload engine frees the buckets a failed step claimed and probes on in its process,
     the model built once; with --delayed-update a host step may be under way during backward: after
     an OOM its probe goes on in new processes at once, not after a step that would never finish."""
-    monkeypatch.setenv("BIGFIT_FAULT", "oom-above:5")
+    monkeypatch.setenv("BIGFIT_FAULT", "oom-above:10")  # 12 and 11 fail: few worker sets
     data = write_pairs(tmp_path / "pairs.jsonl", n=12)
     code = _train(model_dirs["gpt2"], data, tmp_path / "out", "--strategy", "zero2-offload", "--nproc", "1",
                   *["--delayed-update"] * delayed)
     printed = capsys.readouterr()
     assert code == 0, printed.err
     search = ProbeSearch.from_json(json.loads((tmp_path / "out" / "logs" / "probe" / "search.json").read_text()))
-    assert search.best() == 5
+    assert search.best() == 10
     failed = sum(1 for _, ran, _ in search.outcomes if not ran)
     if not delayed:
         assert failed >= 2 and search.worker_sets == 1 and "the model built once" in printed.out
