@@ -404,3 +404,7 @@ def test_auto_with_auto_batch_sizes_picks_the_fastest_per_sample_at_each_strateg
     assert per_sample[name] == pytest.approx(min(per_sample.values()), rel=1e-6)
     fixed = command.auto_strategy(dataclasses.replace(cfg, batch_size=4), 2, one_process=False)
     assert fixed[1].startswith(f"{fixed[0]} is the fastest that fits")
+    # without GPUs the offload rows run (and fit) but are no candidate: the host holds everything already
+    offload = command.plan_here(cfg, 2, ("zero2-offload", "zero3-offload")).candidates
+    assert all(c.fits and c.why_not.startswith("not a candidate without GPUs") for c in offload)
+    assert "offload" not in name and "offload" not in fixed[0]

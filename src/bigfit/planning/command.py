@@ -228,7 +228,8 @@ def _sized_pick(cfg, world: int, p) -> tuple[str, str]:
     an H200, T5-large: single fastest at one sample, zero2 and zero3 at their largest)."""
     if cfg.batch_size != "auto" or isinstance(cfg.micro_batch_size, int):  # the sizes are the user's
         return p.recommended, p.reason
-    rated = sorted(r for r in (_at_largest(cfg, world, c.estimate.name) for c in p.candidates if c.fits) if r)
+    rated = sorted(r for r in (_at_largest(cfg, world, c.estimate.name) for c in p.candidates
+                               if c.fits and not c.why_not) if r)
     if not rated:
         return p.recommended, p.reason
     *_, name, micro, per_s = rated[0]

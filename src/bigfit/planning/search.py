@@ -91,7 +91,7 @@ def plan(prof, hw, job: Job, strategies=ALL, autocast_prof=None, split_prof=None
         if e.states != rated[0].states:
             e.why_states = f"with {rated[0].states} states it {_fit(rated[0], hw)}"
         why = _fit(e, hw) or (quantized.unrunnable(prof, name, hw) if job.load_in_4bit else None)
-        out.append(Candidate(e, why is None, why, tokens / e.step_time_s))
+        out.append(Candidate(e, why is None, why or _nothing_to_offload(name, hw), tokens / e.step_time_s))
     ok = sorted((c for c in out if not c.why_not), key=_rank)
     best = ok[0].estimate.name if ok else None
     why = _reason(ok[0], out, world) if ok else _advice(out, job, hw) if out else "no named strategy was rated"
@@ -104,6 +104,14 @@ def plan(prof, hw, job: Job, strategies=ALL, autocast_prof=None, split_prof=None
         result.layouts, result.layout_rejected = layout_rows(prof, hw, job, layouts)
         result.layout_pick, result.layout_reason = choose(out, result.layouts)
     return result
+
+
+def _nothing_to_offload(name: str, hw) -> str | None:
+    """Offload rows on a machine without GPUs fit (they run, as the tests' do) but are no candidate:
+    the host already holds and steps everything, and their copies only add time."""
+    if hw.device == "cpu" and "offload" in name:
+        return "not a candidate without GPUs: the job already computes and keeps its states in host RAM"
+    return None
 
 
 def _formats(name: str, job: Job) -> tuple[str, ...]:
