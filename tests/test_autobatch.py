@@ -273,3 +273,30 @@ def test_a_planned_device_map_is_balanced_once_for_the_prediction_and_the_job_ru
 
     assert json.loads(pinned.read_text()) == balanced(predicted) != balanced(1)
     assert "encoder 0-1 -> cpu:1" in printed  # the job's description: the pinned map, blocks off the main device
+
+
+def test_auto_with_auto_batch_sizes_picks_the_fastest_per_sample_at_each_strategys_largest_micro_batch(model_dirs):
+    """--strategy auto --batch-size auto: each strategy runs at the largest micro-batch it holds, so
+    auto rates each there, as --micro-batch-size auto then predicts it (its own search), and takes the
+    least time a sample; with the batch given, the plan's pick at that batch stands."""
+    import dataclasses
+
+    from bigfit.config import TrainConfig
+    from bigfit.planning import command
+
+    cfg = TrainConfig(model=str(model_dirs["t5"]), strategy="auto", batch_size="auto", max_source_len=32,
+                      max_target_len=16, max_train_samples=64, optimizer_states="fp32")
+    name, reason = command.auto_strategy(cfg, 2, one_process=False)
+    assert "at the largest micro-batch each strategy is predicted to hold" in reason
+    per_sample = {}
+    for s in ("ddp", "zero1", "zero2", "zero3", "zero2-offload", "zero3-offload"):
+        pred = command.auto_micro_batch(dataclasses.replace(cfg, strategy=s), 2)
+        assert pred.size <= 32  # bounded by each process's share of the samples
+        per_sample[s] = pred.step_s / (2 * pred.size)
+    assert per_sample[name] == pytest.approx(min(per_sample.values()), rel=1e-6)
+    fixed = command.auto_strategy(dataclasses.replace(cfg, batch_size=4), 2, one_process=False)
+    assert fixed[1].startswith(f"{fixed[0]} is the fastest that fits")
+    # without GPUs the offload rows run (and fit) but are no candidate: the host holds everything already
+    offload = command.plan_here(cfg, 2, ("zero2-offload", "zero3-offload")).candidates
+    assert all(c.fits and c.why_not.startswith("not a candidate without GPUs") for c in offload)
+    assert "offload" not in name and "offload" not in fixed[0]

@@ -10,6 +10,7 @@ processes exit before the real job starts, so its OOMs never reach the job's pro
 from __future__ import annotations
 
 import dataclasses
+import signal
 
 import torch
 
@@ -23,7 +24,7 @@ from .probefile import OOM_EXIT, RETRY_EXIT, load, path, save
 
 # a worker killed by SIGKILL (launch.py: 128 + 9): on a machine without GPUs, where the micro-batch
 # fills host RAM, that is the kernel's OOM killer, not a CUDA out-of-memory error
-KILLED = 128 + 9
+KILLED = 128 + signal.SIGKILL
 
 
 def exit_status(e: BaseException) -> int:

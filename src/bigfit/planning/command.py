@@ -228,7 +228,8 @@ def _sized_pick(cfg, world: int, p) -> tuple[str, str]:
     an H200, T5-large: single fastest at one sample, zero2 and zero3 at their largest)."""
     if cfg.batch_size != "auto" or isinstance(cfg.micro_batch_size, int):  # the sizes are the user's
         return p.recommended, p.reason
-    rated = sorted(r for r in (_at_largest(cfg, world, c.estimate.name) for c in p.candidates
+    planned = _auto_job(cfg, world)  # the model, machine and job once: each strategy searches its sizes on them
+    rated = sorted(r for r in (_at_largest(cfg, world, planned, c.estimate.name) for c in p.candidates
                                if c.fits and not c.why_not) if r)
     if not rated:
         return p.recommended, p.reason
@@ -238,13 +239,13 @@ def _sized_pick(cfg, world: int, p) -> tuple[str, str]:
                   f"to hold (--batch-size auto): {per_s:.1f} at micro-batch {micro}" + (f"; {others}" if others else ""))
 
 
-def _at_largest(cfg, world: int, name: str) -> tuple | None:
+def _at_largest(cfg, world: int, planned, name: str) -> tuple | None:
     """`name` under --batch-size auto at the largest micro-batch predicted to fit, as search._rank
     orders rows (the seconds a sample with device_map's and pipeline's margin for what is unmeasured;
     on a tie the one that communicates less, then the smaller), then (name, micro-batch, samples a
     second); None where not even the smallest fits."""
     procs = 1 if name in SPLIT_STRATEGIES else world
-    rated = _largest_micro(_auto_job(cfg, world), name, _micro_sizes(cfg, procs),
+    rated = _largest_micro(planned, name, _micro_sizes(cfg, procs),
                            lambda m: {"batch_size": m * procs, "micro_batch": m})
     if rated is None:
         return None
