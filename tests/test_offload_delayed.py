@@ -1,6 +1,7 @@
-"""The offload engine's delayed update on two gloo ranks: each bucket's update is copied up (and
-all-gathered) from the next backward's hook, which must give what one rank gives on the whole batch,
-with gradients waiting in host buffers or on the device, in fp32 or (bf16 compute) bf16."""
+"""The offload engine's own mechanics. Its delayed update on two gloo ranks: each bucket's update is
+copied up (and all-gathered) from the next backward's hook, which must give what one rank gives on the
+whole batch, with gradients waiting in host buffers or on the device, in fp32 or (bf16 compute) bf16.
+A step abandoned after an out-of-memory error, and the NVMe tier's check of its disk's room."""
 import pytest
 import torch
 
