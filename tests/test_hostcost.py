@@ -5,6 +5,7 @@ NVMe disk `--strategy auto` sees."""
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 
 import pytest
@@ -175,7 +176,7 @@ def test_auto_sees_the_nvme_tiers_disk_and_fills_ram_with_states(tmp_path, model
     src = locate(cfg.model)
     host, n = nvme.estimate.per_host, count_parameters(build_model(src, load_config(src), 0, on_meta=True))
     assert host["optimizer"] == pytest.approx(min(12 * n, 0.9 * hw.cpu_ram - host["grads"] - PROCESS_BYTES))
-    assert command.nvme_host_gb(cfg, 1) == round(host["optimizer"] / 1e9, 1)
+    assert command.nvme_host_gb(cfg, 1) == pytest.approx(host["optimizer"] / 1e9)
 
 
 def test_a_smaller_card_is_simulated_by_bigfit_gpu_memory(monkeypatch):
@@ -191,3 +192,17 @@ def test_a_smaller_card_is_simulated_by_bigfit_gpu_memory(monkeypatch):
     monkeypatch.setenv("BIGFIT_GPU_MEMORY", "0GB")
     with pytest.raises(BigfitError, match="BIGFIT_GPU_MEMORY '0GB' holds nothing"):
         gpu_cap()
+
+
+def test_a_named_nvme_tier_keeps_in_ram_what_the_ram_leaves_unless_told(tmp_path, model_dirs, pairs_file, capsys):
+    """`--strategy zero2-offload-nvme` without --nvme-host-gb keeps in RAM the states the plan leaves room
+    for (a tiny model's: all of them, no file written), as --strategy auto does; 0 puts every one in files."""
+    from bigfit.cli import main
+
+    args = ["train", "--model", str(model_dirs["llama"]), "--data", str(pairs_file), "--strategy", "zero2-offload-nvme",
+            "--nproc", "1", "--max-steps", "1", "--batch-size", "2", "--eval-samples", "0", "--no-consolidate"]
+    assert main([*args, "--output-dir", str(tmp_path / "filled")]) == 0
+    assert re.search(r"--nvme-host-gb 0\.000\d+: the optimizer states host RAM holds", capsys.readouterr().out)
+    assert not list((tmp_path / "filled" / "nvme").rglob("*.bin"))
+    assert main([*args, "--output-dir", str(tmp_path / "files"), "--nvme-host-gb", "0"]) == 0
+    assert list((tmp_path / "files" / "nvme").rglob("*.bin"))

@@ -91,7 +91,7 @@ def _validate_offload(cfg: TrainConfig) -> None:
         raise one_of("--offload-grads", cfg.offload_grads, ("host", "device"))
     if cfg.offload_grads != "host" and not cfg.strategy.startswith("zero2-offload"):
         raise BigfitError(f"--offload-grads belongs to --strategy zero2-offload(-nvme), not {cfg.strategy}")
-    if cfg.nvme_host_gb < 0 or (cfg.nvme_host_gb and cfg.strategy != "zero2-offload-nvme"):
+    if cfg.nvme_host_gb is not None and (cfg.nvme_host_gb < 0 or cfg.strategy != "zero2-offload-nvme"):
         raise BigfitError(f"--nvme-host-gb must be 0 or more and belongs to --strategy zero2-offload-nvme; got "
                           f"{cfg.nvme_host_gb} with {cfg.strategy}")
     if cfg.optimizer_states not in (*OPTIMIZER_STATES, "auto"):

@@ -96,7 +96,9 @@ class TrainConfig:
     nvme_dir: str | None = None  # zero2-offload-nvme: a directory on a fast local disk; None: OUTPUT/nvme
     delayed_update: bool = False  # zero2-offload: the host optimizer step overlaps the next step (one-step-stale parameters)
     offload_grads: str = "host"  # zero2-offload: where gradients wait for the host step: host (2 more bytes/param of RAM in bf16, 4 in fp32) or device
-    nvme_host_gb: float = 0.0  # zero2-offload-nvme: GB of optimizer states kept in host RAM (first blocks); the rest in files
+    # zero2-offload-nvme: GB of optimizer states per node kept in host RAM (the first blocks'), the rest in files;
+    # None: what the RAM leaves beside the rest, as the plan rates it; 0: every state in files (DeepSpeed's way)
+    nvme_host_gb: float | None = None
     # bf16 moments are stochastically rounded; int8 ones are 8-bit codes with a scale per block of 256 (statefmt.py)
     optimizer_states: str = "auto"  # zero2-offload: Adam's moments in host RAM: fp32, bf16 or int8 (with the fp32 master 12, 8, ~6 bytes a parameter); auto: fp32, or what --strategy auto picks
     max_source_len: int = 128  # tokens kept per source / text sample

@@ -201,7 +201,7 @@ def apply_offloading(engine: Applied, plan: ParallelPlan, cfg, rt: Runtime, weig
         return apply_offload(engine.module, plan.name, rt, compute_dtype(cfg.precision), delayed=cfg.delayed_update,
                              weights=source,
                              nvme_dir=_nvme_dir(plan, cfg), eager=eager,
-                             nvme_host_bytes=cfg.nvme_host_gb * 1e9 / _local_ranks(),
+                             nvme_host_bytes=(cfg.nvme_host_gb or 0) * 1e9 / _local_ranks(),  # None: filled by train_command
                              grads_on_device=cfg.offload_grads == "device", stages=stages,
                              state_format=cfg.optimizer_states,
                              tied=[(p, counted) for p, _, counted in stages.tied_params()] if stages else ())

@@ -301,9 +301,7 @@ def _auto_job(cfg, world: int):
     micro = cfg.micro_batch_size if isinstance(cfg.micro_batch_size, int) else None
     batch = cfg.batch_size if isinstance(cfg.batch_size, int) else world
     nvme_dir = cfg.nvme_dir or os.path.join(cfg.output_dir, "nvme")  # where zero2-offload-nvme would write
-    job = _job(cfg, config, batch, micro)
-    if not cfg.nvme_host_gb:  # not chosen: zero2-offload-nvme rated with the states RAM can hold kept there
-        job = replace(job, nvme_host_gb=None)
+    job = _job(cfg, config, batch, micro)  # nvme_host_gb None: rated with the states RAM can hold kept there
     return config, _this_machine(world, nvme_dir=nvme_dir), job
 
 
@@ -331,10 +329,10 @@ def optimizer_states(cfg, world: int, strategy: str) -> str:
 
 def nvme_host_gb(cfg, world: int) -> float:
     """The GB per node of optimizer states `--strategy auto`'s zero2-offload-nvme row kept in RAM
-    (estimate.nvme_fill), for the run it launches."""
+    (estimate.nvme_fill), for the run it launches: not rounded, which would put a small model's states
+    (under 50 MB) all on the disk."""
     p = _auto(cfg, world, ("zero2-offload-nvme",), None)
-    e = p.candidates[0].estimate
-    return round(max(0.0, e.per_host["optimizer"]) / 1e9, 1)
+    return max(0.0, p.candidates[0].estimate.per_host["optimizer"]) / 1e9
 
 
 def _agrees(degrees: dict[str, int], fixed: dict[str, int]) -> bool:

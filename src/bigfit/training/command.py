@@ -53,6 +53,8 @@ def train_command(argv: list[str], cfg: TrainConfig) -> int:
     launcher's decided settings). Workers get the settings decided here as a file (launch.py)."""
     if cfg.strategy == "auto":
         cfg = _auto_strategy(cfg)
+    if cfg.strategy == "zero2-offload-nvme" and cfg.nvme_host_gb is None:
+        cfg = _nvme_fill(cfg)
     if cfg.resume and cfg.batch_size == "auto":
         cfg = _resumed_batch(cfg)
     if cfg.resume and cfg.optimizer_states == "auto" and cfg.strategy.startswith("zero2-offload"):
@@ -108,11 +110,17 @@ def _auto_strategy(cfg: TrainConfig) -> TrainConfig:
         given["optimizer_states"] = planner.optimizer_states(cfg, world(cfg.nproc, cfg), name)
         if speaks() and given["optimizer_states"] != "fp32":
             print(f"--optimizer-states {given['optimizer_states']}: the most exact that fits the host RAM")
-    if name == "zero2-offload-nvme" and not cfg.nvme_host_gb:  # rated with the states RAM holds kept there
-        given["nvme_host_gb"] = planner.nvme_host_gb(dataclasses.replace(cfg, **given), world(cfg.nproc, cfg))
-        if speaks():
-            print(f"--nvme-host-gb {given['nvme_host_gb']:g}: the optimizer states host RAM holds beside the rest")
     return dataclasses.replace(cfg, strategy=name, **split, **given)  # workers start from the decision, not from "auto"
+
+
+def _nvme_fill(cfg: TrainConfig) -> TrainConfig:
+    """zero2-offload-nvme without --nvme-host-gb: the optimizer states the host RAM holds beside the rest
+    stay there (the first blocks'), as the plan rates it; only the remainder goes to the disk, which is
+    slower by the ratio of the two bandwidths (DeepSpeed puts every state on the disk: --nvme-host-gb 0)."""
+    gb = planner.nvme_host_gb(cfg, world(cfg.nproc, cfg))
+    if speaks():
+        print(f"--nvme-host-gb {gb:.4g}: the optimizer states host RAM holds beside the rest (0: every state on the disk)")
+    return dataclasses.replace(cfg, nvme_host_gb=gb)
 
 
 def _saved_config(cfg: TrainConfig) -> dict:
