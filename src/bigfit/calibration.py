@@ -5,7 +5,8 @@ host_adam_rates). The issuing cost is measured on a small Llama-style model at o
 kernels take the GPU far less time than the host needs to issue them, so a step's wall time is the
 host's; the operators are counted by the planner's own trace (profile.py), so the figure is in the
 unit the planner multiplies. Kept per device type in the cache (hardware.calibration_path) for
-`bigfit plan` and `--strategy auto` on this machine."""
+`bigfit plan` and `--strategy auto` on this machine. On a machine without GPUs, beside them, the fp32
+matmul and memory rates its cores give the processes that compute in their place (`cpu_rates`)."""
 from __future__ import annotations
 
 import datetime
@@ -83,6 +84,8 @@ def calibrate() -> dict:
     record = {**measure(device), "host_adam": adamrate.rates()}
     kept = _read_cache()
     kept[device.type] = record
+    if device.type == "cpu":  # its cores are the job's devices: their rates afresh too
+        kept[CPU_RATES] = _measure_cpu()
     _write_cache(kept)
     return record
 
@@ -151,3 +154,62 @@ def _measure_disk(where: Path) -> float:
         finally:
             os.close(fd)
     return DISK_PROBE_BYTES / max(write, read) / 1e9
+
+
+CPU_RATES = "cpu-rates"  # the cache's key for cpu_rates' record
+MATMUL_N = 1024  # fp32 square matmuls of 2.1 GFLOP: 7-9 ms each on the 2-core machine (2026-12-05)
+COPY_BYTES = 256 * 2**20  # a copy past the caches' share a process can count on: 20-45 ms here
+MEASURE_S = 0.05  # each rate's timed repeats, at least 3: the best one stands, as the least disturbed
+
+
+def cpu_rates() -> dict:
+    """This machine's fp32 matmul TFLOP/s ("tflops") and memory GB/s ("mem_gbps": a copy's reads and
+    writes counted, as devicecost.py counts an operator's traffic) on all the cores this process may use,
+    measured once per core count (~0.3 s) and kept in the cache; `calibrate` measures them afresh. What
+    a machine without GPUs plans its processes' compute from (hardware.cpu_device_rates)."""
+    cores = _cores()
+    kept = _read_cache()
+    record = kept.get(CPU_RATES)
+    if isinstance(record, dict) and record.get("cores") == cores and _positive(record, "tflops", "mem_gbps"):
+        return record
+    kept[CPU_RATES] = record = _measure_cpu()
+    _write_cache(kept)
+    return record
+
+
+def _cores() -> int:
+    """The cores this process may run on (launch.py shares the same among its workers)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _positive(record: dict, *keys: str) -> bool:
+    return all(isinstance(record.get(k), (int, float)) and record[k] > 0 for k in keys)
+
+
+def _measure_cpu() -> dict:
+    """Both rates with a torch thread per allowed core (the launcher gives N workers a share each),
+    torch's own thread count restored after."""
+    cores, threads = _cores(), torch.get_num_threads()
+    torch.set_num_threads(cores)
+    try:
+        a = torch.randn(MATMUL_N, MATMUL_N)
+        tflops = 2 * MATMUL_N**3 / _best(lambda: torch.mm(a, a)) / 1e12
+        src = torch.ones(COPY_BYTES // 4)
+        dst = torch.empty_like(src)
+        gbps = 2 * COPY_BYTES / _best(lambda: dst.copy_(src)) / 1e9
+    finally:
+        torch.set_num_threads(threads)
+    return {"tflops": tflops, "mem_gbps": gbps, "cores": cores, "torch": torch.__version__,
+            "measured": datetime.datetime.now().isoformat(timespec="seconds")}
+
+
+def _best(work) -> float:
+    """The shortest seconds of `work` over MEASURE_S of repeats (at least 3), after one untimed run
+    (the first touches the pages and warms the kernels)."""
+    work()
+    times, start = [], time.perf_counter()
+    while len(times) < 3 or time.perf_counter() - start < MEASURE_S:
+        begun = time.perf_counter()
+        work()
+        times.append(time.perf_counter() - begun)
+    return min(times)

@@ -22,6 +22,15 @@ from .units import gpu_cap, parse_size  # noqa: F401  parse_size: hardware's pub
 # it measures this machine's.
 DEFAULTS = dict(gpu_tflops=760.0, pcie_gbps=55.0, intra_gbps=300.0, inter_gbps=25.0, cpu_adam_params_per_s=4e9,
                 nvme_gbps=3.0, cpu_tflops=2.2, host_op_us=25.0, gpu_mem_gbps=4800.0)  # nvme: a typical PCIe 4 drive, not measured here
+# gloo's all_reduce between the local processes of a machine without GPUs, bus bandwidth (2 (n - 1) / n
+# of the bytes over the time): 0.64 GB/s at 4 MB, 1.1 at 16 MB, 1.2 at 64 MB between 2 processes of one
+# thread each on a 2-core machine (2026-12-05): about 1 GB/s at the sizes that matter, DDP's 25 MB
+# buckets and FSDP2's units. Their intra_gbps (planning/estimate.py rates the collectives by it).
+GLOO_LOCAL_GBPS = 1.0
+# A CPU job's host_op_us where `bigfit plan --calibrate` has not measured this machine's: dispatch and
+# autograd with no kernel launch, 6.7 us on the 2-core machine (2026-12-05, calibration.measure on its
+# CPU); the H200 host's 25 us read the embedded T5's steps of 64 samples 1.6x slow there.
+CPU_HOST_OP_US = 7.0
 # Beyond these a description is a typo, far past any real machine (and a list of 10**11 GPU sizes would
 # not fit in RAM: parse_gpus builds one per node).
 MAX_GPUS_PER_NODE = 1024
@@ -136,6 +145,11 @@ def host_figures(device: str) -> dict:
     if "torch" in adam:
         out["cpu_adam_params_per_s"] = adam["torch"]
     return out
+
+
+def cpu_host_figures() -> dict:
+    """host_figures for the processes of a machine without GPUs: uncalibrated, CPU_HOST_OP_US."""
+    return {**host_figures("cpu"), "host_op_us": calibrated_host_op_us("cpu") or CPU_HOST_OP_US}
 
 
 def host_notes(device: str) -> tuple[str, ...]:

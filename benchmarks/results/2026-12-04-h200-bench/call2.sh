@@ -11,7 +11,7 @@ python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && 
 DS_BUILD_OPS=0 python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site .whl/deepspeed-*.tar.gz
 export PYTHONPATH=/tmp/site:$PWD/src
 python benchmarks/results/2026-12-04-h200-bench/make_inputs.py /tmp/in
-timeout 560 python benchmarks/peers_t5.py --model /tmp/in/t5 --data /tmp/in/pairs.jsonl \
+timeout ${LIMIT:-560} python benchmarks/peers_t5.py --model /tmp/in/t5 --data /tmp/in/pairs.jsonl \
   --methods torch,ds-z2,ds-z2-offload --train-samples 1024 --eval-samples 32 --num-beams 4 --max-new-tokens 32 \
   --timeout 120 --json $OUT/peers.json > $OUT/peers.log 2>&1
 echo "exit $?" >> $OUT/peers.log

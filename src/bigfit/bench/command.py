@@ -30,6 +30,9 @@ ONE_GPU_SAME = ("ddp", "zero1")  # on one process these are the plain model: sin
 
 
 def bench_command(bench: BenchSettings, base: TrainConfig) -> int:
+    from ..training.job import with_data_lengths
+
+    base = with_data_lengths(base)  # the planner's rows rate the data's longest batch, not the length limits
     todo = _rows(bench, base)  # every mistake in the lists before the directory is touched
     out = _claim(Path(bench.output_dir), bench.overwrite)
     rows, meta = [], {"model": base.model or "embedded tiny T5", "data": base.data or "embedded task",

@@ -34,12 +34,14 @@ def run(spec: dict) -> int:
     from ..errors import BigfitError
     from ..planning.command import auto_micro_batch
     from ..probefile import load, path
+    from ..training.job import with_data_lengths
 
     row, nproc = Path(spec["row_dir"]), spec["nproc"]
     cfg = TrainConfig(**spec["train"])
     found: dict = {}
     try:
         validate(cfg)
+        cfg = with_data_lengths(cfg)  # planned at the data's longest batch, as `bigfit train` plans
         pred = auto_micro_batch(cfg, nproc)
         # the planner's time to train the samples at its predicted largest micro-batch: a method's own
         # figure of merit in a bench, where each runs at the largest batch it holds

@@ -128,6 +128,13 @@ def first(samples: Sequence[dict], n: int) -> Sequence[dict]:
     return samples[:n] if isinstance(samples, list) else Reordered(samples, np.arange(n))
 
 
+def longest(samples: Sequence[dict]) -> tuple[int, int]:
+    """The most input_ids and the most labels tokens of any sample (0, 0 for none)."""
+    if isinstance(samples, ArrowSamples):
+        return tuple(int(samples._columns[k].lengths.max(initial=0)) for k in ("input_ids", "labels"))
+    return (max((len(s["input_ids"]) for s in samples), default=0), max((len(s["labels"]) for s in samples), default=0))
+
+
 def longest_first(samples: Sequence[dict]) -> Reordered:
     """The samples by input_ids plus labels tokens, longest first, ties in their order."""
     if isinstance(samples, ArrowSamples):

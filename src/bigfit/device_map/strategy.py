@@ -17,7 +17,7 @@ from ..errors import BigfitError
 from ..hardware import Hardware, host_ram
 from ..loading import Weights, fill
 from ..lora import LoraSettings
-from ..planning.job import Job
+from ..planning.job import Job, planned_lengths
 from ..precision import compute_dtype
 from ..quantize import describe as describe_4bit, quantize_base
 from ..strategies.base import Applied
@@ -82,7 +82,8 @@ def machine_budgets() -> dict[str, int]:
 
 
 def _job(cfg):
-    return Job(batch_size=cfg.batch_size, seq_len=cfg.max_source_len, target_len=cfg.max_target_len,
+    source, target = planned_lengths(cfg)  # balanced for the batches the data makes, as the planner rates them
+    return Job(batch_size=cfg.batch_size, seq_len=source, target_len=target,
                micro_batch=cfg.micro_batch_size, precision=cfg.precision or "fp32",
                checkpointing=cfg.activation_checkpointing, lora=LoraSettings.from_config(cfg),
                load_in_4bit=cfg.load_in_4bit)

@@ -10,14 +10,16 @@ from rich.console import Console
 
 from ..config import PIPELINE_STRATEGIES, SPLIT_STRATEGIES, STRATEGIES, auto_precision
 from ..errors import BigfitError
-from ..calibration import calibrate, disk
-from ..hardware import (MAX_NODES, Hardware, calibration_path, detect, host_figures, host_ram, parse_gpus,
-                        parse_size)
+from ..calibration import calibrate, cpu_rates, disk
+from ..hardware import (GLOO_LOCAL_GBPS, MAX_NODES, Hardware, calibration_path, cpu_host_figures, detect,
+                        host_figures, host_ram, parse_gpus, parse_size)
 from ..lora import LoraSettings
 from ..models import load_config, locate
 from ..parallel.plan import DIMS, plan_for
+from .devicecost import cpu_device_rates
 from .estimate import RESERVE
 from .flags import LORA_FLAGS
+from .job import planned_lengths
 from .layouts import SHOWN, check_degrees, flag
 from .quantized import check as check_4bit
 from .report import device_map_text, layout_table, pipeline_text, plan_table, plot_plan, rejected_text
@@ -143,11 +145,16 @@ def _show(console, p, fixed: dict) -> None:
 def _this_machine(world: int, strategy: str | None = None, nvme_dir: str | None = None) -> Hardware:
     """The GPUs a job of `world` local processes uses, or on a CPU-only machine its RAM split over them;
     device_map's one process drives every GPU. `nvme_dir`: the NVMe tier's directory, whose disk (90%
-    of its free space, its measured bandwidth: calibration.disk) joins the description."""
+    of its free space, its measured bandwidth: calibration.disk) joins the description. The CPU's
+    processes compute at their share of its measured rates (calibration.cpu_rates), not a GPU's."""
     if torch.cuda.is_available():
         hw = detect()
     else:
-        hw = Hardware(gpu_bytes=(host_ram() // world,) * world, device="cpu", **host_figures("cpu"))
+        r = cpu_rates()
+        hw = Hardware(gpu_bytes=(host_ram() // world,) * world, device="cpu", **cpu_host_figures(),
+                      intra_gbps=GLOO_LOCAL_GBPS, **cpu_device_rates(r["tflops"], r["mem_gbps"], world),
+                      notes=(f"CPU: {r['tflops']:.2f} TFLOP/s fp32 matmul, {r['mem_gbps']:.0f} GB/s memory on "
+                             f"{r['cores']} cores (measured {r['measured']}), shared by {world} process(es)",))
     if nvme_dir is not None:
         free, gbps = disk(nvme_dir)
         hw = replace(hw, nvme=int(free * 0.9), nvme_gbps=gbps,
@@ -167,8 +174,8 @@ def _with_map_budgets(hw: Hardware, cfg) -> Hardware:
 
 
 def _job(cfg, config, batch: int, micro: int | None) -> Job:
-    return Job(batch_size=batch, seq_len=cfg.max_source_len,
-               target_len=cfg.max_target_len if config.is_encoder_decoder else 0, micro_batch=micro,
+    source, target = planned_lengths(cfg)
+    return Job(batch_size=batch, seq_len=source, target_len=target if config.is_encoder_decoder else 0, micro_batch=micro,
                precision=cfg.precision or auto_precision(), checkpointing=cfg.activation_checkpointing,
                delayed_update=cfg.delayed_update, offload_grads=cfg.offload_grads, nvme_host_gb=cfg.nvme_host_gb,
                clipping=cfg.max_grad_norm > 0, chunks=cfg.chunks,

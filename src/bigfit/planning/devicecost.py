@@ -84,3 +84,27 @@ def parameter_seconds(prof, hw, job, shards: int, accum: int, autocast: bool = F
     moved = t * (ADAM + (CLIP if job.clipping else 0)) / shards + t * AUTOCAST * accum * autocast
     moved += (prof.params * GATHER * gathers + t * REDUCE * bool(gathers)) * accum
     return moved / (hw.gpu_mem_gbps * 1e9 * MEM_EFFICIENCY)
+
+
+# What a model's operators reach of the CPU's measured rates (calibration.cpu_rates): on the 2-core
+# machine (2026-12-05, torch's profiler over training steps of the embedded T5 at 64 and 512 samples of
+# 24 + 8 tokens, on 1 and 2 threads) its matmuls, of inner dimension 128 and 256 beside attention's small
+# batched ones, ran at 0.5-0.8 of a 1024-square matmul's rate, and its other operators at 0.5-0.9 of a
+# copy's bandwidth. The measured rates are reached rates, not peaks, so these stand where MFU and
+# MEM_EFFICIENCY stand on a GPU (above).
+CPU_MATMUL_REACH = 0.7
+CPU_COPY_REACH = 0.7
+
+
+def cpu_device_rates(tflops: float, mem_gbps: float, world: int) -> dict:
+    """Hardware's rate fields for `world` processes on a machine without GPUs, from its measured fp32
+    matmul TFLOP/s and memory GB/s on all its cores (calibration.cpu_rates): each process computes on
+    its share of the cores (launch.py gives each cores // world threads), so on 1 / world of both rates
+    (on 2 cores of 2026-12-05, 1 thread had 0.13 of 2 threads' 0.23 TFLOP/s and 12 of their 27 GB/s).
+    The planner rates matmuls at MFU of gpu_tflops and the other operators at MEM_EFFICIENCY of
+    gpu_mem_gbps, a GPU's shares of its peaks: here the fields are set so that those shares come to
+    CPU_MATMUL_REACH and CPU_COPY_REACH of the measured rates. cpu_tflops: device_map's one process,
+    its blocks all on the host (planning/split.py), on every core. (gloo's links: hardware.GLOO_LOCAL_GBPS.)"""
+    return dict(gpu_tflops=tflops * CPU_MATMUL_REACH / MFU / world,
+                gpu_mem_gbps=mem_gbps * CPU_COPY_REACH / MEM_EFFICIENCY / world,
+                cpu_tflops=tflops * CPU_MATMUL_REACH)

@@ -32,3 +32,13 @@ class Job:
     def micro(self, world: int) -> int:
         """The micro-batch per process: given, or the whole per-process share (no accumulation)."""
         return self.micro_batch or max(1, self.batch_size // world)
+
+
+def planned_lengths(cfg) -> tuple[int, int]:
+    """The source and target tokens of a training run's longest batch, as the planner rates it: the
+    data's longest samples where the command read them (training/job.py with_data_lengths puts them in
+    cfg.extra), else --max-source-len and --max-target-len, which are limits, not lengths."""
+    data = cfg.extra.get("data_lengths")
+    if not data:
+        return cfg.max_source_len, cfg.max_target_len
+    return max(1, min(cfg.max_source_len, data[0])), max(1, min(cfg.max_target_len, data[1]))

@@ -141,7 +141,8 @@ def _row(name: str, states: str, prof, autocast_prof, hw, job: Job, c: int, accu
                       issue=issue_seconds(prof, hw, job, accum, fsdp=name in FSDP),
                       traffic=step_traffic(traced, hw, job, job.batch_size / world) + dequant
                       + _parameter_traffic(name, traced, hw, job, accum), states=states, four_bit=job.load_in_4bit)
-    step_s = combine(costs, engine=_engine_mode(job) if name.startswith("zero2-offload") else None, accum=accum)
+    step_s = combine(costs, engine=_engine_mode(job) if name.startswith("zero2-offload") else None, accum=accum,
+                     device=hw.device)
     return Estimate(name, gpu, host, step_s, costs,
                     nvme_bytes(prof.trainable_params, hw, kept, states) if name.endswith("nvme") else 0, states=states)
 

@@ -16,7 +16,7 @@ and dequantizes them every pass.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..device_map.auto import device_parts, plan_budgets, profile_costs, split_plan
 from .devicecost import MFU, traffic_seconds
@@ -103,7 +103,9 @@ def stage_seconds(prof, hw, job, assignment: list[str], main: str, passes: int,
     non-embedding rest (an untied head) on the output tokens. GPUs at MFU of their peak plus their blocks'
     memory-bound operators (devicecost.py), but no faster than the host issues their kernels for `passes`
     micro-batches or chunks a step (hostcost.py), with `host_per_pass` more host seconds each (a
-    pipeline schedule's); the host at cpu_tflops plus its weights' sweeps."""
+    pipeline schedule's); the host at cpu_tflops plus its weights' sweeps. On a machine without GPUs
+    one set of cores issues and computes: the issue time adds, and the host's blocks add their
+    memory-bound operators at the whole machine's bandwidth (its "devices" are shares of it)."""
     flops = {main: prof.outside_flops_per_token() * (job.target_len or job.seq_len)}
     for dev, f in zip(assignment, block_flops(prof, job)):
         flops[dev] = flops.get(dev, 0.0) + f
@@ -116,11 +118,15 @@ def stage_seconds(prof, hw, job, assignment: list[str], main: str, passes: int,
             # a machine without GPUs, which maps every block here
             out[d] += passes * max(recompute * sum(prof.block_params[g] for g in mine) * HOST_SWEEP_S,
                                    pass_seconds(prof, hw, job, mine, outside=d == main))
+            if hw.device == "cpu":
+                whole = replace(hw, gpu_mem_gbps=hw.gpu_mem_gbps * hw.world_size)
+                out[d] += traffic_seconds(prof, whole, job, mine, d == main, job.batch_size)
             continue
         out[d] += traffic_seconds(prof, hw, job, mine, d == main, job.batch_size)
         if job.load_in_4bit:  # its 4-bit layers dequantized by bitsandbytes, each pass
             out[d] += dequant_seconds(prof, hw, job, passes, params=sum(prof.block_quantized[g] for g in mine))
-        out[d] = max(out[d], passes * (pass_seconds(prof, hw, job, mine, outside=d == main) + host_per_pass))
+        issued = passes * (pass_seconds(prof, hw, job, mine, outside=d == main) + host_per_pass)
+        out[d] = out[d] + issued if hw.device == "cpu" else max(out[d], issued)
     return out
 
 

@@ -21,7 +21,7 @@ from ..errors import BigfitError
 from ..parallel.plan import ALIASES
 from ..planning import command as planner
 from .ckptdir import resolve_resume
-from .job import prepare
+from .job import prepare, with_data_lengths
 from .ownership import claim
 
 
@@ -51,6 +51,8 @@ def check_gpus(nproc: int) -> None:
 def train_command(argv: list[str], cfg: TrainConfig) -> int:
     """Run `bigfit train` with `argv` parsed into `cfg` (in a worker of bigfit's launcher: the
     launcher's decided settings). Workers get the settings decided here as a file (launch.py)."""
+    if cfg.strategy == "auto" or "auto" in (cfg.batch_size, cfg.micro_batch_size):
+        cfg = with_data_lengths(cfg)  # the planner rates the data's longest batch, not the length limits
     if cfg.strategy == "auto":
         cfg = _auto_strategy(cfg)
     if cfg.strategy == "zero2-offload-nvme" and cfg.nvme_host_gb is None:

@@ -1,0 +1,102 @@
+"""Planning for a machine without GPUs, whose processes compute on shares of its cores: their rates
+from the CPU's kept measurement (calibration.cpu_rates), not a GPU's; a step that adds its host issue,
+compute and gloo's communication, all on the same cores; and the prediction against real training
+steps of the embedded T5 on this machine."""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+import pytest
+import torch
+
+from bigfit import calibration
+from bigfit.hardware import GLOO_LOCAL_GBPS, calibration_path
+from bigfit.planning.command import _this_machine
+from bigfit.planning.devicecost import CPU_COPY_REACH, CPU_MATMUL_REACH, MEM_EFFICIENCY, MFU
+from bigfit.planning.estimate import combine
+
+# This machine's speed varies (shared cores): the prediction must land within these of the measure.
+WITHIN = (0.5, 2.0)
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """An empty calibration cache of the test's own, on a machine seen as having no GPU."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    return calibration_path()
+
+
+def test_cpu_devices_take_their_rates_from_the_kept_measurement(cache):
+    cache.parent.mkdir(parents=True)
+    record = {"tflops": 0.4, "mem_gbps": 40.0, "cores": calibration._cores(), "measured": "2026-12-05T10:00:00"}
+    cache.write_text(json.dumps({calibration.CPU_RATES: record}))
+    one, two = _this_machine(1), _this_machine(2)
+    assert two.device == "cpu" and two.world_size == 2
+    # each of 2 processes on half the cores: half the machine's rates, of which the planner's shares
+    # (MFU, MEM_EFFICIENCY) come to what a model's operators reach of the measured ones
+    assert two.gpu_tflops * MFU == pytest.approx(0.4 * CPU_MATMUL_REACH / 2) == pytest.approx(one.gpu_tflops * MFU / 2)
+    assert two.gpu_mem_gbps * MEM_EFFICIENCY == pytest.approx(40.0 * CPU_COPY_REACH / 2)
+    assert two.gpu_mem_gbps == pytest.approx(one.gpu_mem_gbps / 2)
+    assert two.intra_gbps == GLOO_LOCAL_GBPS and 0.1 < one.gpu_tflops < 1.0  # not the H200's 760
+    assert one.cpu_tflops == pytest.approx(0.4 * CPU_MATMUL_REACH)  # device_map's one process: every core
+    assert any("0.40 TFLOP/s" in n for n in two.notes)
+
+
+def test_cpu_rates_are_measured_once_and_kept(cache, monkeypatch):
+    measured = []
+    real = calibration._measure_cpu
+    monkeypatch.setattr(calibration, "_measure_cpu", lambda: measured.append(1) or real())
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        first = _this_machine(2)
+        assert torch.get_num_threads() == 1  # measured on every core, torch's own count restored
+    finally:
+        torch.set_num_threads(before)
+    kept = json.loads(cache.read_text())[calibration.CPU_RATES]
+    assert kept["tflops"] > 0 and kept["mem_gbps"] > 0 and kept["measured"]
+    assert _this_machine(2).gpu_tflops == first.gpu_tflops and measured == [1]  # the kept one, not again
+
+
+def test_calibrate_measures_the_cpu_rates_afresh(cache, monkeypatch):
+    cache.parent.mkdir(parents=True)
+    cache.write_text(json.dumps({calibration.CPU_RATES: {"tflops": 9.0, "mem_gbps": 9.0, "cores": 1}}))
+    monkeypatch.setattr(calibration, "measure", lambda device: {"host_op_us": 30.0})
+    monkeypatch.setattr(calibration.adamrate, "rates", lambda: {})
+    monkeypatch.setattr(calibration, "_measure_cpu", lambda: {"tflops": 0.2, "mem_gbps": 20.0, "cores": 2})
+    calibration.calibrate()
+    kept = json.loads(cache.read_text())
+    assert kept[calibration.CPU_RATES]["tflops"] == 0.2 and kept["cpu"]["host_op_us"] == 30.0
+
+
+def test_a_cpu_step_adds_issue_compute_and_communication_where_a_gpu_overlaps_them():
+    costs = {"compute": 0.3, "host issue": 0.1, "communication": 0.2, "pcie": 0.0, "cpu_optimizer": 0.0, "nvme": 0.0}
+    assert combine(costs, device="cpu") == pytest.approx(0.6)
+    assert combine(costs) == combine(costs, device="cuda") == pytest.approx(0.3)
+
+
+def test_the_predicted_step_is_near_real_training_steps_on_this_machine(cache):
+    import bigfit.models as models
+    from bigfit.planning.job import Job
+    from bigfit.planning.search import plan_for_config
+
+    source = models.locate(None)
+    config = models.load_config(source)
+    job = Job(batch_size=64, seq_len=24, target_len=8, micro_batch=64, precision="fp32")
+    predicted = plan_for_config(config, _this_machine(1), job, ("single",)).candidates[0].estimate.step_time_s
+    model = models.build_model(source, config, seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids = torch.randint(0, config.vocab_size, (64, 24))
+    labels = torch.randint(0, config.vocab_size, (64, 8))
+    times = []
+    for i in range(4):  # the first warms up
+        start = time.perf_counter()
+        model(input_ids=ids, labels=labels).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - start)
+    measured = statistics.median(times[1:])
+    assert WITHIN[0] * measured <= predicted <= WITHIN[1] * measured, (predicted, measured)
