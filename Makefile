@@ -8,8 +8,11 @@ STAMP := $(VENV)/.bigfit-installed
 train: $(STAMP)
 	$(VENV)/bin/bigfit train $(ARGS)
 
+# Two pytest workers, each test file on one of them (its module fixtures, the rank pools, run once):
+# on 2 cores the suite ran 10 min 28 s against 12 min 52 s in one process (2026-12-05), whose rank
+# pools and subprocesses leave a core idle about a third of the time.
 test: $(STAMP)
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q -n 2 --dist loadfile $(ARGS)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
