@@ -1,7 +1,8 @@
 """Planning for a machine without GPUs, whose processes compute on shares of its cores: their rates
 from the CPU's kept measurement (calibration.cpu_rates), not a GPU's; a step that adds its host issue,
 compute and gloo's communication, all on the same cores; and the prediction against real training
-steps of the embedded T5 on this machine."""
+steps of the embedded T5 on this machine. And, on any machine, the lengths the planner rates where the
+command has read the data: its longest samples, at most the limits."""
 from __future__ import annotations
 
 import json
@@ -109,3 +110,22 @@ def test_the_predicted_step_is_near_real_training_steps_on_this_machine(cache):
         if WITHIN[0] * rounds[-1][1] <= predicted <= WITHIN[1] * rounds[-1][1]:
             return
     pytest.fail(f"(predicted, measured) s in each round: {rounds}")
+
+
+def test_the_planner_rates_the_datas_longest_samples_within_the_limits(model_dirs, pairs_file):
+    import dataclasses
+
+    from bigfit.config import TrainConfig
+    from bigfit.models import load_config, locate
+    from bigfit.planning.command import _job
+    from bigfit.planning.job import planned_lengths
+    from bigfit.training.job import with_data_lengths
+
+    embedded = with_data_lengths(TrainConfig(batch_size="auto"))  # "auto": the batch is checked later
+    assert embedded.extra["data_lengths"] == [29, 10] and planned_lengths(embedded) == (29, 10)
+    assert planned_lengths(dataclasses.replace(embedded, max_source_len=16)) == (16, 10)  # a limit still caps
+    assert planned_lengths(TrainConfig()) == (128, 128)  # the data not read: the limits
+    cfg = with_data_lengths(TrainConfig(model=str(model_dirs["llama"]), data=str(pairs_file), max_source_len=64))
+    source, _ = planned_lengths(cfg)
+    assert 0 < source < 64  # a decoder's sample is its source and target together, shorter than the limit
+    assert _job(cfg, load_config(locate(cfg.model)), 4, 2).target_len == 0  # a decoder-only job has no target

@@ -166,7 +166,7 @@ def cpu_rates() -> dict:
     """This machine's fp32 matmul TFLOP/s ("tflops") and memory GB/s ("mem_gbps": a copy's reads and
     writes counted, as devicecost.py counts an operator's traffic) on all the cores this process may use,
     measured once per core count (~0.3 s) and kept in the cache; `calibrate` measures them afresh. What
-    a machine without GPUs plans its processes' compute from (hardware.cpu_device_rates)."""
+    a machine without GPUs plans its processes' compute from (planning/devicecost.py cpu_device_rates)."""
     cores = _cores()
     kept = _read_cache()
     record = kept.get(CPU_RATES)

@@ -282,8 +282,7 @@ def nvme_bytes(n: float, hw, nvme_host: float = 0.0, states: str = "fp32") -> fl
 def combine(costs: dict, engine: str | None = None, accum: int = 1, device: str = "cuda") -> float:
     """One step from its costs. The GPU computes no faster than the host issues its kernels, and its
     work overlaps communication (FSDP2 prefetches, DDP buckets). On CPU devices (`device`) one set of
-    cores issues, computes, runs gloo's collectives and the offload engine's host step: all add up (the
-    embedded T5 on 2 cores, 2026-12-05: 0.5-0.7 s a step ran where overlapping them read 0.03 s). The
+    cores issues, computes, runs gloo's collectives and the offload engine's host step: they add up. The
     NVMe reads of the next bucket overlap the host step of the current one, and the host-device
     copies overlap the host step and backward. zero3-offload's host step (FSDP2's) follows the GPU
     work. The offload engine's (`engine`, strategies/offload.py) overlaps some GPU work:

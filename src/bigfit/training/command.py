@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from .. import autobatch, launch  # modules, not names: tests stub launch.launch_local and planner.auto_plan
+from ..checks import validate
 from ..config import SPLIT_STRATEGIES, TrainConfig
 from ..distributed import launched_by_torchrun_env
 from ..errors import BigfitError
@@ -52,6 +53,7 @@ def train_command(argv: list[str], cfg: TrainConfig) -> int:
     """Run `bigfit train` with `argv` parsed into `cfg` (in a worker of bigfit's launcher: the
     launcher's decided settings). Workers get the settings decided here as a file (launch.py)."""
     if cfg.strategy == "auto" or "auto" in (cfg.batch_size, cfg.micro_batch_size):
+        validate(cfg)  # every flag's one line before the data is read for the plan
         cfg = with_data_lengths(cfg)  # the planner rates the data's longest batch, not the length limits
     if cfg.strategy == "auto":
         cfg = _auto_strategy(cfg)
