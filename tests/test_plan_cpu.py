@@ -34,7 +34,7 @@ def cache(tmp_path, monkeypatch):
 
 def test_cpu_devices_take_their_rates_from_the_kept_measurement(cache):
     cache.parent.mkdir(parents=True)
-    record = {"tflops": 0.4, "mem_gbps": 40.0, "cores": calibration._cores(), "measured": "2026-12-05T10:00:00"}
+    record = {"tflops": 0.4, "mem_gbps": 40.0, "cores": calibration.allowed_cores(), "measured": "2026-12-05T10:00:00"}
     cache.write_text(json.dumps({calibration.CPU_RATES: record}))
     one, two = _this_machine(1), _this_machine(2)
     assert two.device == "cpu" and two.world_size == 2

@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, LlamaConfi
 
 from . import adamrate
 from .hardware import calibration_path
+from .launch import allowed_cores  # the same cores launch.py shares among its workers
 from .models import is_seq2seq
 from .planning.profile import profile_model
 
@@ -167,7 +168,7 @@ def cpu_rates() -> dict:
     writes counted, as devicecost.py counts an operator's traffic) on all the cores this process may use,
     measured once per core count (~0.3 s) and kept in the cache; `calibrate` measures them afresh. What
     a machine without GPUs plans its processes' compute from (planning/devicecost.py cpu_device_rates)."""
-    cores = _cores()
+    cores = allowed_cores()
     kept = _read_cache()
     record = kept.get(CPU_RATES)
     if isinstance(record, dict) and record.get("cores") == cores and _positive(record, "tflops", "mem_gbps"):
@@ -177,11 +178,6 @@ def cpu_rates() -> dict:
     return record
 
 
-def _cores() -> int:
-    """The cores this process may run on (launch.py shares the same among its workers)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
 def _positive(record: dict, *keys: str) -> bool:
     return all(isinstance(record.get(k), (int, float)) and record[k] > 0 for k in keys)
 
@@ -189,7 +185,7 @@ def _positive(record: dict, *keys: str) -> bool:
 def _measure_cpu() -> dict:
     """Both rates with a torch thread per allowed core (the launcher gives N workers a share each),
     torch's own thread count restored after."""
-    cores, threads = _cores(), torch.get_num_threads()
+    cores, threads = allowed_cores(), torch.get_num_threads()
     torch.set_num_threads(cores)
     try:
         a = torch.randn(MATMUL_N, MATMUL_N)

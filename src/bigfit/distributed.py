@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .launch import allowed_cores
 from .units import gpu_cap
 
 
@@ -53,7 +54,7 @@ def cores_per_rank() -> int:
     share of the cores it may run on. Not torch's intra-op count: torchrun sets OMP_NUM_THREADS=1
     when a node runs several ranks, which would leave each rank on one core. Ranks already pinned to
     fewer cores than the machine's get them all."""
-    allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    allowed = allowed_cores()
     if allowed < (os.cpu_count() or 1):
         return allowed
     return max(1, allowed // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))

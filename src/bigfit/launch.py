@@ -100,6 +100,11 @@ def stamp_start() -> None:
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"  # read at CUDA's first allocation
 
 
+def allowed_cores() -> int:
+    """The cores this process may run on (its affinity: a container's or taskset's share)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def _threads(nproc: int) -> dict:
     """Each worker's intra-op threads: its share of the cores, unless the user set OMP_NUM_THREADS. By
     default every torch process takes a thread per core, so N workers oversubscribe the cores N times,
@@ -107,8 +112,7 @@ def _threads(nproc: int) -> dict:
     3.9-4.2 s a step against 0.6-0.65 s at one thread each (torchrun sets 1 for several workers)."""
     if "OMP_NUM_THREADS" in os.environ or nproc < 2:
         return {}
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return {"OMP_NUM_THREADS": str(max(1, cores // nproc))}
+    return {"OMP_NUM_THREADS": str(max(1, allowed_cores() // nproc))}
 
 
 def launch_local(argv: list[str], nproc: int, log_dir: Path, quiet: bool = False, lock_fd: int | None = None,
