@@ -129,3 +129,15 @@ def test_the_planner_rates_the_datas_longest_samples_within_the_limits(model_dir
     source, _ = planned_lengths(cfg)
     assert 0 < source < 64  # a decoder's sample is its source and target together, shorter than the limit
     assert _job(cfg, load_config(locate(cfg.model)), 4, 2).target_len == 0  # a decoder-only job has no target
+
+
+def test_offload_named_alone_without_gpus_is_refused_for_what_it_is(cache):
+    from bigfit.models import load_config, locate
+    from bigfit.planning.job import Job
+    from bigfit.planning.search import plan_for_config
+
+    job = Job(batch_size=8, seq_len=24, target_len=8, micro_batch=8, precision="fp32")
+    plan = plan_for_config(load_config(locate(None)), _this_machine(1), job, ("zero2-offload",))
+    assert plan.recommended is None
+    assert plan.reason.startswith("no candidate can run here: zero2-offload not a candidate without GPUs"), plan.reason
+    assert "over per GPU" not in plan.reason

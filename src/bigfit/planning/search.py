@@ -206,6 +206,8 @@ def _advice(cands: list[Candidate], job: Job, hw) -> str:
         tips.append("a smaller --micro-batch-size")
     tips += ["more GPUs (ZeRO-3 divides the model states by their number)", "zero3-offload with more host RAM"]
     unusable = [f"{c.estimate.name} {c.why_not}" for c in cands if c.fits]  # device_map: no split, or several nodes
+    if short <= 0:  # the most frugal fits but cannot run here (e.g. offload on a machine without GPUs)
+        return "no candidate can run here: " + "; ".join(unusable)
     head = f"nothing else fits ({'; '.join(unusable)})" if unusable else "nothing fits"
     return f"{head}: the most frugal, {least.estimate.name}, is {_gb(short)} over per GPU; try " + ", ".join(tips)
 
