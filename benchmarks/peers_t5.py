@@ -30,7 +30,8 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 # the settings a size's own process takes over from the driver
 SHARED = ("model", "data", "method", "train_samples", "eval_samples", "eval_batch", "num_beams", "max_new_tokens",
-          "max_source_len", "max_target_len", "lr", "device", "timed_steps", "start", "resolution", "max_batch")
+          "max_source_len", "max_target_len", "lr", "device", "timed_steps", "start", "step", "resolution",
+          "max_batch")
 
 
 def _pairs(args, tok):
@@ -66,7 +67,14 @@ def _engine(method: str, model, batch: int, lr: float):
     cfg = {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
            "zero_optimization": zero, "gradient_clipping": 1.0, "steps_per_print": 10**9,
            "optimizer": {"type": "AdamW", "params": {"lr": lr, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}}}
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    try:
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    except Exception as e:  # FusedAdam is built on first use, with nvcc: torch's AdamW where it cannot be
+        if method != "ds-z2":
+            raise
+        print(f"NOTE FusedAdam failed ({type(e).__name__}: {str(e)[:200]}); torch's AdamW instead", flush=True)
+        cfg["optimizer"]["params"]["torch_adam"] = True
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
 
     def step(inputs):
         loss = engine(**inputs).loss
@@ -145,7 +153,7 @@ def probe(args, ok: int, bad: int | None) -> None:
     driver starts another from what it learnt."""
     job = Job(args, max(ok, args.start))
     while True:
-        size = (ok * 2 if ok else args.start) if bad is None else (ok + bad) // 2
+        size = _next(args, ok, bad)
         if (bad is not None and bad - ok <= args.resolution) or size > args.max_batch:
             return
         job.run(size, 2)  # raises on out-of-memory: the driver reads the size it was trying
@@ -189,13 +197,23 @@ def _child(args, *extra: str) -> subprocess.CompletedProcess | None:
         return None
 
 
+def _next(args, ok: int, bad: int | None) -> int:
+    """The next size to try: --start, then doubled (or --step more) until one fails, then bisected."""
+    if bad is not None:
+        return (ok + bad) // 2
+    return (ok + args.step if args.step else ok * 2) if ok else args.start
+
+
 def _why(p: subprocess.CompletedProcess | None, timeout: int) -> str:
+    """A failed child's reason: out of memory, else its last error line (a warning often follows it)."""
     if p is None:
         return f"timeout {timeout} s"
     tail = (p.stdout + p.stderr).strip().splitlines()
     if any("out of memory" in x.lower() for x in tail):
         return "out of memory"
-    return (tail[-1] if tail else f"exit {p.returncode}")[:300]
+    print("\n".join(tail[-40:]), file=sys.stderr, flush=True)  # the whole story, into the driver's log
+    errors = [x for x in tail if "Error" in x or "Exception" in x]
+    return ((errors or tail)[-1] if tail else f"exit {p.returncode}")[:300]
 
 
 def largest_batch(args) -> tuple[int, list]:
@@ -207,7 +225,7 @@ def largest_batch(args) -> tuple[int, list]:
         ran = [int(x.split()[1]) for x in (p.stdout if p else "").splitlines() if x.startswith("RAN ")]
         tried += [[n, True] for n in ran]
         ok = max([ok, *ran])
-        size = (ok * 2 if ok else args.start) if bad is None else (ok + bad) // 2
+        size = _next(args, ok, bad)
         if p is not None and p.returncode == 0:  # went as far as it may
             break
         tried.append([size, _why(p, args.timeout)])
@@ -219,8 +237,10 @@ def largest_batch(args) -> tuple[int, list]:
 
 def _measured(args, micro: int) -> dict:
     p = _child(args, "--measure", str(micro))
-    line = [x for x in (p.stdout if p else "").splitlines() if x.startswith("RESULT ")]
-    return json.loads(line[-1][7:]) if line else {"micro": micro, "error": _why(p, args.timeout)}
+    out = (p.stdout if p else "").splitlines()
+    line = [x for x in out if x.startswith("RESULT ")]
+    row = json.loads(line[-1][7:]) if line else {"micro": micro, "error": _why(p, args.timeout)}
+    return {**row, **({"note": " ".join(x[5:] for x in out if x.startswith("NOTE "))} if "NOTE" in "".join(out) else {})}
 
 
 def main() -> None:
@@ -243,6 +263,7 @@ def main() -> None:
     ap.add_argument("--max-batch", type=int, default=512, help="the doubling stops here")
     ap.add_argument("--json")
     ap.add_argument("--start", type=int, default=8, help="the first micro-batch tried")
+    ap.add_argument("--step", type=int, default=0, help="grow by this many samples, not doubling, until one fails")
     ap.add_argument("--resolution", type=int, default=1, help="the search stops within this many samples")
     ap.add_argument("--probe", type=int, nargs=2, help=argparse.SUPPRESS)  # internal: a probe process (ok, bad)
     ap.add_argument("--measure", type=int, help=argparse.SUPPRESS)  # internal: the measured run at this size

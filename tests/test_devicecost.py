@@ -87,3 +87,19 @@ def test_t5_self_attention_is_traced_on_the_math_path_cuda_takes_for_its_trained
     bare = replace(prof, block_fp32_flops=[])
     extra = traffic_seconds(prof, hw, job, range(3), False, b) - traffic_seconds(bare, hw, job, range(3), False, b)
     assert extra == pytest.approx(3 * sum(prof.block_fp32_flops) * (1 / FP32_SHARE - 1) / (hw.gpu_tflops * 1e12 * MFU))
+
+
+def test_an_fp32_job_on_a_gpu_rates_its_matmuls_off_the_tensor_cores():
+    """torch leaves TF32 off: an fp32 job's matmuls run at FP32_SHARE of the bf16 peak on a GPU (single
+    fp32 on the H200 took 3.25 s a step where bf16 took 0.87), while a CPU machine's rates are fp32's."""
+    from bigfit.planning.devicecost import FP32_SHARE, MFU, matmul_flops_per_s
+    from bigfit.planning.estimate import step_time
+    from bigfit.planning.profile import profile_model
+
+    hw = Hardware(gpu_bytes=(80 * GB,))
+    assert matmul_flops_per_s(hw, "bf16") == hw.gpu_tflops * 1e12 * MFU
+    assert matmul_flops_per_s(hw, "fp32") == pytest.approx(FP32_SHARE * matmul_flops_per_s(hw, "bf16"))
+    assert matmul_flops_per_s(replace(hw, device="cpu"), "fp32") == matmul_flops_per_s(hw, "bf16")
+    prof = profile_model(small_llama(), 8, 64, 0, "fp32")
+    compute = {p: step_time("single", prof, hw, 0, False, 8 * 64, 1, precision=p)["compute"] for p in ("bf16", "fp32")}
+    assert compute["fp32"] == pytest.approx(compute["bf16"] / FP32_SHARE)

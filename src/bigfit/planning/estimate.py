@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from ..config import STATE_BYTES
 from . import quantized
-from .devicecost import MFU
+from .devicecost import matmul_flops_per_s
 
 KEYS = ("params", "grads", "optimizer", "activations", "buffers")
 RESERVE = 1 << 30  # per GPU: CUDA context and allocator slack the plan never hands out
@@ -220,7 +220,7 @@ def _peak(common: dict, **moments: dict) -> dict[str, int]:
 
 def step_time(strategy: str, prof, hw, c: int, checkpointing: bool, tokens_per_step: int, accum: int,
               nvme_host: float = 0.0, grad_bytes: int = 4, issue: float = 0.0, traffic: float = 0.0,
-              states: str = "fp32", four_bit: bool = False) -> dict:
+              states: str = "fp32", four_bit: bool = False, precision: str = "bf16") -> dict:
     """Seconds per optimizer step of each cost; the step is their overlapped combination. `issue`: the
     host's seconds to issue the step's kernels (hostcost.py), a floor under the GPU's compute;
     `traffic`: the GPU's seconds of memory-bound operators (devicecost.py), on top of its FLOPs.
@@ -228,7 +228,7 @@ def step_time(strategy: str, prof, hw, c: int, checkpointing: bool, tokens_per_s
     n, t, w = prof.params, prof.trainable_params, hw.world_size
     q = prof.quantized_params if four_bit else 0
     flops = prof.flops_per_token * tokens_per_step * (4 / 3 if checkpointing else 1)
-    compute = flops / (w * hw.gpu_tflops * 1e12 * MFU) + traffic
+    compute = flops / (w * matmul_flops_per_s(hw, precision)) + traffic
     link = (hw.inter_gbps / hw.gpus_per_node if hw.nodes > 1 else hw.intra_gbps) * 1e9
     ring = (w - 1) / w
     # gradients and updated parameters move for the trainable parameters alone; all-gathers move every one

@@ -140,7 +140,8 @@ def _row(name: str, states: str, prof, autocast_prof, hw, job: Job, c: int, accu
     costs = step_time(name, prof, hw, c, job.checkpointing, tokens, accum, nvme_host=kept, grad_bytes=gb,
                       issue=issue_seconds(prof, hw, job, accum, fsdp=name in FSDP),
                       traffic=step_traffic(traced, hw, job, job.batch_size / world) + dequant
-                      + _parameter_traffic(name, traced, hw, job, accum), states=states, four_bit=job.load_in_4bit)
+                      + _parameter_traffic(name, traced, hw, job, accum), states=states, four_bit=job.load_in_4bit,
+                      precision=job.precision)
     step_s = combine(costs, engine=_engine_mode(job) if name.startswith("zero2-offload") else None, accum=accum,
                      device=hw.device)
     return Estimate(name, gpu, host, step_s, costs,

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..device_map.auto import device_parts, plan_budgets, profile_costs, split_plan
-from .devicecost import MFU, traffic_seconds
+from .devicecost import matmul_flops_per_s, traffic_seconds
 from .estimate import Estimate, _bytes
 from .hostcost import FORWARD_SHARE, HOOK_S, pass_seconds
 from .quantized import dequant_seconds
@@ -110,7 +110,7 @@ def stage_seconds(prof, hw, job, assignment: list[str], main: str, passes: int,
     for dev, f in zip(assignment, block_flops(prof, job)):
         flops[dev] = flops.get(dev, 0.0) + f
     recompute = 4 / 3 if job.checkpointing else 1
-    out = {d: f * job.batch_size * recompute / _flops_per_s(d, hw) for d, f in flops.items()}
+    out = {d: f * job.batch_size * recompute / _flops_per_s(d, hw, job.precision) for d, f in flops.items()}
     for d in out:
         mine = [g for g, dev in enumerate(assignment) if dev == d]
         if d.startswith("cpu"):  # the host's own blocks: their FLOPs and weights' sweeps (HOST_SWEEP_S was fitted
@@ -140,8 +140,8 @@ def block_flops(prof, job) -> list[float]:
     return [(6 * n + attn) * (job.seq_len + job.target_len) for n in prof.block_params]
 
 
-def _flops_per_s(device: str, hw) -> float:
-    return hw.cpu_tflops * 1e12 if device.startswith("cpu") else hw.gpu_tflops * 1e12 * MFU
+def _flops_per_s(device: str, hw, precision: str) -> float:
+    return hw.cpu_tflops * 1e12 if device.startswith("cpu") else matmul_flops_per_s(hw, precision)
 
 
 def _compute(stage: dict[str, float], chunks: int) -> float:
