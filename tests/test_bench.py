@@ -146,3 +146,25 @@ def test_max_train_samples_keeps_the_first_samples_after_the_held_out_ones(tmp_p
     r = bigfit("train", "--output-dir", tmp_path / "o", "--batch-size", "8", "--max-train-samples", "4")
     assert r.returncode == 2 and one_line(r.stderr) == ("error: --max-train-samples must be at least the global "
                                                         "batch (8), got 4")
+
+
+def test_runs_split_by_a_time_limit_merge_into_one_table_with_the_peers_rated_alike(tmp_path):
+    """benchmarks/bench_merge.py: a later run's row replaces an earlier failed one (never an ok one
+    by a failed one), and a peer's tokens/s is the bench's trained tokens a sample at its step."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+    from bench_merge import merged
+
+    first = {"rows": [OK, OOM]}
+    later = {"rows": [{**OOM, "status": "ok", "micro": 40, "batch": 40, "train_s": 2.0, "step_s": 0.2,
+                       "tokens_per_s": 400.0, "tflops": 0.02, "reason": None}, {**OK, "status": "timeout"}]}
+    peer = {"method": "ds-z2-offload", "micro": 32, "step_s": 0.5, "train_s": 2.1, "eval_s": 0.3, "bleu": 1.0}
+    rows = merged([first, later], [[peer, {"method": "ds-z2", "error": "no micro-batch ran: boom"}]])
+    assert [r["method"] for r in rows] == ["zero2 fp32", "zero3 fp32", "DeepSpeed ZeRO-2 offload (peer)",
+                                           "DeepSpeed ZeRO-2 (peer)"]
+    assert rows[0]["status"] == "ok" and rows[1]["status"] == "ok" and rows[1]["micro"] == 40
+    per_sample = sorted([900.0 * 0.37 / 128, 400.0 * 0.2 / 40])  # the median of two: their mean
+    assert rows[2]["tokens_per_s"] == pytest.approx(32 * sum(per_sample) / 2 / 0.5, rel=1e-3)
+    assert rows[3]["status"] == "error" and rows[3]["reason"] == "no micro-batch ran: boom"
