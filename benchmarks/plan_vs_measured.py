@@ -1,8 +1,9 @@
-"""The planner's predictions beside every H200 measurement (tests/data/h200_measured.json).
+"""The planner's predictions beside every H200 and H100 measurement (tests/data/h200_measured.json).
 
 Each record is one measured case (benchmarks/RESULTS.md, benchmarks/results/*/): its model shape, strategy,
 flags and batch. This script builds the config (transformers' LlamaConfig / GPT2Config / T5Config), describes
-the H200 machine (141 GB per GPU, 125 GiB of host RAM, the rest bigfit.hardware.DEFAULTS) and plans the
+the H200 machine (141 GB per GPU, 125 GiB of host RAM, the rest bigfit.hardware.DEFAULTS; an H100's memory and
+rates from bigfit/gpus.py where the record's machine is one) and plans the
 record's strategy alone with `plan_for_config`, then prints the measured and predicted step time and peak
 GPU bytes side by side. Peers (plain PyTorch, FSDP2, DeepSpeed) are rated as the closest bigfit strategy
 (PEERS below) and shown as such. device_map rows are rated on the map that was measured (flat, split, tail),
@@ -30,6 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
+from bigfit import gpus as known_gpus  # noqa: E402
 from bigfit.hardware import DEFAULTS, Hardware  # noqa: E402
 from bigfit.planning.job import Job  # noqa: E402
 from bigfit.planning.search import SPLIT_MARGIN, WHOLE, plan_for_config  # noqa: E402
@@ -76,9 +78,12 @@ def hardware(r: dict) -> Hardware:
     f, extra = r["flags"], r.get("hardware") or {}
     # rows measured before bigfit's host Adam kernel (or with torch's / DeepSpeed's) move fp32 gradients
     kernel = f["host_adam"] in (None, "kernel")
-    return Hardware(gpu_bytes=(GPU_BYTES,) * r["batch"]["gpus"], cpu_ram=CPU_RAM, host_op_us=DEFAULTS["host_op_us"],
+    gpu = known_gpus.by_name(r["machine"].split()[0].split("-")[1])  # "nvidia-h200-x2 (GPU 0)": H200
+    size, rates = (GPU_BYTES, {}) if gpu.name == "H200" else (
+        int(gpu.memory_gib * 2**30), known_gpus.rates([gpu], DEFAULTS["gpu_tflops"]))
+    return Hardware(gpu_bytes=(size,) * r["batch"]["gpus"], cpu_ram=CPU_RAM, host_op_us=DEFAULTS["host_op_us"],
                     cpu_adam_kernel=kernel, nvme=extra.get("nvme_bytes", 0),
-                    nvme_gbps=extra.get("nvme_gbps", DEFAULTS["nvme_gbps"]))
+                    nvme_gbps=extra.get("nvme_gbps", DEFAULTS["nvme_gbps"]), **rates)
 
 
 def job(r: dict, strategy: str, override: dict) -> Job:
@@ -277,7 +282,7 @@ def print_groups(records: list[dict], rows: list[dict]) -> list[dict]:
     return out
 
 
-DOC_HEAD = """# The planner against every H200 measurement
+DOC_HEAD = """# The planner against every H200 and H100 measurement
 
 Written by `python benchmarks/plan_vs_measured.py --markdown docs/plan_accuracy.md` ({date}): every case in
 tests/data/h200_measured.json (its command, machine and raw output named there) with the planner's

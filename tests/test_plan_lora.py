@@ -330,7 +330,6 @@ def test_4bit_base_rows_are_every_named_strategy():
     from bigfit.planning.command import _job
     from bigfit.planning.search import plan_for_config
 
-    sharded = ["zero2", "zero3", "zero3-offload"]  # FSDP2's, torchao's NF4 (tests/test_plan_qlora.py)
     # every named strategy: FSDP2's shard torchao's NF4, the others hold whole layers (bitsandbytes' on GPUs)
     rest = ["zero1", "zero2", "zero3", "zero2-offload", "zero3-offload", "zero2-offload-nvme", "device_map", "pipeline"]
     for gpus, names in ((1, ["single", "ddp", *rest]), (4, ["ddp", *rest])):

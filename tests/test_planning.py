@@ -243,7 +243,7 @@ def test_plan_command_json_and_plot(tmp_path, capsys, model_dirs):
     text = " ".join(capsys.readouterr().out.split())
     assert "device_map: no split: cuda:0 alone holds the job" in text and "recommended: device_map" not in text
     assert main(["plan", "--gpus", "2xlots"]) == 2
-    assert "'lots' is not a size" in capsys.readouterr().err
+    assert "'lots' is neither a size (16GB) nor a GPU bigfit knows" in capsys.readouterr().err
 
 
 def test_predictions_match_the_peaks_measured_on_an_h200():

@@ -231,6 +231,8 @@ PLAN_CASES = [
     (["--gpus", "8x16GB", "--cpu-ram", "0GB"], "--cpu-ram '0GB' holds nothing; give each node's host RAM"),
     (["--gpus", "8x16GB", "--pcie-gbps", "0"], "--pcie-gbps must be more than 0, got 0.0"),
     (["--gpus", "8x16GB", "--cpu-tflops", "-1"], "--cpu-tflops must be more than 0, got -1.0"),
+    (["--gpus", "8xH100", "--gpu-mem-gbps", "0"], "--gpu-mem-gbps must be more than 0, got 0.0"),
+    (["--gpus", "8xB100"], "--gpus '8xB100': 'B100' is neither a size (16GB) nor a GPU bigfit knows"),
     (["--gpus", "8x16GB", "--micro-batch-size", "0"], "--micro-batch-size must be more than 0, got 0"),
     (["--gpus", "8x16GB", "--target-len", "-1"], "--target-len must be 0 or more, got -1"),
     (["--gpus", "8x16GB", "--nvme-host-gb", "-1"], "--nvme-host-gb must be 0 or more, got -1.0"),

@@ -124,10 +124,14 @@ def _train_fields(p: argparse.ArgumentParser, skip: tuple[str, ...]) -> None:
 def _plan_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="predict every strategy's memory and speed before launch")
     p.add_argument("--model", help="hub name or model directory (only config.json is read); default: the embedded T5")
-    p.add_argument("--gpus", help="e.g. 8x16GB or 24GB,8GB (mixed sizes); default: this machine's GPUs")
+    p.add_argument("--gpus", help="e.g. 8x16GB, 24GB,8GB (mixed sizes) or 8xH100 (a GPU bigfit knows: its memory "
+                   "and rates); default: this machine's GPUs")
     p.add_argument("--nodes", type=_number(int), default=1, help="nodes, each with --gpus")
     p.add_argument("--cpu-ram", default=None, help="host RAM per node, e.g. 256GB; default: this machine's")
     p.add_argument("--nvme", default="0B", help="NVMe per node usable for offload, e.g. 1TB")
+    p.add_argument("--gpu-tflops", type=_number(float),
+                   help="dense bf16 TFLOP/s one GPU reaches (the H200: 760 of its 989); default: its GPU's")
+    p.add_argument("--gpu-mem-gbps", type=_number(float), help="one GPU's memory bandwidth, GB/s; default: its GPU's")
     p.add_argument("--pcie-gbps", type=_number(float), help="host <-> GPU bandwidth per GPU, GB/s")
     p.add_argument("--intra-gbps", type=_number(float), help="GPU <-> GPU bandwidth inside a node, GB/s")
     p.add_argument("--inter-gbps", type=_number(float), help="bandwidth between nodes, GB/s")

@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import gpus as known_gpus
 from .errors import BigfitError
 from .units import gpu_cap, parse_size  # noqa: F401  parse_size: hardware's public name too
 
@@ -38,7 +39,17 @@ MAX_NODES = 100_000
 
 
 def parse_gpus(text: str) -> list[int]:
-    """'8x16GB' -> eight 16 GB devices; '24GB,8GB' -> two devices of different sizes (one node's)."""
+    """'8x16GB' -> eight 16 GB devices; '24GB,8GB' -> two devices of different sizes (one node's);
+    '8xH100' -> eight of a GPU the planner knows (gpus.py), its memory as torch reports it."""
+    return [size for size, _ in _gpu_parts(text)]
+
+
+def gpu_rates(text: str) -> dict:
+    """The rates of the GPUs --gpus names (gpus.rates: the slowest's), {} where it gives sizes only."""
+    return known_gpus.rates([g for _, g in _gpu_parts(text) if g is not None], DEFAULTS["gpu_tflops"])
+
+
+def _gpu_parts(text: str) -> list[tuple[int, known_gpus.Gpu | None]]:
     out = []
     for part in text.split(","):
         count, _, size = part.strip().replace("X", "x").rpartition("x")
@@ -48,11 +59,15 @@ def parse_gpus(text: str) -> list[int]:
         if len(out) + n > MAX_GPUS_PER_NODE:  # checked before the list is built: 99999999999x16GB
             raise BigfitError(f"--gpus {text!r} describes {len(out) + n} GPUs in one node; at most "
                               f"{MAX_GPUS_PER_NODE} per node: give more nodes with --nodes (8x80GB --nodes 4)")
-        gpu = parse_size(size, "--gpus size")
+        named = known_gpus.by_name(size)
+        if named is None and not size.strip()[:1].isdigit():
+            raise BigfitError(f"--gpus {text!r}: {size.strip()!r} is neither a size (16GB) nor a GPU bigfit "
+                              f"knows ({known_gpus.names()})")
+        gpu = int(named.memory_gib * 2**30) if named else parse_size(size, "--gpus size")
         if gpu <= 0:
             raise BigfitError(f"--gpus {text!r}: a GPU of {size.strip()!r} holds nothing; give each "
                               "GPU's memory, like 16GB")
-        out += [gpu] * n
+        out += [(gpu, named)] * n
     return out
 
 
@@ -183,5 +198,19 @@ def detect() -> Hardware:
     gpus = tuple(min(cap, torch.cuda.get_device_properties(i).total_memory) for i in range(torch.cuda.device_count()))
     if not gpus:
         raise BigfitError("no GPU found on this machine; describe the target with --gpus (e.g. --gpus 8x16GB)")
+    rates, note = _device_rates([torch.cuda.get_device_name(i) for i in range(len(gpus))])
     return Hardware(gpu_bytes=gpus, cpu_ram=host_ram(), cpu_adam_kernel=cpu_adam.kernel() is not None,
-                    **host_figures("cuda"), notes=(f"detected {os.cpu_count()} CPU cores", *host_notes("cuda")))
+                    **host_figures("cuda"), **rates,
+                    notes=(f"detected {os.cpu_count()} CPU cores", note, *host_notes("cuda")))
+
+
+def _device_rates(names: list[str]) -> tuple[dict, str]:
+    """The rates of the GPUs torch names (gpus.py), and a note; the H200's where one is unknown."""
+    found = [known_gpus.by_device_name(n) for n in names]
+    if None in found:
+        unknown = names[found.index(None)]
+        return {}, (f"{unknown}: not in bigfit's table of GPUs; rated as an H200 (--gpu-tflops, --gpu-mem-gbps "
+                    "describe it)")
+    rates = known_gpus.rates(found, DEFAULTS["gpu_tflops"])
+    return rates, (f"{names[0]}: rated {rates['gpu_tflops']:.0f} TFLOP/s (bf16, as the H200's 760 of 989) and "
+                   f"{rates['gpu_mem_gbps']:.0f} GB/s of memory")

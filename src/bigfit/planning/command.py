@@ -12,7 +12,7 @@ from ..config import PIPELINE_STRATEGIES, SPLIT_STRATEGIES, STRATEGIES, auto_pre
 from ..errors import BigfitError
 from ..calibration import calibrate, cpu_rates, disk
 from ..hardware import (GLOO_LOCAL_GBPS, MAX_NODES, Hardware, calibration_path, cpu_host_figures, detect,
-                        host_figures, host_ram, parse_gpus, parse_size)
+                        gpu_rates, host_figures, host_ram, parse_gpus, parse_size)
 from ..lora import LoraSettings
 from ..models import load_config, locate
 from ..parallel.plan import DIMS, plan_for
@@ -30,7 +30,7 @@ from .tp_trace import split_counts
 
 # `bigfit plan` flags that must be more than 0 (None: the default), the hardware's rates among them...
 POSITIVE = ("batch_size", "seq_len", "chunks", "stages_per_rank", "micro_batch_size", *DIMS)
-RATES = ("pcie_gbps", "intra_gbps", "inter_gbps", "nvme_gbps", "cpu_tflops", "host_op_us")
+RATES = ("gpu_tflops", "gpu_mem_gbps", "pcie_gbps", "intra_gbps", "inter_gbps", "nvme_gbps", "cpu_tflops", "host_op_us")
 # ...and those that may be 0 too
 AT_LEAST_0 = ("target_len", "nvme_host_gb")
 
@@ -41,7 +41,8 @@ def hardware_from_args(ns) -> Hardware:
     if not 1 <= ns.nodes <= MAX_NODES:
         raise BigfitError(f"--nodes must be from 1 to {MAX_NODES}, got {ns.nodes}")
     if ns.gpus:  # GPUs described: this host's issuing cost still applies where it was measured
-        base = Hardware(gpu_bytes=tuple(parse_gpus(ns.gpus)), cpu_ram=host_ram(), **host_figures("cuda"))
+        base = Hardware(gpu_bytes=tuple(parse_gpus(ns.gpus)), cpu_ram=host_ram(), **host_figures("cuda"),
+                        **gpu_rates(ns.gpus))
     else:
         base = detect()
     if min(base.gpu_bytes) <= RESERVE:  # else every capacity in the plan would be negative
