@@ -10,8 +10,9 @@ of one beam-search evaluation of M samples and its BLEU, peak GPU memory, host R
 seed's DeepSpeed config (ZeRO-2, bucket sizes 2e8, overlap_comm, contiguous gradients, the
 optimizer on the CPU for offload; bf16, as bigfit's rows, since fp16 overflows on T5) and finds each
 method's largest batch itself, as bigfit's probe does: sizes doubled from --start until one runs out
-of memory, then bisected down to --resolution, upward in one process until an out-of-memory error
-ends it (a DeepSpeed engine does not recover), the next process starting from what is known. The pairs are tokenized
+of memory (or grown by --step), then bisected down to --resolution: plain PyTorch in one process,
+freeing what a failed size held; DeepSpeed upward in one process until an out-of-memory error ends
+it (its engine does not recover), the next process starting from what is known. The pairs are tokenized
 with bigfit's tokenizer for the model (byte-level for a config-only directory), so both see the same
 tokens. DeepSpeed must be importable (../shared/bench/peer_wheels.sh); `--device cpu` tries the plain
 PyTorch path on a machine without a GPU (tiny models; PEERS_OOM_ABOVE=N fails sizes above N).
@@ -112,9 +113,11 @@ class Job:
 
     def run(self, batch: int, steps: int) -> tuple[list[float], float]:
         """`steps` steps of `batch` samples: (their times, the last loss)."""
+        import torch
+
         times, loss = [], None
         if batch > int(os.environ.get("PEERS_OOM_ABOVE", 10**9)):  # the search's CPU check: an injected OOM
-            raise RuntimeError(f"CUDA out of memory (injected above {os.environ['PEERS_OOM_ABOVE']})")
+            raise torch.OutOfMemoryError(f"CUDA out of memory (injected above {os.environ['PEERS_OOM_ABOVE']})")
         for i in range(steps):
             rows = [self.train[(i * batch + j) % len(self.train)] for j in range(batch)]
             inputs = {"input_ids": self.sources["input_ids"][rows].to(self.device),
@@ -151,12 +154,27 @@ def probe(args, ok: int, bad: int | None) -> None:
     nothing): doubling until one fails, else bisecting; each size 2 steps, its outcome printed as it
     is known. An out-of-memory error ends the process (a DeepSpeed engine does not recover): the
     driver starts another from what it learnt."""
+    import torch
+
     job = Job(args, max(ok, args.start))
     while True:
         size = _next(args, ok, bad)
         if (bad is not None and bad - ok <= args.resolution) or size > args.max_batch:
             return
-        job.run(size, 2)  # raises on out-of-memory: the driver reads the size it was trying
+        failed = False
+        try:
+            job.run(size, 2)  # raises on out-of-memory: the driver reads the size it was trying
+        except torch.OutOfMemoryError:
+            if not args.method.startswith("torch"):  # a DeepSpeed engine does not recover
+                raise
+            failed = True
+        if failed:  # plain PyTorch goes on, once the traceback that held the step's tensors is gone
+            job.module.zero_grad(set_to_none=True)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            print(f"OOM {size}", flush=True)
+            bad = size
+            continue
         print(f"RAN {size}", flush=True)
         ok = size
 
@@ -222,9 +240,10 @@ def largest_batch(args) -> tuple[int, list]:
     ok, bad, tried = 0, None, []
     while bad is None or bad - ok > args.resolution:
         p = _child(args, "--probe", str(ok), str(bad or 0))
-        ran = [int(x.split()[1]) for x in (p.stdout if p else "").splitlines() if x.startswith("RAN ")]
-        tried += [[n, True] for n in ran]
-        ok = max([ok, *ran])
+        said = [x.split() for x in (p.stdout if p else "").splitlines() if x.startswith(("RAN ", "OOM "))]
+        tried += [[int(n), True if w == "RAN" else "out of memory"] for w, n in said]
+        ok = max([ok, *(int(n) for w, n in said if w == "RAN")])
+        bad = min([b for b in (bad, *(int(n) for w, n in said if w == "OOM")) if b is not None], default=None)
         size = _next(args, ok, bad)
         if p is not None and p.returncode == 0:  # went as far as it may
             break
