@@ -121,6 +121,12 @@ def test_offload_engine_step_time_follows_when_its_host_step_runs():
     assert combine(costs) == pytest.approx(0.45 + 0.5 + 0.8)  # zero3-offload: nothing overlaps its host step
     slow_gpu = {**costs, "compute": 2.0}
     assert combine(slow_gpu, "delayed") == pytest.approx(2.0)  # hidden entirely
+    # the host issues the pass beside its step on the same cores: that pass's issue time joins the host's side
+    issuing = {**costs, "host issue": 0.3, "cpu_optimizer": 0.1}
+    assert combine(issuing, "after-backward") == pytest.approx(0.45 - f + max(f, 0.5 + 0.1))
+    assert combine({**issuing, "pcie": 0.0}, "after-backward") == pytest.approx(0.45 - f + 0.1 + 0.1)
+    assert combine({**issuing, "pcie": 0.0}, "eager") == pytest.approx(0.45 - 2 * f + max(2 * f, 0.1 + 0.2))
+    assert combine({**issuing, "pcie": 0.0}, "delayed") == pytest.approx(0.45)  # beside the whole step: not added
 
 
 def test_mixed_sizes_are_bounded_by_the_smallest_gpu():
