@@ -3,7 +3,8 @@
 # (benchmarks/peers_t5.py). Each grows its micro-batch by --step from a start near bigfit's own largest
 # (zero2 326, zero2-offload 337 on the H200) in one process until a size runs out of memory: a
 # DeepSpeed engine does not recover, and a process per bisection step costs ~30 s here.
-# Before it, here: bash ../shared/bench/peer_wheels.sh .whl (and carry .whl).
+# PEERS="ds-z2:256" runs one (method:start). Before it, here: bash ../shared/bench/peer_wheels.sh .whl
+# (and carry .whl).
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 END=$(( $(date +%s) + ${LIMIT:-500} ))
@@ -19,6 +20,5 @@ peer() {  # method start
     --timeout 200 --json $OUT/$1.json > $OUT/$1.log 2>&1
   echo "$1 exit $?" >> $OUT/$1.log; grep '^{' $OUT/$1.log >> $OUT/peers.log
 }
-peer ds-z2-offload 288
-peer ds-z2 256
+for p in ${PEERS:-ds-z2-offload:288 ds-z2:256}; do peer ${p%:*} ${p#*:}; done  # method:start
 cat $OUT/peers.log | cut -c1-600
