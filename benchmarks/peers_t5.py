@@ -152,8 +152,8 @@ def measure(args, batch: int) -> dict:
 def probe(args, ok: int, bad: int | None) -> None:
     """Sizes upward in this process, from what is known (`ok` ran, `bad` did not: 0 and None for
     nothing): doubling until one fails, else bisecting; each size 2 steps, its outcome printed as it
-    is known. An out-of-memory error ends the process (a DeepSpeed engine does not recover): the
-    driver starts another from what it learnt."""
+    is known. Plain PyTorch frees a size that ran out of memory and goes on; under DeepSpeed the error
+    ends the process (its engine does not recover) and the driver starts another from what it learnt."""
     import torch
 
     job = Job(args, max(ok, args.start))
@@ -259,7 +259,8 @@ def _measured(args, micro: int) -> dict:
     out = (p.stdout if p else "").splitlines()
     line = [x for x in out if x.startswith("RESULT ")]
     row = json.loads(line[-1][7:]) if line else {"micro": micro, "error": _why(p, args.timeout)}
-    return {**row, **({"note": " ".join(x[5:] for x in out if x.startswith("NOTE "))} if "NOTE" in "".join(out) else {})}
+    notes = [x[5:] for x in out if x.startswith("NOTE ")]  # DeepSpeed on torch's AdamW
+    return {**row, "note": " ".join(notes)} if notes else row
 
 
 def main() -> None:

@@ -4,7 +4,8 @@ machine's own GPUs (hardware.detect, by torch's device name).
 The planner's rates were fitted on the H200 machine (hardware.DEFAULTS: 760 TFLOP/s reached of its 989
 dense bf16, 4800 GB/s of HBM3e at devicecost.MEM_EFFICIENCY). Another GPU's rates are those scaled by
 its datasheet, so that the fitted shares carry over: an H100 SXM computes as fast and moves 3350 GB/s,
-and T5-large's memory-bound steps on it took 1.2-1.4x the H200's (benchmarks/RESULTS.md, 2026-12-05).
+and `bigfit bench`'s T5-large rows (single, zero3) took 1.2x the H200's time a sample on one
+(benchmarks/RESULTS.md, 2026-12-05).
 A GPU not listed here keeps the H200's rates, and the plan's notes say so; `--gpu-tflops` and
 `--gpu-mem-gbps` describe it."""
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 H200_TFLOPS = 989.0  # the H200's dense bf16 datasheet peak, which hardware.DEFAULTS' gpu_tflops was fitted against
-GIB = 2**30
 
 
 @dataclass(frozen=True)
