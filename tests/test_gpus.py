@@ -51,3 +51,9 @@ def test_a_machines_gpus_are_rated_by_name_and_an_unknown_one_as_an_h200(monkeyp
 def test_a_gpu_spec_that_names_nothing_known_is_refused_in_one_line(spec, message):
     with pytest.raises(BigfitError, match=message.replace("(", r"\(").replace(")", r"\)")):
         parse_gpus(spec)
+
+
+def test_the_plan_says_how_each_gpu_is_rated():
+    assert Hardware(gpu_bytes=(24 * 10**9,)).describe().endswith("each GPU rated as an H200 760 TFLOP/s and 4800 GB/s")
+    h100 = Hardware(gpu_bytes=tuple(parse_gpus("H100")), **gpu_rates("H100"))
+    assert h100.describe().endswith("each GPU rated 760 TFLOP/s and 3350 GB/s")

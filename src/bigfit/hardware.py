@@ -113,8 +113,11 @@ class Hardware:
     def describe(self) -> str:
         sizes = sorted(set(self.gpu_bytes), reverse=True)
         gpus = ", ".join(f"{self.gpu_bytes.count(s)}x{s / 1e9:.0f}GB" for s in sizes)
+        h200 = (self.gpu_tflops, self.gpu_mem_gbps) == (DEFAULTS["gpu_tflops"], DEFAULTS["gpu_mem_gbps"])
+        rated = "" if self.device == "cpu" else (f"; each GPU rated{' as an H200' * h200} {self.gpu_tflops:.0f} "
+                                                  f"TFLOP/s and {self.gpu_mem_gbps:.0f} GB/s")
         return (f"{self.nodes} node(s) x [{gpus}], host RAM {self.cpu_ram / 1e9:.0f} GB per node"
-                + (f", NVMe {self.nvme / 1e12:.1f} TB" if self.nvme else ""))
+                + (f", NVMe {self.nvme / 1e12:.1f} TB" if self.nvme else "") + rated)
 
 
 def calibration_path() -> Path:
