@@ -40,6 +40,8 @@ def peer_row(row: dict, per_sample: tuple[float, float] | None) -> dict:
 
 
 def merged(benches: list[dict], peers: list[list[dict]]) -> list[dict]:
+    """The benches' rows, one a method (a later one replaces an earlier unless it did not run to the
+    end), then the peers' in the bench's columns."""
     rows: dict[str, dict] = {}
     for bench in benches:
         for r in bench["rows"]:
