@@ -31,8 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
-from bigfit import gpus as known_gpus  # noqa: E402
-from bigfit.hardware import DEFAULTS, Hardware  # noqa: E402
+from bigfit.hardware import DEFAULTS, Hardware, gpu_rates, parse_gpus  # noqa: E402
 from bigfit.planning.job import Job  # noqa: E402
 from bigfit.planning.search import SPLIT_MARGIN, WHOLE, plan_for_config  # noqa: E402
 
@@ -78,9 +77,8 @@ def hardware(r: dict) -> Hardware:
     f, extra = r["flags"], r.get("hardware") or {}
     # rows measured before bigfit's host Adam kernel (or with torch's / DeepSpeed's) move fp32 gradients
     kernel = f["host_adam"] in (None, "kernel")
-    gpu = known_gpus.by_name(r["machine"].split()[0].split("-")[1])  # "nvidia-h200-x2 (GPU 0)": H200
-    size, rates = (GPU_BYTES, {}) if gpu.name == "H200" else (
-        int(gpu.memory_gib * 2**30), known_gpus.rates([gpu], DEFAULTS["gpu_tflops"]))
+    gpu = r["machine"].split()[0].split("-")[1]  # "nvidia-h200-x2 (GPU 0)": h200
+    size, rates = (GPU_BYTES, {}) if gpu == "h200" else (parse_gpus(gpu)[0], gpu_rates(gpu))
     return Hardware(gpu_bytes=(size,) * r["batch"]["gpus"], cpu_ram=CPU_RAM, host_op_us=DEFAULTS["host_op_us"],
                     cpu_adam_kernel=kernel, nvme=extra.get("nvme_bytes", 0),
                     nvme_gbps=extra.get("nvme_gbps", DEFAULTS["nvme_gbps"]), **rates)
