@@ -79,7 +79,10 @@ def hardware(r: dict) -> Hardware:
     kernel = f["host_adam"] in (None, "kernel")
     gpu = r["machine"].split()[0].split("-")[1]  # "nvidia-h200-x2 (GPU 0)": h200
     size, rates = (GPU_BYTES, {}) if gpu == "h200" else (parse_gpus(gpu)[0], gpu_rates(gpu))
-    return Hardware(gpu_bytes=(size,) * r["batch"]["gpus"], cpu_ram=CPU_RAM, host_op_us=DEFAULTS["host_op_us"],
+    # the host's cost per operator where `--calibrate`'s measure ran on the same machine start (a host's
+    # speed moves between starts: docs/planning.md), else the default that `bigfit plan` falls back to
+    host_op_us = extra.get("host_op_us", DEFAULTS["host_op_us"])
+    return Hardware(gpu_bytes=(size,) * r["batch"]["gpus"], cpu_ram=CPU_RAM, host_op_us=host_op_us,
                     cpu_adam_kernel=kernel, nvme=extra.get("nvme_bytes", 0),
                     nvme_gbps=extra.get("nvme_gbps", DEFAULTS["nvme_gbps"]), **rates)
 
@@ -171,6 +174,8 @@ def flags_text(r: dict) -> str:
         out.append(f"states:{f['optimizer_states']}")
     if f["host_adam"] and f["host_adam"] != "kernel":
         out.append(f"adam:{f['host_adam']}")
+    if op_us := (r.get("hardware") or {}).get("host_op_us"):
+        out.append(f"host {op_us:.1f}us")  # calibrated on the same machine start
     return ",".join(out) or "-"
 
 
