@@ -2,8 +2,9 @@
 
 The ranks are kept for the next call, to the end of the session: starting them (Python, then torch and
 transformers imported) takes ~6 s on this machine, which each test file's fixture paid. A call gets new
-ranks when it asks (`fresh`), when the environment is not the one the kept ranks started in, and after
-a failed call (its ranks are killed: a failure can leave a collective half done)."""
+ranks when it asks (`fresh`), when the environment is not the one the kept ranks started in (the start
+time that bigfit's commands stamp aside: _environment), and after a failed call (its ranks are killed:
+a failure can leave a collective half done)."""
 from __future__ import annotations
 
 import atexit
@@ -134,7 +135,13 @@ class _Ranks:
 
 
 def _environment() -> dict:
-    return {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
+    """The environment kept ranks must have started in. Not pytest's current test, nor the wall clock
+    that every in-process `bigfit` command stamps (launch.STARTED_ENV, read only for the time to the
+    first step): with it, each command run in a test would end the kept ranks, and the next call would
+    start them again."""
+    from bigfit.launch import STARTED_ENV
+
+    return {k: v for k, v in os.environ.items() if k not in ("PYTEST_CURRENT_TEST", STARTED_ENV)}
 
 
 _kept: dict[int, _Ranks] = {}
