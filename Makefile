@@ -13,9 +13,11 @@ train: $(STAMP)
 # pools and subprocesses leave a core idle about a third of the time. The suite starts some hundred
 # Python processes: bigfit's modules are compiled once here (only those changed since), not in each
 # of them where PYTHONDONTWRITEBYTECODE is set (1.1-1.4 s of CPU a process that imports the training stack).
+# Files go to the workers in collection order, the longest first (tests/conftest.py LONGEST), not
+# xdist's order by number of tests, which started the longest files last.
 test: $(STAMP)
 	$(PY) -m compileall -q src tests > /dev/null
-	$(PY) -m pytest -q -n 2 --dist loadfile $(ARGS)
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder $(ARGS)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)

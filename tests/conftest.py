@@ -19,6 +19,20 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from tiny import FAMILIES, write_model_dirs, write_pairs  # noqa: E402
 
+# The files that take longest on 2 cores, longest first (their module fixtures train every case on rank
+# pools, or their tests run bigfit's commands in processes of their own: 30-170 s each against a few
+# seconds for most files). They are collected first, and `make test` hands files to its two workers in
+# that order (--no-loadscope-reorder): the many short files come last and even out the workers' ends,
+# where a long file started last would keep one worker busy while the other has nothing left.
+LONGEST = ("test_layouts.py", "test_launch.py", "test_bench.py", "test_autobatch.py", "test_parity.py", "test_lora.py",
+           "test_resume.py", "test_loading.py", "test_planning.py", "test_plan_accuracy.py", "test_lora_tp.py",
+           "test_outputs.py", "test_tensor_parallel.py", "test_qlora_strategies.py")
+
+
+def pytest_collection_modifyitems(items) -> None:
+    first = {name: i for i, name in enumerate(LONGEST)}
+    items.sort(key=lambda item: first.get(item.path.name, len(LONGEST)))  # stable: each file's own order kept
+
 
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory) -> dict[str, Path]:
