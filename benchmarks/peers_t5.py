@@ -43,9 +43,11 @@ def _pairs(args, tok):
     return enc(src, args.max_source_len), enc(tgt, args.max_target_len), src, tgt
 
 
-def _engine(method: str, model, batch: int, lr: float):
-    """(forward-backward-step function, the module generate() runs on)."""
+def _engine(method: str, build, batch: int, lr: float):
+    """(forward-backward-step function, the module generate() runs on); `build()` makes the model."""
     import torch
+
+    model = build()
 
     if method.startswith("torch"):
         opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=next(model.parameters()).is_cuda)
@@ -75,6 +77,7 @@ def _engine(method: str, model, batch: int, lr: float):
             raise
         print(f"NOTE FusedAdam failed ({type(e).__name__}: {str(e)[:200]}); torch's AdamW instead", flush=True)
         cfg["optimizer"]["params"]["torch_adam"] = True
+        model = build()  # the failed engine left its forward hooks on the first (they fail without it)
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
 
     def step(inputs):
@@ -101,11 +104,12 @@ class Job:
         src = locate(args.model)
         config = load_config(src)
         self.tok = load_tokenizer(src, config)
-        model = build_model(src, config, seed=0).to(self.device).train()
+        def build():
+            return build_model(src, config, seed=0).to(self.device).train()
         self.sources, targets, _, tgt_text = _pairs(args, self.tok)
         self.labels = targets["input_ids"].masked_fill(targets["attention_mask"] == 0, -100)
         # DeepSpeed's micro-batch setting counts samples for its logs; its forward takes any batch
-        self.step, self.module = _engine(args.method, model, batch, args.lr)
+        self.step, self.module = _engine(args.method, build, batch, args.lr)
         self.evals = held_out(len(self.labels), args.eval_samples, seed=0)  # bigfit's own held-out samples
         held = set(self.evals)
         self.train = [i for i in range(len(self.labels)) if i not in held]
@@ -229,7 +233,8 @@ def _why(p: subprocess.CompletedProcess | None, timeout: int) -> str:
     tail = (p.stdout + p.stderr).strip().splitlines()
     if any("out of memory" in x.lower() for x in tail):
         return "out of memory"
-    print("\n".join(tail[-40:]), file=sys.stderr, flush=True)  # the whole story, into the driver's log
+    notes = [x for x in tail[:-40] if x.startswith("NOTE ")]  # an earlier fallback the tail would lose
+    print("\n".join(notes + tail[-40:]), file=sys.stderr, flush=True)  # the whole story, into the driver's log
     errors = [x for x in tail if "Error" in x or "Exception" in x]
     return ((errors or tail)[-1] if tail else f"exit {p.returncode}")[:300]
 
