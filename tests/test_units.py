@@ -5,11 +5,12 @@ import json
 import math
 
 import pytest
+import torch
 
 from bigfit.config import TrainConfig
 from bigfit.resolution import resolve
 from bigfit.settings import load_config_file
-from bigfit.data import Batcher, read_examples
+from bigfit.data import Batcher, collate, read_examples
 from bigfit.errors import BigfitError
 from bigfit.training.step import lr_at
 
@@ -30,6 +31,19 @@ def test_batch_order_is_a_function_of_seed_and_step():
     epoch = [i for s in range(7) for i in a.global_batch(s)][:50]
     assert sorted(epoch) == list(range(50))  # every sample once per epoch
     assert Batcher(50, 8, seed=4).global_batch(0) != later[0]
+
+
+def test_collate_pads_right_to_the_longest_rounded_up():
+    samples = [{"input_ids": [5, 6, 7], "labels": [8]}, {"input_ids": [9], "labels": [10, 11, 12, 13]},
+               {"input_ids": [], "labels": []}]
+    b = collate(samples, pad_id=1, multiple=4)
+    assert b["input_ids"].tolist() == [[5, 6, 7, 1], [9, 1, 1, 1], [1, 1, 1, 1]]
+    assert b["attention_mask"].tolist() == [[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]]
+    assert b["labels"].tolist() == [[8, -100, -100, -100], [10, 11, 12, 13], [-100] * 4]
+    assert all(t.dtype == torch.long for t in b.values())
+    b["input_ids"][0, 0] = 2  # its own memory: writable, nothing of the samples changes
+    assert samples[0]["input_ids"][0] == 5
+    assert collate([{"input_ids": [], "labels": []}], pad_id=0)["labels"].shape == (1, 0)
 
 
 def test_resolve_splits_global_batch():
