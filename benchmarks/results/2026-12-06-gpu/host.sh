@@ -26,16 +26,18 @@ if torch.cuda.is_available():
         for _ in range(5): dst.copy_(src, non_blocking=True)
         torch.cuda.synchronize(); print(f"pcie {name} {5 * 2**30 / (time.perf_counter() - t) / 1e9:.1f} GB/s")
 PY
-echo "== host_issue $(date +%T)" >> $L
-timeout 150 python benchmarks/host_issue.py $T --out $OUT/host_issue.jsonl >> $L 2>&1
-echo "== device_map b8 $(date +%T)" >> $L
-timeout 150 python benchmarks/device_map.py $DM --batch 8 --layouts unsplit,split --chunks 4 --beams 0 --steps 3 \
-  --warmup 1 --out $OUT/device_map.jsonl >> $L 2>&1
-echo "== device_map b16 $(date +%T)" >> $L
-timeout 60 python benchmarks/device_map.py $DM --batch 16 --layouts unsplit --chunks 1 --beams 0 --steps 3 --warmup 1 \
-  --out $OUT/device_map.jsonl >> $L 2>&1
-echo "== host_issue again $(date +%T)" >> $L
-timeout 60 python benchmarks/host_issue.py $T --models calibration-llama --out $OUT/host_issue.jsonl >> $L 2>&1
+if [ "${ROWS:-all}" = all ]; then  # ROWS=bench: the calibration, then the bench row alone
+  echo "== host_issue $(date +%T)" >> $L
+  timeout 150 python benchmarks/host_issue.py $T --out $OUT/host_issue.jsonl >> $L 2>&1
+  echo "== device_map b8 $(date +%T)" >> $L
+  timeout 150 python benchmarks/device_map.py $DM --batch 8 --layouts unsplit,split --chunks 4 --beams 0 --steps 3 \
+    --warmup 1 --out $OUT/device_map.jsonl >> $L 2>&1
+  echo "== device_map b16 $(date +%T)" >> $L
+  timeout 60 python benchmarks/device_map.py $DM --batch 16 --layouts unsplit --chunks 1 --beams 0 --steps 3 --warmup 1 \
+    --out $OUT/device_map.jsonl >> $L 2>&1
+  echo "== host_issue again $(date +%T)" >> $L
+  timeout 60 python benchmarks/host_issue.py $T --models calibration-llama --out $OUT/host_issue.jsonl >> $L 2>&1
+fi
 echo "== bench zero2 $(date +%T)" >> $L
 python benchmarks/results/2026-12-04-h200-bench/make_inputs.py /tmp/in ${TINY:+--tiny} > /dev/null
 left=$(( END - $(date +%s) - 40 ))
