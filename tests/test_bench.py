@@ -54,6 +54,7 @@ def test_ctrl_c_keeps_the_rows_measured_so_far(tmp_path, monkeypatch):
 
     monkeypatch.setattr(command, "_rows", lambda bench, base: [("ddp", "fp32"), ("zero2", "fp32"), ("zero3", "fp32")])
     monkeypatch.setattr(command, "_auto_pick", lambda base, names: ("ddp", "planned"))
+    monkeypatch.setattr(command, "_host_figure", lambda: {"host_op_us": 20.0})
     monkeypatch.setattr(command, "_run_row", run_row)
     out = tmp_path / "b"
     assert command.bench_command(BenchSettings(output_dir=str(out)), TrainConfig()) == 130
@@ -104,9 +105,12 @@ def test_a_real_bench_finds_the_exact_largest_micro_batch_and_keeps_a_crashed_me
     # the probe's OOM above 16, and training's above 15: a size the probe confirmed that a whole run cannot
     # hold, so the row trains at the next size below and says so
     monkeypatch.setenv("BIGFIT_FAULT", "oom-above:16:15")
+    _keep_calibration(tmp_path / "cache", monkeypatch, host_op_us=7.5)  # the rows' processes read it too
     code, printed = _bench(capsys, "--output-dir", tmp_path / "b", *small)
     assert code == 0
-    (row,) = json.loads((tmp_path / "b" / "bench.json").read_text())["rows"]
+    saved = json.loads((tmp_path / "b" / "bench.json").read_text())
+    assert saved["host_op_us"] == 7.5 and saved["host_op_us_from"].startswith("kept in ")
+    (row,) = saved["rows"]
     assert row["status"] == "ok" and row["oom_in_training"] == [16], row  # exact, not a power of two's guess
     micro = row["micro"]
     assert micro <= 15 and row["batch"] == micro
@@ -121,6 +125,25 @@ def test_a_real_bench_finds_the_exact_largest_micro_batch_and_keeps_a_crashed_me
     assert code == 0 and "no method ran to the end" in printed.out
     (row,) = json.loads((tmp_path / "c" / "bench.json").read_text())["rows"]
     assert row["status"] != "ok" and "injected fault at probe 0" in row["reason"], row
+
+
+def _keep_calibration(cache, monkeypatch, **record) -> None:
+    """A kept `bigfit plan --calibrate` record for this machine's jobs on the CPU."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
+    (cache / "bigfit").mkdir(parents=True)
+    (cache / "bigfit" / "host.json").write_text(json.dumps({"cpu": record}))
+
+
+def test_the_bench_rates_this_host_calibrating_it_first_where_nothing_is_kept(tmp_path, capsys, monkeypatch):
+    from bigfit import calibration
+    from bigfit.bench import command
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "none"))
+    monkeypatch.setattr(calibration, "calibrate", lambda: {"host_op_us": 12.345})  # the real one: test_hostcost
+    assert command._host_figure() == {"host_op_us": 12.35, "host_op_us_from": "measured at the bench's start"}
+    assert "calibrating this host for the predictions" in capsys.readouterr().out
+    _keep_calibration(tmp_path / "kept", monkeypatch, host_op_us=30.0)
+    assert command._host_figure()["host_op_us"] == 30.0 and not capsys.readouterr().out  # kept: not measured again
 
 
 def test_after_an_out_of_memory_in_training_the_row_tries_smaller_sizes_the_probe_confirmed_first():

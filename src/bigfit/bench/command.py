@@ -38,6 +38,7 @@ def bench_command(bench: BenchSettings, base: TrainConfig) -> int:
     rows, meta = [], {"model": base.model or "embedded tiny T5", "data": base.data or "embedded task",
                       "train_samples": bench.train_samples, "eval_samples": base.eval_samples,
                       "num_beams": base.num_beams, "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    meta.update(_host_figure())  # before the pick and the rows: their predicted step times rate this host
     meta["auto_pick"], meta["auto_reason"] = _auto_pick(base, {s for s, _ in todo})
     try:
         with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
@@ -122,6 +123,24 @@ def _world(base: TrainConfig, strategy: str) -> int:
     from ..training.command import default_nproc
 
     return base.nproc or default_nproc(dataclasses.replace(base, strategy=strategy))
+
+
+def _host_figure() -> dict:
+    """The host's cost per operator issued that the predictions use: this machine's kept calibration,
+    else measured now (`bigfit plan --calibrate`, seconds) and kept. At small micro-batches a step is the
+    host's issuing, which differs between machines by 25% and more (docs/planning.md); the rows'
+    processes read the kept figure (hardware.detect)."""
+    import torch
+
+    from ..hardware import calibrated_host_op_us, calibration_path
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if (kept := calibrated_host_op_us(device)) is not None:
+        return {"host_op_us": round(kept, 2), "host_op_us_from": f"kept in {calibration_path()}"}
+    from ..calibration import calibrate
+
+    console.print("calibrating this host for the predictions (bigfit plan --calibrate; kept for the next runs)")
+    return {"host_op_us": round(calibrate()["host_op_us"], 2), "host_op_us_from": "measured at the bench's start"}
 
 
 def _auto_pick(base: TrainConfig, strategies: set[str]) -> tuple[str | None, str]:
