@@ -1,6 +1,7 @@
 """`--micro-batch-size auto` / `--batch-size auto`: the prediction's search over every size, the
 probe's bisection, and probe workers that build the model once (one process) or start again only
-after an out-of-memory error (several ranks). OOMs are injected (faults.py: BIGFIT_FAULT=oom-above:N)."""
+after an out-of-memory error (several ranks), and that take a size that runs only by flushing the
+allocator's cache for too full. OOMs and flushes are injected (faults.py: BIGFIT_FAULT=oom-above:N)."""
 from __future__ import annotations
 
 import json
@@ -30,6 +31,16 @@ def test_probe_steps_away_from_the_prediction_then_bisects():
         "343 OOM, 308 ok, 326 ok, 335 ok, 339 ok, 341 OOM, 340 ok"
     assert _run(ProbeSearch(7, list(range(1, 11))), 50).best() == 10  # everything runs: up to the cap
     assert _run(ProbeSearch(5, list(range(1, 11))), 0).best() is None  # not even 1
+
+
+def test_a_size_that_runs_only_by_flushing_the_allocators_cache_counts_as_too_full():
+    search = ProbeSearch(16, list(range(1, 33)))
+    while (m := search.next()) is not None:  # out of memory above 20, the cache flushed above 12
+        search.outcomes.append([m, m <= 12, m * 10**9 if m <= 20 else None])
+    assert outcome_text(search.outcomes) == "16 full, 14 full, 10 ok, 12 ok, 13 full"
+    assert search.best() == 12 and search.peak(12) == 12 * 10**9
+    every = ProbeSearch(4, [1, 2, 3, 4], [[4, False, 9], [2, False, 5], [1, False, 3]])
+    assert every.next() is None and every.best() == 1  # a slow run rather than none
 
 
 @pytest.mark.parametrize("start", [1, 7, 64, 300, 4096])
@@ -172,17 +183,19 @@ def test_one_process_finds_the_threshold_with_one_model_build(model_dirs, pairs_
 
 
 def test_two_ranks_start_new_probe_processes_only_after_an_oom(model_dirs, tmp_path, capsys, monkeypatch):
-    monkeypatch.setenv("BIGFIT_FAULT", "oom-above:11")
+    # and agree on a size whose step flushed the allocator's cache on one of them (rank 1 above 10)
+    monkeypatch.setenv("BIGFIT_FAULT", "oom-above:11,flush-above:10:1")
     data = write_pairs(tmp_path / "pairs.jsonl", n=24)  # 12 per rank: few sizes, few worker sets
     code = _train(model_dirs["gpt2"], data, tmp_path / "out", "--strategy", "ddp", "--nproc", "2")
     printed = capsys.readouterr()
     assert code == 0, printed.err
     search = ProbeSearch.from_json(json.loads((tmp_path / "out" / "logs" / "probe" / "search.json").read_text()))
-    assert outcome_text(search.outcomes) == "12 OOM, 10 ok, 11 ok"
+    assert outcome_text(search.outcomes) == "12 OOM, 10 ok, 11 full"
     assert search.worker_sets == 2  # the OOM ended the first set; the second ran the rest in its processes
     assert "out of memory on a rank; new probe processes go on" in printed.out
     out = " ".join(printed.out.split())
-    assert "confirmed 11 (peak" in out and "the model built 2 times" in out
+    assert "probe micro-batch 11: ran (peak" in out and "but only by flushing the allocator's cache" in out
+    assert "confirmed 10 (peak" in out and "the model built 2 times" in out
     assert len(read_jsonl(tmp_path / "out" / "metrics.jsonl")) == 1  # the job's own workers trained after
 
 

@@ -117,8 +117,9 @@ def _probe(argv: list[str], cfg: TrainConfig, world: int, pred: Prediction) -> P
 
 def _show(outcomes: list[list]) -> None:
     for size, ran, peak in outcomes:
-        print(f"probe micro-batch {size}: " + (f"ran (peak {_gb(peak)})" if ran and peak else
-                                                "ran" if ran else "out of memory"))
+        print(f"probe micro-batch {size}: " + (f"ran (peak {_gb(peak)})" if ran and peak else "ran" if ran else
+                                                f"ran (peak {_gb(peak)}), but only by flushing the allocator's cache: "
+                                                "too full to run at speed" if peak else "out of memory"))
 
 
 def _batch(cfg: TrainConfig, world: int, micro: int) -> int:

@@ -6,7 +6,9 @@ OOM killer or a machine fault would, or with `raise` fails with an exception ins
 checkpoint, before it is marked complete) and `probe` (step 0: micro-batch auto's probe, before its
 first size). Unset, this costs one dictionary look-up per call.
 BIGFIT_FAULT=oom-above:<n>[:<t>] makes micro-batch auto's probe steps above n run out of memory, and
-training steps above t (a size the probe confirmed that training cannot hold: `bigfit bench` retries).
+training steps above t (a size the probe confirmed that training cannot hold: `bigfit bench` retries);
+flush-above:<n>[:<rank>] makes the probe see the allocator flush its cache in steps above n (on that
+rank only, if given). Several faults join with commas.
 """
 from __future__ import annotations
 
@@ -14,8 +16,13 @@ import os
 import signal
 
 
+def _spec(prefix: str) -> str:
+    """The first of BIGFIT_FAULT's comma-joined faults that starts with `prefix`, or ""."""
+    return next((f for f in os.environ.get("BIGFIT_FAULT", "").split(",") if f and f.startswith(prefix)), "")
+
+
 def maybe_die(point: str, step: int, rt) -> None:
-    spec = os.environ.get("BIGFIT_FAULT")
+    spec = _spec(point + ":")
     if not spec:
         return
     where, at, rank, action = (spec.split(":") + ["0", "kill"])[:4]
@@ -30,8 +37,8 @@ def inject_oom(module, micro_batch: int, training: bool = False):
     step (t in a training step; none if t is not given) runs out of memory at the end of `module`'s
     forward, as a real error would half-way through a step, with the graph and its activations built.
     Returns the hook's handle to remove, or None."""
-    spec = os.environ.get("BIGFIT_FAULT", "")
-    if not spec.startswith("oom-above:"):
+    spec = _spec("oom-above:")
+    if not spec:
         return None
     limits = spec.split(":")[1:]
     if (training and len(limits) < 2) or micro_batch <= int(limits[int(training)]):
@@ -42,3 +49,9 @@ def inject_oom(module, micro_batch: int, training: bool = False):
         raise torch.OutOfMemoryError(f"injected: micro-batch {micro_batch} does not fit")
 
     return module.register_forward_hook(fail)
+
+
+def injected_flushes(micro_batch: int, rank: int) -> int:
+    """BIGFIT_FAULT=flush-above:<n>[:<rank>]: one allocator cache flush for a probe step above n."""
+    spec = _spec("flush-above:").split(":")[1:]
+    return int(bool(spec) and micro_batch > int(spec[0]) and (len(spec) < 2 or int(spec[1]) == rank))

@@ -66,7 +66,9 @@ class ProbeSearch:
 
     start: int  # the first size probed: the prediction
     sizes: list[int]  # the sizes that may be probed, ascending
-    outcomes: list[list] = field(default_factory=list)  # [size, ran, peak bytes or None], in probe order
+    # [size, ran, peak bytes or None], in probe order. Not ran but with a peak: the size ran, but the
+    # allocator flushed its cache in its step (too full to run at speed, training/probe.py): as a failure here
+    outcomes: list[list] = field(default_factory=list)
     worker_sets: int = 0  # probe worker sets started; each builds the model once
 
     def within(self, limit: int) -> "ProbeSearch":
@@ -76,23 +78,26 @@ class ProbeSearch:
         return ProbeSearch(start, sizes, list(self.outcomes), self.worker_sets)
 
     def ran(self) -> list[int]:
+        """The sizes that ran at speed."""
         return [s for s, ok, _ in self.outcomes if ok]
 
     def failed(self) -> list[int]:
         return [s for s, ok, _ in self.outcomes if not ok]
 
     def best(self) -> int | None:
-        """The largest size that ran (None while none has)."""
-        return max(self.ran(), default=None)
+        """The largest size that ran at speed; where every size that ran needed the allocator's cache
+        flushed, the smallest of those (a slow run rather than none); None while none has run."""
+        full = [s for s, ok, peak in self.outcomes if not ok and peak]
+        return max(self.ran(), default=min(full, default=None))
 
     def peak(self, size: int) -> int | None:
-        return next((p for s, ok, p in self.outcomes if s == size and ok), None)
+        return next((p for s, _, p in self.outcomes if s == size and p), None)
 
     def next(self) -> int | None:
         """The size to probe next; None when the search is over."""
         if not self.outcomes:
             return self.start
-        lo, failed = self.best(), self.failed()
+        lo, failed = max(self.ran(), default=None), self.failed()
         step = max(1, math.ceil(self.start * FIRST_STEP)) * 2 ** (len(self.outcomes) - 1)
         if not failed:  # everything so far ran: step up
             bigger = [s for s in self.sizes if s > lo]
@@ -112,5 +117,5 @@ class ProbeSearch:
 
 
 def outcome_text(outcomes: list[list]) -> str:
-    """'9 ok, 14 OOM, 12 ok, 13 OOM'"""
-    return ", ".join(f"{s} {'ok' if ok else 'OOM'}" for s, ok, _ in outcomes)
+    """'9 ok, 14 OOM, 12 ok, 13 full' (full: it ran, but only by flushing the allocator's cache)"""
+    return ", ".join(f"{s} {'ok' if ok else 'full' if peak else 'OOM'}" for s, ok, peak in outcomes)
