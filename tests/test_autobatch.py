@@ -43,6 +43,23 @@ def test_a_size_that_runs_only_by_flushing_the_allocators_cache_counts_as_too_fu
     assert every.next() is None and every.best() == 1  # a slow run rather than none
 
 
+@pytest.mark.parametrize("readings,flushes", [([0, 1, 1, 1], 0), ([0, 1, 1, 2], 1), ([0, 0], 0)])
+def test_a_probe_step_that_flushed_is_judged_by_a_settled_step_at_its_size(monkeypatch, readings, flushes):
+    """The blocks another size left cached can need one flush that a second step at this size does not."""
+    import torch
+
+    from bigfit.training import probe
+
+    counts = iter(readings)  # the allocator's flush count before and after each step
+    monkeypatch.setattr(probe, "train_step", lambda *a, **k: None)
+    monkeypatch.setattr(probe, "_flushes", lambda devices: next(counts))
+    job = SimpleNamespace(cfg=SimpleNamespace(batch_size=4, max_grad_norm=1.0), dataset=SimpleNamespace(pad_id=0),
+                          seq2seq=False)
+    rt = SimpleNamespace(data=SimpleNamespace(rank=0, world_size=1), rank=0, distributed=False, device=torch.device("cpu"))
+    ran, _, found = probe._attempt(job, SimpleNamespace(module=torch.nn.Linear(1, 1)), rt, [{}] * 8, 4, twice=False)
+    assert ran and found == flushes and next(counts, None) is None  # every reading taken, no more
+
+
 @pytest.mark.parametrize("start", [1, 7, 64, 300, 4096])
 def test_probe_finds_every_threshold_exactly_in_logarithmically_many_probes(start):
     sizes = list(range(1, 4097))

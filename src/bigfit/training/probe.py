@@ -49,7 +49,7 @@ def probe(job: Job, engine: Engine, rt: Runtime) -> dict:
         if not ran and engine.recovers_from_oom:  # its states may be half made: dropped, so step twice again
             engine.recover_from_oom()
         stepped, failed = ran or (stepped and not engine.recovers_from_oom), failed or not ran
-        full = ran and all_reduce_sum([float(flushes)], rt)[0] > 0  # every rank takes the same next size
+        full = ran and _any(flushes, rt)  # every rank takes the same next size
         if full:
             _free(engine)  # the next size starts from an empty cache
         search.outcomes.append([micro, ran and not full, _largest(peak, rt) if ran else None])
@@ -63,7 +63,8 @@ def probe(job: Job, engine: Engine, rt: Runtime) -> dict:
 
 def _attempt(job: Job, engine: Engine, rt: Runtime, longest: Sequence[dict], micro: int,
              twice: bool) -> tuple[bool, int | None, int]:
-    """(ran, peak bytes, the allocator's cache flushes in its last step) of one step at `micro`.
+    """(ran, peak bytes, the allocator's cache flushes in its last step) of one step at `micro` (two
+    where the first flushed: the blocks another size left cached are not this size's).
     `twice`: no step has run in this process yet, so the optimizer states do not exist during the
     first one's backward; the second meets them, as every training step does. A fixed batch that
     accumulates runs two micro-batches, the second's backward beside the first's gradients, as in
@@ -75,14 +76,20 @@ def _attempt(job: Job, engine: Engine, rt: Runtime, longest: Sequence[dict], mic
     devices = _devices(engine, rt)
     _reset_peak(devices)
     flushes = 0
+
+    def step() -> int:  # the allocator's cache flushes in one step
+        before = _flushes(devices)
+        # no loss scaler: an fp16 overflow at the initial scale would skip the step, and with it the
+        # allocation of the optimizer states; the scale itself costs no memory
+        train_step(engine, accumulated, pad_id=job.dataset.pad_id, seq2seq=job.seq2seq, rt=rt, lr=0.0,
+                   max_grad_norm=cfg.max_grad_norm, scaler=None)
+        return _flushes(devices) - before + faults.injected_flushes(micro, rt.rank)
+
     try:
         for _ in range(2 if twice else 1):
-            before = _flushes(devices)
-            # no loss scaler: an fp16 overflow at the initial scale would skip the step, and with it the
-            # allocation of the optimizer states; the scale itself costs no memory
-            train_step(engine, accumulated, pad_id=job.dataset.pad_id, seq2seq=job.seq2seq, rt=rt, lr=0.0,
-                       max_grad_norm=cfg.max_grad_norm, scaler=None)
-            flushes = _flushes(devices) - before + faults.injected_flushes(micro, rt.rank)
+            flushes = step()
+        if not twice and _any(flushes, rt):  # the blocks another size left cached may need one flush: a settled step
+            flushes = step()
         ran = True
     except torch.OutOfMemoryError:
         if rt.distributed:
@@ -94,6 +101,11 @@ def _attempt(job: Job, engine: Engine, rt: Runtime, longest: Sequence[dict], mic
     if not ran:
         _free(engine)
     return ran, _peak(devices), flushes
+
+
+def _any(flushes: int, rt: Runtime) -> bool:
+    """Whether any rank's allocator flushed (collective: every rank decides alike)."""
+    return all_reduce_sum([float(flushes)], rt)[0] > 0
 
 
 def _flushes(devices: list) -> int:
