@@ -178,3 +178,16 @@ def test_offload_buckets_split_rows_as_dtensor_shards_and_round_trip(world):
         out = torch.empty_like(s.param)
         unpack(flat, s, out)
         assert torch.equal(out, s.param)
+
+
+def test_training_says_once_when_the_gpu_allocator_starts_flushing_its_cache():
+    from bigfit.training.metrics import FlushWatch
+
+    counts = iter([3, 4, 4, 4, 6, 9])  # the allocator's count: at the start, then after steps 1-5
+    watch = FlushWatch(lambda: next(counts))
+    records = [{} for _ in range(5)]
+    said = [watch.update(r, step, micro=192) for step, r in enumerate(records, 1)]
+    assert [r["allocator_flushes"] for r in records] == [4, 4, 4, 6, 9]
+    assert said[:3] == [None] * 3  # steps 1-2 make the optimizer states; step 3 flushed nothing
+    assert said[3].startswith("step 4: the GPU allocator flushed its cache 2 time(s)") and "below 192" in said[3]
+    assert said[4] is None  # said once

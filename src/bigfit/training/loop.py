@@ -26,7 +26,7 @@ from . import checkpoint, probe, runinfo
 from .consolidate import consolidate
 from .evaluate import evaluate
 from .job import Job, describe, prepare
-from .metrics import MetricsLog, StartClock, StepProgress, console, table
+from .metrics import FlushWatch, MetricsLog, StartClock, StepProgress, console, table
 from .ownership import claim
 from .step import global_targets, lr_at, train_step
 from .trackers import Trackers, predicted_peak
@@ -134,6 +134,8 @@ def _train(job: Job, rt: Runtime, clock: StartClock) -> dict:
         boards.log({"step": 0, **first_eval})
         console.print(f"eval at step 0: {_eval_text(first_eval)}")
     progress = StepProgress(step, cfg.max_steps) if rt.is_main else None
+    flushes = (FlushWatch(lambda: torch.cuda.memory_stats(rt.device).get("num_alloc_retries", 0))
+               if rt.device.type == "cuda" else None)
     last_eval, last_ckpt, t_start = first_eval, None, time.perf_counter()
     while step < cfg.max_steps:
         t0 = time.perf_counter()
@@ -147,6 +149,8 @@ def _train(job: Job, rt: Runtime, clock: StartClock) -> dict:
         record = {"step": step, **record, "tokens_per_s": record["tokens"] / (time.perf_counter() - t0)}
         if rt.device.type == "cuda":  # this rank's peak since the start (torchtitan logs the same)
             record["peak_gpu_gb"] = round(torch.cuda.max_memory_allocated(rt.device) / 1e9, 2)
+            if (said := flushes.update(record, step, cfg.micro_batch_size)) and rt.is_main:
+                progress.print(said)
         record["host_rss_gb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9, 2)  # its peak
         if clock is not None:  # the first step of this process: where the wait for it went
             clock.mark("first step")
