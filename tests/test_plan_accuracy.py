@@ -40,7 +40,8 @@ dm7-b16-split dm7-b16-flat-c2 dm7-b16-split-c2 dm8-b64-unsplit-compiled dm8-b64-
 o4-3b-torchadam-devgrads o4-3b-delayed-torchadam-devgrads os-10.9b-bf16-clip os-10.9b-bf16-eager os-10.9b-bf16-delayed
 cve5-zero3-0 cve5-zero2-1 cve5-zero3-offload-2 cve5-zero3-3 bench5-single bench5-zero2 bench5-zero3
 bench5-zero3-offload nvme-21.9b-int8 nvme-25.0b-int8 bench6-zero2-offload bench6-single-fp32 h100-bench-single h100-bench-zero3
-dm7-b16-unsplit dm9-b8-unsplit dm9-b8-split dm9-b8-split-c4 dm9-b16-unsplit h100c-bench-zero2""".split()
+dm7-b16-unsplit dm9-b8-unsplit dm9-b8-split dm9-b8-split-c4 dm9-b16-unsplit h100c-bench-zero2 h100d-train-zero2-offload-160
+h100d-train-zero2-offload-128 h100d-train-zero2-128""".split()
 
 
 @pytest.fixture(scope="module")
