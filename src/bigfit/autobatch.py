@@ -117,9 +117,13 @@ def _probe(argv: list[str], cfg: TrainConfig, world: int, pred: Prediction) -> P
 
 def _show(outcomes: list[list]) -> None:
     for size, ran, peak in outcomes:
-        print(f"probe micro-batch {size}: " + (f"ran (peak {_gb(peak)})" if ran and peak else "ran" if ran else
-                                                f"ran (peak {_gb(peak)}), but only by flushing the allocator's cache: "
-                                                "too full to run at speed" if peak else "out of memory"))
+        if ran:
+            said = f"ran (peak {_gb(peak)})" if peak else "ran"
+        elif peak:  # it ran, but only by flushing the allocator's cache (planning/sizes.py ProbeSearch)
+            said = f"ran (peak {_gb(peak)}), but only by flushing the allocator's cache: too full to run at speed"
+        else:
+            said = "out of memory"
+        print(f"probe micro-batch {size}: {said}")
 
 
 def _batch(cfg: TrainConfig, world: int, micro: int) -> int:
