@@ -26,7 +26,7 @@ from . import checkpoint, probe, runinfo
 from .consolidate import consolidate
 from .evaluate import evaluate
 from .job import Job, describe, prepare
-from .metrics import FlushWatch, MetricsLog, StartClock, StepProgress, console, table
+from .metrics import FlushWatch, MetricsLog, StartClock, StepProgress, allocator_flushes, console, table
 from .ownership import claim
 from .step import global_targets, lr_at, train_step
 from .trackers import Trackers, predicted_peak
@@ -134,8 +134,7 @@ def _train(job: Job, rt: Runtime, clock: StartClock) -> dict:
         boards.log({"step": 0, **first_eval})
         console.print(f"eval at step 0: {_eval_text(first_eval)}")
     progress = StepProgress(step, cfg.max_steps) if rt.is_main else None
-    flushes = (FlushWatch(lambda: torch.cuda.memory_stats(rt.device).get("num_alloc_retries", 0))
-               if rt.device.type == "cuda" else None)
+    flushes = FlushWatch(lambda: allocator_flushes(rt.device)) if rt.device.type == "cuda" else None
     last_eval, last_ckpt, t_start = first_eval, None, time.perf_counter()
     while step < cfg.max_steps:
         t0 = time.perf_counter()

@@ -42,6 +42,14 @@ class MetricsLog:
         self._f.close()
 
 
+def allocator_flushes(device) -> int:
+    """The GPU allocator's cache flushes on `device` so far (`num_alloc_retries`), read from the nested
+    stats: torch.cuda.memory_stats flattens and sorts every entry first, work this does once a step."""
+    import torch
+
+    return torch.cuda.memory_stats_as_nested_dict(device).get("num_alloc_retries", 0)
+
+
 class FlushWatch:
     """The GPU allocator's cache flushes during training, as DeepSpeed warns of them: a cudaMalloc that
     failed, every cached block freed (synchronizing the device) and the allocation retried. Steps that

@@ -23,6 +23,7 @@ from ..distributed import Runtime, all_reduce_sum, barrier
 from ..planning.sizes import ProbeSearch, outcome_text
 from ..strategies import Engine
 from .job import Job
+from .metrics import allocator_flushes
 from .step import train_step
 
 # After an in-process OOM an engine may be left half-way through the failed step (the offload engine
@@ -44,12 +45,11 @@ def probe(job: Job, engine: Engine, rt: Runtime) -> dict:
     while (micro := search.next()) is not None:
         t0 = time.perf_counter()
         with _deadline(max(STUCK_MIN_S, STUCK_FACTOR * slowest) if failed else None):
-            ran, peak, flushes = _attempt(job, engine, rt, longest, micro, twice=not stepped)
+            ran, peak, full = _attempt(job, engine, rt, longest, micro, twice=not stepped)
         slowest = max(slowest, time.perf_counter() - t0)
         if not ran and engine.recovers_from_oom:  # its states may be half made: dropped, so step twice again
             engine.recover_from_oom()
         stepped, failed = ran or (stepped and not engine.recovers_from_oom), failed or not ran
-        full = ran and _any(flushes, rt)  # every rank takes the same next size
         if full:
             _free(engine)  # the next size starts from an empty cache
         search.outcomes.append([micro, ran and not full, _largest(peak, rt) if ran else None])
@@ -62,9 +62,10 @@ def probe(job: Job, engine: Engine, rt: Runtime) -> dict:
 
 
 def _attempt(job: Job, engine: Engine, rt: Runtime, longest: Sequence[dict], micro: int,
-             twice: bool) -> tuple[bool, int | None, int]:
-    """(ran, peak bytes, the allocator's cache flushes in its last step) of one step at `micro` (two
-    where the first flushed: the blocks another size left cached are not this size's).
+             twice: bool) -> tuple[bool, int | None, bool]:
+    """(ran, peak bytes, whether it ran only by flushing the allocator's cache on some rank: every rank
+    takes the same next size) of one step at `micro` (two where the first flushed: the blocks another
+    size left cached are not this size's).
     `twice`: no step has run in this process yet, so the optimizer states do not exist during the
     first one's backward; the second meets them, as every training step does. A fixed batch that
     accumulates runs two micro-batches, the second's backward beside the first's gradients, as in
@@ -75,7 +76,7 @@ def _attempt(job: Job, engine: Engine, rt: Runtime, longest: Sequence[dict], mic
     hook = faults.inject_oom(engine.module, micro)
     devices = _devices(engine, rt)
     _reset_peak(devices)
-    flushes = 0
+    full = False
 
     def step() -> int:  # the allocator's cache flushes in one step
         before = _flushes(devices)
@@ -88,8 +89,9 @@ def _attempt(job: Job, engine: Engine, rt: Runtime, longest: Sequence[dict], mic
     try:
         for _ in range(2 if twice else 1):
             flushes = step()
-        if not twice and _any(flushes, rt):  # the blocks another size left cached may need one flush: a settled step
-            flushes = step()
+        full = _any(flushes, rt)
+        if full and not twice:  # the blocks another size left cached may need one flush: a settled step
+            full = _any(step(), rt)
         ran = True
     except torch.OutOfMemoryError:
         if rt.distributed:
@@ -100,7 +102,7 @@ def _attempt(job: Job, engine: Engine, rt: Runtime, longest: Sequence[dict], mic
             hook.remove()
     if not ran:
         _free(engine)
-    return ran, _peak(devices), flushes
+    return ran, _peak(devices), full
 
 
 def _any(flushes: int, rt: Runtime) -> bool:
@@ -113,7 +115,7 @@ def _flushes(devices: list) -> int:
     freed (synchronizing the device) and the allocation retried. A size that needs that in a steady step
     runs, but slowly: T5-large under zero2-offload on an H100 took 1.06-1.31 s a step at micro-batch 192
     (peak 82.3 GB) against 0.53 s at 160 (2026-12-06). DeepSpeed warns of the same count in training."""
-    return sum(torch.cuda.memory_stats(d).get("num_alloc_retries", 0) for d in devices)
+    return sum(allocator_flushes(d) for d in devices)
 
 
 def _free(engine: Engine) -> None:
