@@ -52,15 +52,45 @@ def test_ctrl_c_keeps_the_rows_measured_so_far(tmp_path, monkeypatch):
         calls.append(strategy)
         return {**OK, "method": f"{strategy} {precision}", "strategy": strategy}
 
-    monkeypatch.setattr(command, "_rows", lambda bench, base: [("ddp", "fp32"), ("zero2", "fp32"), ("zero3", "fp32")])
-    monkeypatch.setattr(command, "_auto_pick", lambda base, names: ("ddp", "planned"))
-    monkeypatch.setattr(command, "_host_figure", lambda: {"host_op_us": 20.0})
-    monkeypatch.setattr(command, "_run_row", run_row)
+    _stub_bench(monkeypatch, run_row)
     out = tmp_path / "b"
     assert command.bench_command(BenchSettings(output_dir=str(out)), TrainConfig()) == 130
     saved = json.loads((out / "bench.json").read_text())
     assert [r["method"] for r in saved["rows"]] == ["ddp fp32"] and saved["interrupted"] == "Ctrl-C after 1 of 3 rows"
     assert "--strategy auto picks it too (ddp)" in saved["recommendation"]
+
+
+def test_sigterm_is_ctrl_c_for_the_bench(tmp_path, monkeypatch):
+    """SIGTERM (`timeout`, a scheduler's stop) stops the bench as Ctrl-C does: the row in flight is
+    stopped with its processes, the rows so far kept, and the signal's handler put back after."""
+    import os
+    import signal
+
+    from bigfit.bench import command
+    from bigfit.bench.settings import BenchSettings
+    from bigfit.config import TrainConfig
+
+    def run_row(out, bench, base, strategy, precision):
+        if strategy == "zero2":
+            os.kill(os.getpid(), signal.SIGTERM)
+        return {**OK, "method": f"{strategy} {precision}", "strategy": strategy}
+
+    _stub_bench(monkeypatch, run_row)
+    before = signal.getsignal(signal.SIGTERM)
+    assert command.bench_command(BenchSettings(output_dir=str(tmp_path / "b")), TrainConfig()) == 130
+    saved = json.loads((tmp_path / "b" / "bench.json").read_text())
+    assert [r["method"] for r in saved["rows"]] == ["ddp fp32"] and saved["interrupted"] == "SIGTERM after 1 of 3 rows"
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def _stub_bench(monkeypatch, run_row) -> None:
+    """bench_command over three stub rows (ddp, zero2, zero3 in fp32) that `run_row` measures."""
+    from bigfit.bench import command
+
+    monkeypatch.setattr(command, "_rows", lambda bench, base: [("ddp", "fp32"), ("zero2", "fp32"), ("zero3", "fp32")])
+    monkeypatch.setattr(command, "_auto_pick", lambda base, names: ("ddp", "planned"))
+    monkeypatch.setattr(command, "_host_figure", lambda: {"host_op_us": 20.0})
+    monkeypatch.setattr(command, "_run_row", run_row)
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -154,3 +154,40 @@ def test_workers_share_the_cores_unless_the_user_set_threads(monkeypatch):
     assert launch._threads(1) == {}
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert launch._threads(4) == {}
+
+
+def test_sigterm_to_the_launcher_stops_its_workers(tmp_path, model_dirs, pairs_file):
+    """`kill PID` (or `timeout`, a scheduler) on the launcher alone is Ctrl-C: its workers go with it,
+    not left running on their own holding the devices, and it says so."""
+    import signal
+    import time
+
+    out = tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if k != "BIGFIT_FAULT"}
+    proc = subprocess.Popen([sys.executable, "-m", "bigfit", "train", "--model", str(model_dirs["gpt2"]), "--data",
+                             str(pairs_file), "--max-steps", "100000", "--eval-every", "0", "--no-eval-on-start",
+                             *SMALL, "--output-dir", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+    deadline = time.monotonic() + 120
+    while not (out / "metrics.jsonl").is_file() or not (out / "metrics.jsonl").read_text():  # the workers step
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.2)
+    assert len(_naming(out)) == 3  # the launcher and its 2 workers
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    left = _naming(out)
+    for pid in left:  # not left behind for the rest of the suite when this fails
+        os.kill(pid, signal.SIGKILL)
+    assert left == [] and proc.returncode == 130 and "interrupted (SIGTERM): all workers stopped" in err, err
+
+
+def _naming(text) -> list[int]:
+    """The processes whose command line names `text`."""
+    found = []
+    for cmd in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if str(text).encode() in cmd.read_bytes():
+                found.append(int(cmd.parent.name))
+        except OSError:  # ended while read
+            pass
+    return found

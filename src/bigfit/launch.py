@@ -8,6 +8,7 @@ BIGFIT_ERROR_FILE), the same way torchelastic's error files work.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -15,6 +16,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -47,6 +49,31 @@ def write_error(exc: BaseException) -> None:
         "rank": int(os.environ.get("RANK", 0)), "time": time.time(), "user_error": user,
         "message": str(exc) if user else f"{type(exc).__name__}: {exc}",
         "traceback": "" if user else "".join(traceback.format_exception(exc))}))
+
+
+@contextlib.contextmanager
+def stop_on_sigterm():
+    """While the block runs, SIGTERM (`kill PID`, `timeout`, a scheduler's stop) is Ctrl-C: the block's
+    KeyboardInterrupt path stops the processes it started, which otherwise outlive it holding the GPU's
+    memory (a `bigfit bench` row stopped by `timeout` kept an H100 busy into the next call's rows). The
+    interrupt's args name the signal, so the message can say which."""
+    if threading.current_thread() is not threading.main_thread():  # signal handlers live in the main thread
+        yield
+        return
+
+    def interrupt(signum, _frame):
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    before = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def interrupt_name(e: KeyboardInterrupt) -> str:
+    """"SIGTERM" for an interrupt that stop_on_sigterm raised, else "Ctrl-C"."""
+    return e.args[0] if e.args else "Ctrl-C"
 
 
 def _stop(procs: dict[int, subprocess.Popen]) -> None:
@@ -144,28 +171,34 @@ def launch_local(argv: list[str], nproc: int, log_dir: Path, quiet: bool = False
             procs[rank] = subprocess.Popen([sys.executable, "-m", "bigfit", *argv], env=env,
                                            stdout=out, stderr=subprocess.STDOUT if out else None,
                                            pass_fds=() if lock_fd is None else (lock_fd,))
-        by_pid = {p.pid: r for r, p in procs.items()}
         try:
-            while by_pid:
-                pid, status = os.wait()
-                rank = by_pid.pop(pid, None)
-                if rank is None:
-                    continue
-                code = os.waitstatus_to_exitcode(status)
-                procs[rank].returncode = code
-                if code != 0:
-                    # who else had already ended, before this launcher stops the rest
-                    exits = {r: p.poll() for r, p in procs.items() if r != rank}
-                    exits = {r: c for r, c in exits.items() if c is not None and c != 0} | {rank: code}
-                    _stop(procs)
-                    report = _report(exits, err_dir, log_dir)
-                    if quiet:  # the caller reports it; the error files go with this directory
-                        (log_dir / "error.txt").write_text(report + "\n")
-                    else:
-                        print(report, file=sys.stderr)
-                    return code if code > 0 else 128 - code  # killed by a signal: the shell's 128 + its number
-        except KeyboardInterrupt:
+            with stop_on_sigterm():
+                return _wait_all(procs, err_dir, log_dir, quiet)
+        except KeyboardInterrupt as e:
             _stop(procs)
-            print("interrupted: all workers stopped", file=sys.stderr)
+            print(f"interrupted ({interrupt_name(e)}): all workers stopped", file=sys.stderr)
             return 130
+
+
+def _wait_all(procs: dict[int, subprocess.Popen], err_dir: Path, log_dir: Path, quiet: bool) -> int:
+    """Wait for every worker; at the first that fails, stop the rest and report it (0: all succeeded)."""
+    by_pid = {p.pid: r for r, p in procs.items()}
+    while by_pid:
+        pid, status = os.wait()
+        rank = by_pid.pop(pid, None)
+        if rank is None:
+            continue
+        code = os.waitstatus_to_exitcode(status)
+        procs[rank].returncode = code
+        if code != 0:
+            # who else had already ended, before this launcher stops the rest
+            exits = {r: p.poll() for r, p in procs.items() if r != rank}
+            exits = {r: c for r, c in exits.items() if c is not None and c != 0} | {rank: code}
+            _stop(procs)
+            report = _report(exits, err_dir, log_dir)
+            if quiet:  # the caller reports it; the error files go with this directory
+                (log_dir / "error.txt").write_text(report + "\n")
+            else:
+                print(report, file=sys.stderr)
+            return code if code > 0 else 128 - code  # killed by a signal: the shell's 128 + its number
     return 0

@@ -24,8 +24,8 @@ for st in $ROWS; do  # one bench per row: each is its own bench.json, and a row 
   echo "== $st $(date +%T)" >> $OUT/r/bench.log
   timeout $left python -m bigfit bench --model /tmp/in/t5 --data /tmp/in/pairs.jsonl --train-samples ${SAMPLES:-1024} \
     --eval-samples 32 --num-beams 4 --max-new-tokens 32 --max-source-len 128 --max-target-len 128 --untimed-steps 2 \
-    --precisions bf16 --strategies $st --row-timeout-s $(( left - 15 )) --output-dir /tmp/b-$st >> $OUT/r/bench.log 2>&1
-  mkdir -p $OUT/r/$st && cp -r /tmp/b-$st/. $OUT/r/$st/ 2>/dev/null
+    --precisions bf16 --strategies $st --row-timeout-s $(( left - 15 )) --output-dir /tmp/b-$st-$S >> $OUT/r/bench.log 2>&1
+  mkdir -p $OUT/r/$st && cp -r /tmp/b-$st-$S/. $OUT/r/$st/ 2>/dev/null
 done
 grep -h "probe\|full\|flush\|confirmed\|settled" -r $OUT/r --include=*.log --include=*.txt | cut -c1-200 | tail -40
 cd $OUT && tar czf results.tgz r && rm -rf r

@@ -1,7 +1,7 @@
 """`bigfit bench`: which strategy x precision rows to run (the planner's, or the user's), each in a row
 process of its own (rows.py) with a time limit, a progress display over the whole bench with the
 time left, then the table and files (report.py). A row that fails or runs out of memory is a row
-with its reason; Ctrl-C stops the row in flight and keeps the rows measured so far."""
+with its reason; Ctrl-C (or SIGTERM) stops the row in flight and keeps the rows measured so far."""
 from __future__ import annotations
 
 import dataclasses
@@ -21,6 +21,7 @@ from rich.table import Table
 
 from ..config import PIPELINE_STRATEGIES, PRECISIONS, SPLIT_STRATEGIES, STRATEGIES, TrainConfig
 from ..errors import BigfitError
+from ..launch import interrupt_name, stop_on_sigterm
 from ..training.metrics import console
 from . import report
 from .rows import collect
@@ -41,7 +42,7 @@ def bench_command(bench: BenchSettings, base: TrainConfig) -> int:
     meta.update(_host_figure())  # before the pick and the rows: their predicted step times rate this host
     meta["auto_pick"], meta["auto_reason"] = _auto_pick(base, {s for s, _ in todo})
     try:
-        with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+        with stop_on_sigterm(), Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                       TimeElapsedColumn(), TextColumn("left"), TimeRemainingColumn(), console=console) as bar:
             task = bar.add_task("bench", total=len(todo))
             for strategy, precision in todo:
@@ -49,8 +50,8 @@ def bench_command(bench: BenchSettings, base: TrainConfig) -> int:
                 rows.append(_run_row(out, bench, base, strategy, precision))
                 report.write(out, rows, {**meta, "recommendation": report.recommendation(rows, meta["auto_pick"])})
                 bar.advance(task)
-    except KeyboardInterrupt:
-        meta["interrupted"] = f"Ctrl-C after {len(rows)} of {len(todo)} rows"
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (`timeout`, a scheduler): the row's processes are stopped
+        meta["interrupted"] = f"{interrupt_name(e)} after {len(rows)} of {len(todo)} rows"
     meta["recommendation"] = report.recommendation(rows, meta["auto_pick"])
     _show(rows, meta)
     for p in report.write(out, rows, meta):  # after each row too: a bench cut short keeps its rows
