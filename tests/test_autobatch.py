@@ -177,6 +177,17 @@ def test_injected_oom_fires_above_the_threshold_only(monkeypatch):
     layer(torch.zeros(1, 2))
 
 
+def test_a_librarys_out_of_memory_counts_as_out_of_memory_and_nothing_else_does():
+    import torch
+
+    from bigfit.probefile import out_of_memory
+
+    assert out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB"))
+    assert out_of_memory(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"))
+    assert not out_of_memory(RuntimeError("CUDA error: an illegal memory access was encountered"))
+    assert not out_of_memory(ValueError("CUBLAS_STATUS_ALLOC_FAILED"))
+
+
 def _train(model_dir, data, out, *flags):
     from bigfit.cli import main
 
@@ -185,7 +196,8 @@ def _train(model_dir, data, out, *flags):
 
 
 def test_one_process_finds_the_threshold_with_one_model_build(model_dirs, pairs_file, tmp_path, capsys, monkeypatch):
-    monkeypatch.setenv("BIGFIT_FAULT", "oom-above:13")  # read by the probe processes, which inherit it
+    # out of memory as cuBLAS says it (a RuntimeError, not torch's OutOfMemoryError), recovered in place
+    monkeypatch.setenv("BIGFIT_FAULT", "cublas-above:13")  # read by the probe processes, which inherit it
     code = _train(model_dirs["gpt2"], pairs_file, tmp_path, "--strategy", "single")
     printed = capsys.readouterr()
     assert code == 0, printed.err

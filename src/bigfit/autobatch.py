@@ -20,7 +20,7 @@ from .errors import BigfitError
 from .launch import launch_local
 from .planning.command import auto_micro_batch
 from .planning.sizes import Prediction, ProbeSearch, outcome_text
-from .probefile import OOM_EXIT, RETRY_EXIT, load, path, save
+from .probefile import OOM_EXIT, RETRY_EXIT, load, out_of_memory, path, save
 
 # a worker killed by SIGKILL (launch.py: 128 + 9): on a machine without GPUs, where the micro-batch
 # fills host RAM, that is the kernel's OOM killer, not a CUDA out-of-memory error
@@ -29,7 +29,7 @@ KILLED = 128 + signal.SIGKILL
 
 def exit_status(e: BaseException) -> int:
     """A failed worker's exit status: OOM_EXIT for out-of-memory, 1 otherwise."""
-    return OOM_EXIT if isinstance(e, torch.OutOfMemoryError) else 1
+    return OOM_EXIT if out_of_memory(e) else 1
 
 
 def choose_micro_batch(argv: list[str], cfg: TrainConfig, world: int, speaks: bool,

@@ -7,6 +7,7 @@ checkpoint, before it is marked complete) and `probe` (step 0: micro-batch auto'
 first size). Unset, this costs one dictionary look-up per call.
 BIGFIT_FAULT=oom-above:<n>[:<t>] makes micro-batch auto's probe steps above n run out of memory, and
 training steps above t (a size the probe confirmed that training cannot hold: `bigfit bench` retries);
+cublas-above:<n> the same with the RuntimeError cuBLAS raises when a full card has no room for its handle;
 flush-above:<n>[:<rank>] makes the probe see the allocator flush its cache in steps above n (on that
 rank only, if given). Several faults join with commas.
 """
@@ -37,7 +38,7 @@ def inject_oom(module, micro_batch: int, training: bool = False):
     step (t in a training step; none if t is not given) runs out of memory at the end of `module`'s
     forward, as a real error would half-way through a step, with the graph and its activations built.
     Returns the hook's handle to remove, or None."""
-    spec = _spec("oom-above:")
+    spec = _spec("oom-above:") or _spec("cublas-above:")
     if not spec:
         return None
     limits = spec.split(":")[1:]
@@ -46,6 +47,9 @@ def inject_oom(module, micro_batch: int, training: bool = False):
     import torch
 
     def fail(*_):
+        if spec.startswith("cublas"):
+            raise RuntimeError(f"CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)` (injected: "
+                               f"micro-batch {micro_batch})")
         raise torch.OutOfMemoryError(f"injected: micro-batch {micro_batch} does not fit")
 
     return module.register_forward_hook(fail)

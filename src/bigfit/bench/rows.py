@@ -19,7 +19,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from ..probefile import OOM_EXIT
+from ..probefile import OOM_EXIT, out_of_memory
 
 ROW_FILE = "row.json"
 RETRIES = 2  # smaller confirmed sizes tried after training ran out of memory at the probe's largest
@@ -100,8 +100,9 @@ def _train_at(row: Path, cfg, nproc: int, spec: dict, micro: int, peak: int | No
     _write(row, found)
     try:
         return train_command(["train"], job)
-    except torch.OutOfMemoryError:  # one process: training ran here
-        pass
+    except RuntimeError as err:  # one process: training ran here
+        if not out_of_memory(err):
+            raise
     gc.collect()  # the failed step's tensors went with the exception's frames
     torch.cuda.empty_cache()
     return OOM_EXIT

@@ -93,8 +93,8 @@ def _attempt(job: Job, engine: Engine, rt: Runtime, longest: Sequence[dict], mic
         if full and not twice:  # the blocks another size left cached may need one flush: a settled step
             full = _any(step(), rt)
         ran = True
-    except torch.OutOfMemoryError:
-        if rt.distributed:
+    except RuntimeError as e:  # torch's OutOfMemoryError is one
+        if rt.distributed or not probefile.out_of_memory(e):
             raise  # the other ranks wait inside this step's collectives: this worker set ends (autobatch.py)
         ran = False  # leaving the except drops the error and its frames, which held the step's activations
     finally:
