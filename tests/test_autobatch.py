@@ -343,3 +343,45 @@ def test_auto_with_auto_batch_sizes_picks_the_fastest_per_sample_at_each_strateg
     offload = command.plan_here(cfg, 2, ("zero2-offload", "zero3-offload")).candidates
     assert all(c.fits and c.why_not.startswith("not a candidate without GPUs") for c in offload)
     assert "offload" not in name and "offload" not in fixed[0]
+
+
+@pytest.mark.parametrize("where", ["backward", "forward"])
+def test_zero3_recovers_in_place_from_out_of_memory_half_way_through_a_step(where):
+    """The units a failed step reached are sharded again, and the next steps' gradients are all
+    sharded (2 gloo ranks, FSDP2, an error in the second unit's backward or forward)."""
+    from dist import run_ranks
+
+    assert run_ranks(_fails_then_steps, 2, where) == [["DTensor"] * 8] * 2
+
+
+def _fails_then_steps(where: str) -> list[str]:
+    import torch
+    from torch.distributed.fsdp import fully_shard
+
+    from bigfit.strategies.sharding import FSDPApplied
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()) for _ in range(4)])
+    for unit in model:
+        fully_shard(unit)
+    fully_shard(model)
+    engine = FSDPApplied(model=model, module=model, strategy="zero3")
+    engine.optimizer = torch.optim.AdamW(model.parameters())
+    hook = model[1].register_full_backward_hook if where == "backward" else model[1].register_forward_hook
+    fail = hook(lambda *_: _raise())
+    with pytest.raises(RuntimeError, match="CUBLAS_STATUS_ALLOC_FAILED"):
+        model(torch.randn(4, 8)).sum().backward()
+    fail.remove()
+    engine.reshard()
+    engine.recover_from_oom()
+    for _ in range(2):
+        model(torch.randn(4, 8)).sum().backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # mixed gradients fail here
+        kinds = [type(p.grad).__name__ for p in model.parameters()]
+        engine.optimizer.step()
+        engine.optimizer.zero_grad()
+    return kinds
+
+
+def _raise():
+    raise RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)` (injected)")

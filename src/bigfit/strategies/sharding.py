@@ -58,6 +58,17 @@ class FSDPApplied(Applied):
         for unit in _units(self.model):
             unit.reshard()
 
+    def recover_from_oom(self) -> None:
+        """A backward that failed half-way never ran FSDP2's end-of-backward callback (torch queues it on
+        the autograd engine, and the error skips it): the units it had reached keep their gathered
+        parameters, and every later step mixes their plain gradients with the sharded ones (zero3's
+        probe on an H100 after cuBLAS ran out of memory in backward: clip_grad_norm_ "got mixed
+        torch.Tensor and DTensor"). Run it as that backward would have, then drop what it reduced."""
+        self.model._get_fsdp_state()._root_post_backward_final_callback()  # torch has no public reset
+        for p in self.model.parameters():
+            p.grad = None
+        super().recover_from_oom()
+
 
 def apply_fsdp(model: torch.nn.Module, plan: ParallelPlan, rt: Runtime, compute: torch.dtype | None,
                reduce: torch.dtype, before=None) -> Applied:
