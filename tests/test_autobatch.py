@@ -150,6 +150,28 @@ def test_a_probe_worker_killed_on_a_machine_without_gpus_counts_as_out_of_memory
     assert "probe micro-batch 12: out of memory on a rank; new probe processes go on" in capsys.readouterr().out
 
 
+def test_a_card_another_process_holds_is_named_when_the_probe_cannot_build_the_model(monkeypatch, model_dirs, tmp_path):
+    """Out of memory before the first probe step: the refusal carries CUDA's words on the card and on
+    the processes holding it (a job left running there is the cause, not the model)."""
+    from bigfit import autobatch, probefile
+    from bigfit.config import TrainConfig
+    from bigfit.errors import BigfitError
+
+    said = ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity of "
+            "79.18 GiB of which 18.56 MiB is free. Process 1507 has 76.57 GiB memory in use. Including non-PyTorch "
+            "memory, this process has 2.58 GiB memory in use.")
+
+    def workers(argv, world, logs, **kwargs):  # the set fails while building: no probe step, no new set counted
+        (logs / "error.txt").write_text(f"worker rank 0 failed: {said}\n")
+        return probefile.OOM_EXIT
+
+    monkeypatch.setattr(autobatch, "launch_local", workers)
+    cfg = TrainConfig(model=str(model_dirs["gpt2"]), strategy="single", batch_size="auto", output_dir=str(tmp_path))
+    with pytest.raises(BigfitError, match=r"building the model with single \(GPU 0 has a total capacity of 79.18 GiB "
+                       r"of which 18.56 MiB is free. Process 1507 has 76.57 GiB memory in use.\); logs in "):
+        autobatch.choose_micro_batch([], cfg, 1, speaks=True, pred=Prediction(12, 1, 2, list(range(1, 13))))
+
+
 def test_a_step_that_never_finishes_after_an_oom_ends_the_probe():
     from bigfit.training.probe import _deadline
 

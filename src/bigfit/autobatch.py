@@ -10,7 +10,9 @@ processes exit before the real job starts, so its OOMs never reach the job's pro
 from __future__ import annotations
 
 import dataclasses
+import re
 import signal
+from pathlib import Path
 
 import torch
 
@@ -98,7 +100,7 @@ def _probe(argv: list[str], cfg: TrainConfig, world: int, pred: Prediction) -> P
         _show(search.outcomes[seen:])
         if code == OOM_EXIT and search.worker_sets == sets:  # it never reached a probe step
             raise BigfitError(f"the micro-batch probe ran out of memory before its first step, building the model "
-                              f"with {cfg.strategy}; logs in {where.parent}")
+                              f"with {cfg.strategy}{_device_words(where.parent)}; logs in {where.parent}")
         if code == OOM_EXIT:
             failed = search.next()
             search.outcomes.append([failed, False, None])
@@ -113,6 +115,15 @@ def _probe(argv: list[str], cfg: TrainConfig, world: int, pred: Prediction) -> P
             why = report.read_text().strip() if report.is_file() else f"exit status {code}"
             raise BigfitError(f"the micro-batch probe failed ({why}); logs in {where.parent}")
     return search
+
+
+def _device_words(logs: Path) -> str:
+    """What CUDA said of the card when a worker ran out of memory, with the other processes that hold it
+    (a job left running on the card, not the model, is then the cause): " (GPU 0 has ... in use.)"."""
+    report = logs / "error.txt"
+    found = re.search(r"GPU \d+ has a total capacity of .*? is free\.(?: Process \d+ has \S+ \S+ memory in use\.)*",
+                      report.read_text() if report.is_file() else "")
+    return f" ({found.group(0)})" if found else ""
 
 
 def _show(outcomes: list[list]) -> None:
