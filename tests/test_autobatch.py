@@ -111,6 +111,26 @@ def test_the_prediction_searches_every_size_and_keeps_divisors_for_a_fixed_batch
     assert (p.size, p.sizes) == (240, divisors(480))  # the largest divisor of the per-process 480 up to 300
 
 
+def test_the_prediction_leaves_the_allocators_share_of_the_card(monkeypatch, model_dirs):
+    """Filled to the plan's last byte a step runs only by flushing the allocator's cache: the predicted
+    size is the largest whose bytes leave CACHE_SLACK of the smallest GPU's budget free."""
+    from bigfit.config import TrainConfig
+    from bigfit.planning import command
+    from bigfit.planning.estimate import CACHE_SLACK, RESERVE
+
+    budget = 100 * 10**9
+    monkeypatch.setattr(command, "_this_machine", lambda *a, **k: SimpleNamespace(gpu_bytes=[budget + RESERVE] * 2))
+    monkeypatch.setattr(command, "_with_map_budgets", lambda hw, cfg: hw)
+
+    def plan(config, hw, job, strategies):  # 1 GB a sample: every size up to 100 fits the budget itself
+        est = SimpleNamespace(per_gpu={"total": job.micro_batch * 10**9}, step_time_s=0.1)
+        return SimpleNamespace(candidates=[SimpleNamespace(fits=est.per_gpu["total"] <= budget, estimate=est)])
+
+    monkeypatch.setattr(command, "plan_for_config", plan)
+    p = command.auto_micro_batch(TrainConfig(model=str(model_dirs["gpt2"]), strategy="single", batch_size="auto"), 2)
+    assert CACHE_SLACK == 0.05 and (p.size, p.budget) == (95, budget)
+
+
 def test_no_probe_under_torchrun(monkeypatch, model_dirs, capsys):
     from bigfit import autobatch
     from bigfit.config import TrainConfig

@@ -21,6 +21,7 @@ from .distributed import launched_by_torchrun_env
 from .errors import BigfitError
 from .launch import launch_local
 from .planning.command import auto_micro_batch
+from .planning.estimate import CACHE_SLACK
 from .planning.sizes import Prediction, ProbeSearch, outcome_text
 from .probefile import OOM_EXIT, RETRY_EXIT, load, out_of_memory, path, save
 
@@ -42,7 +43,8 @@ def choose_micro_batch(argv: list[str], cfg: TrainConfig, world: int, speaks: bo
     (OUTPUT/logs/probe/device_map.json): the probe confirms sizes for the map the job then runs."""
     pred = pred or auto_micro_batch(cfg, world)
     cfg = _pinned_map(cfg, pred.size, speaks)
-    said = f"predicted {pred.size} ({_gb(pred.need)} of {_gb(pred.budget)})"
+    said = (f"predicted {pred.size} ({_gb(pred.need)} of {_gb(pred.budget)}, {CACHE_SLACK:.0%} of it left to the "
+            f"allocator's cache)")
     if launched_by_torchrun_env():
         if speaks:
             print(f"micro-batch auto -> {pred.size}: {said}; not probed under torchrun (its processes are the job's)")

@@ -17,7 +17,7 @@ from ..lora import LoraSettings
 from ..models import load_config, locate
 from ..parallel.plan import DIMS, plan_for
 from .devicecost import cpu_device_rates
-from .estimate import RESERVE
+from .estimate import CACHE_SLACK, RESERVE
 from .flags import LORA_FLAGS
 from .job import planned_lengths
 from .layouts import SHOWN, check_degrees, flag
@@ -265,10 +265,12 @@ def _at_largest(cfg, world: int, planned, name: str) -> tuple | None:
 
 
 def _largest_micro(planned, name: str, sizes: list[int], job_at) -> tuple[int, object] | None:
-    """The largest of `sizes` at which `name` fits, with its row: `planned` is (config, machine, job),
-    the job changed by job_at(m). The bytes grow with the micro-batch, so sizes.largest_true plans
-    about 2 log2(answer) sizes, and the trace of each is drawn from two (profile.py)."""
+    """The largest of `sizes` at which `name` fits with CACHE_SLACK of the smallest GPU's budget left,
+    with its row: `planned` is (config, machine, job), the job changed by job_at(m). The bytes grow
+    with the micro-batch, so sizes.largest_true plans about 2 log2(answer) sizes, and the trace of
+    each is drawn from two (profile.py)."""
     config, hw, job = planned
+    room = (1 - CACHE_SLACK) * (min(hw.gpu_bytes) - RESERVE)
     rows = {}
 
     def row(m: int):
@@ -276,7 +278,7 @@ def _largest_micro(planned, name: str, sizes: list[int], job_at) -> tuple[int, o
             rows[m] = plan_for_config(config, hw, replace(job, **job_at(m)), strategies=(name,)).candidates[0]
         return rows[m]
 
-    best = largest_true(lambda m: row(m).fits, sizes)
+    best = largest_true(lambda m: row(m).fits and row(m).estimate.per_gpu["total"] <= room, sizes)
     return None if best is None else (best, row(best))
 
 
