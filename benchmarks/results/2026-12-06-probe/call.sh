@@ -11,7 +11,7 @@ export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 G=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
 ( nvidia-smi --query-gpu=name,memory.total --format=csv 2>/dev/null; date -u +%FT%TZ ) > $OUT/r/machine.txt
 if [ "${G:-0}" -gt 100000 ]; then
-  OUT=$OUT/r/ds ROWS=bench LIMIT=300 LIMIT_ALL=400 bash benchmarks/results/2026-12-06-gpu/call.sh > $OUT/r/ds.txt 2>&1
+  OUT=$OUT/r/ds ROWS=bench LIMIT=${DS_LIMIT:-300} LIMIT_ALL=${DS_ALL:-400} bash benchmarks/results/2026-12-06-gpu/call.sh > $OUT/r/ds.txt 2>&1
   ROWS="${ROWS_H200:-zero2-offload single}"
 else
   timeout 60 python -m bigfit plan --calibrate > $OUT/r/cal.txt 2>&1  # the bench's rows rate this host
