@@ -22,7 +22,8 @@ def out_of_memory(e: BaseException) -> bool:
     """Whether `e` means the device ran out of memory (torch's own error, or a library's: LIBRARY_OOM)."""
     import torch
 
-    return isinstance(e, torch.OutOfMemoryError) or (isinstance(e, RuntimeError) and any(m in str(e) for m in LIBRARY_OOM))
+    return isinstance(e, torch.OutOfMemoryError) or (
+        isinstance(e, RuntimeError) and any(m in str(e) for m in LIBRARY_OOM))
 
 
 def path(output_dir: str) -> Path:

@@ -42,8 +42,9 @@ def bench_command(bench: BenchSettings, base: TrainConfig) -> int:
     meta.update(_host_figure())  # before the pick and the rows: their predicted step times rate this host
     meta["auto_pick"], meta["auto_reason"] = _auto_pick(base, {s for s, _ in todo})
     try:
-        with stop_on_sigterm(), Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                      TimeElapsedColumn(), TextColumn("left"), TimeRemainingColumn(), console=console) as bar:
+        with stop_on_sigterm(), Progress(TextColumn("{task.description}"), BarColumn(),
+                                         TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
+                                         TextColumn("left"), TimeRemainingColumn(), console=console) as bar:
             task = bar.add_task("bench", total=len(todo))
             for strategy, precision in todo:
                 bar.update(task, description=f"{strategy} {precision}")

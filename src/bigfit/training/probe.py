@@ -94,8 +94,9 @@ def _attempt(job: Job, engine: Engine, rt: Runtime, longest: Sequence[dict], mic
             full = _any(step(), rt)
         ran = True
     except RuntimeError as e:  # torch's OutOfMemoryError is one
+        # several ranks: the others wait inside this step's collectives, so this worker set ends (autobatch.py)
         if rt.distributed or not probefile.out_of_memory(e):
-            raise  # the other ranks wait inside this step's collectives: this worker set ends (autobatch.py)
+            raise
         ran = False  # leaving the except drops the error and its frames, which held the step's activations
     finally:
         if hook is not None:
