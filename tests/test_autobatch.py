@@ -113,18 +113,21 @@ def test_the_prediction_searches_every_size_and_keeps_divisors_for_a_fixed_batch
 
 def test_the_prediction_leaves_the_allocators_share_of_the_card(monkeypatch, model_dirs):
     """Filled to the plan's last byte a step runs only by flushing the allocator's cache: the predicted
-    size is the largest whose bytes leave CACHE_SLACK of the smallest GPU's budget free."""
+    size is the largest that fits GPUs whose budgets leave CACHE_SLACK of each free (mixed sizes: each
+    its own)."""
     from bigfit.config import TrainConfig
+    from bigfit.hardware import Hardware
     from bigfit.planning import command
     from bigfit.planning.estimate import CACHE_SLACK, RESERVE
 
     budget = 100 * 10**9
-    monkeypatch.setattr(command, "_this_machine", lambda *a, **k: SimpleNamespace(gpu_bytes=[budget + RESERVE] * 2))
-    monkeypatch.setattr(command, "_with_map_budgets", lambda hw, cfg: hw)
+    monkeypatch.setattr(command, "_this_machine", lambda *a, **k: Hardware(gpu_bytes=(2 * budget + RESERVE,
+                                                                                      budget + RESERVE)))
 
-    def plan(config, hw, job, strategies):  # 1 GB a sample: every size up to 100 fits the budget itself
+    def plan(config, hw, job, strategies):  # 1 GB a sample on the smaller GPU: it holds 100 itself
         est = SimpleNamespace(per_gpu={"total": job.micro_batch * 10**9}, step_time_s=0.1)
-        return SimpleNamespace(candidates=[SimpleNamespace(fits=est.per_gpu["total"] <= budget, estimate=est)])
+        fits = est.per_gpu["total"] <= min(hw.gpu_bytes) - RESERVE
+        return SimpleNamespace(candidates=[SimpleNamespace(fits=fits, estimate=est)])
 
     monkeypatch.setattr(command, "plan_for_config", plan)
     p = command.auto_micro_batch(TrainConfig(model=str(model_dirs["gpt2"]), strategy="single", batch_size="auto"), 2)

@@ -265,12 +265,14 @@ def _at_largest(cfg, world: int, planned, name: str) -> tuple | None:
 
 
 def _largest_micro(planned, name: str, sizes: list[int], job_at) -> tuple[int, object] | None:
-    """The largest of `sizes` at which `name` fits with CACHE_SLACK of the smallest GPU's budget left,
-    with its row: `planned` is (config, machine, job), the job changed by job_at(m). The bytes grow
-    with the micro-batch, so sizes.largest_true plans about 2 log2(answer) sizes, and the trace of
-    each is drawn from two (profile.py)."""
+    """The largest of `sizes` at which `name` fits with CACHE_SLACK of every GPU's budget left, with its
+    row: `planned` is (config, machine, job), the job changed by job_at(m). The bytes grow with the
+    micro-batch, so sizes.largest_true plans about 2 log2(answer) sizes, and the trace of each is
+    drawn from two (profile.py)."""
     config, hw, job = planned
-    room = (1 - CACHE_SLACK) * (min(hw.gpu_bytes) - RESERVE)
+    # each GPU less its share for the allocator's cache (mixed sizes: each its own; a device map's or a
+    # pipeline's parts are checked device by device)
+    hw = replace(hw, gpu_bytes=tuple(RESERVE + int((1 - CACHE_SLACK) * (b - RESERVE)) for b in hw.gpu_bytes))
     rows = {}
 
     def row(m: int):
@@ -278,7 +280,7 @@ def _largest_micro(planned, name: str, sizes: list[int], job_at) -> tuple[int, o
             rows[m] = plan_for_config(config, hw, replace(job, **job_at(m)), strategies=(name,)).candidates[0]
         return rows[m]
 
-    best = largest_true(lambda m: row(m).fits and row(m).estimate.per_gpu["total"] <= room, sizes)
+    best = largest_true(lambda m: row(m).fits, sizes)
     return None if best is None else (best, row(best))
 
 
