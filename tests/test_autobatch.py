@@ -100,7 +100,7 @@ def test_the_prediction_searches_every_size_and_keeps_divisors_for_a_fixed_batch
     def plan(config, hw, job, strategies):  # the planner's bytes grow with the micro-batch; 300 still fits
         planned.append(job.micro_batch)
         est = SimpleNamespace(per_gpu={"total": job.micro_batch * 10**6}, step_time_s=0.1)
-        return SimpleNamespace(candidates=[SimpleNamespace(fits=job.micro_batch <= 300, estimate=est)])
+        return SimpleNamespace(candidates=[SimpleNamespace(fits=job.micro_batch <= 300, estimate=est)], device_map=None)
 
     monkeypatch.setattr(command, "plan_for_config", plan)
     p = command.auto_micro_batch(TrainConfig(model=str(model_dirs["gpt2"]), strategy="single", batch_size="auto"), 2)
@@ -126,11 +126,39 @@ def test_the_prediction_leaves_the_allocators_share_of_the_card(monkeypatch, mod
     def plan(config, hw, job, strategies):  # 1 GB a sample on the smaller GPU: it holds 100 itself
         est = SimpleNamespace(per_gpu={"total": job.micro_batch * 10**9}, step_time_s=0.1)
         fits = est.per_gpu["total"] <= min(hw.gpu_bytes) - RESERVE
-        return SimpleNamespace(candidates=[SimpleNamespace(fits=fits, estimate=est)])
+        return SimpleNamespace(candidates=[SimpleNamespace(fits=fits, estimate=est)], device_map=None)
 
     monkeypatch.setattr(command, "plan_for_config", plan)
     p = command.auto_micro_batch(TrainConfig(model=str(model_dirs["gpt2"]), strategy="single", batch_size="auto"), 2)
     assert CACHE_SLACK == 0.05 and (p.size, p.budget) == (95, budget)
+
+
+def test_a_device_maps_prediction_keeps_on_the_gpu_the_blocks_the_smallest_size_keeps_there(monkeypatch, model_dirs):
+    """device_map's balancer makes room for a larger micro-batch by moving blocks to the host, which
+    computes them far slower: the predicted size is the largest whose map computes no more blocks on
+    the host than the smallest size's, although larger sizes still fit (the real planner, tiny T5 on a
+    GPU of 50 MiB past the reserve)."""
+    from bigfit.config import TrainConfig
+    from bigfit.hardware import Hardware
+    from bigfit.models import load_config, locate
+    from bigfit.planning import command
+    from bigfit.planning.estimate import CACHE_SLACK, RESERVE
+
+    gpu = Hardware(gpu_bytes=(RESERVE + 50 * 2**20,), cpu_ram=8 * 2**30)
+    monkeypatch.setattr(command, "_this_machine", lambda *a, **k: gpu)
+    cfg = TrainConfig(model=str(model_dirs["t5"]), strategy="device_map", batch_size="auto", precision="bf16")
+    p = command.auto_micro_batch(cfg, 1)
+    config = load_config(locate(cfg.model))
+    slack = Hardware(gpu_bytes=(RESERVE + int((1 - CACHE_SLACK) * 50 * 2**20),), cpu_ram=8 * 2**30)
+
+    def planned(m):
+        plan = command.plan_for_config(config, slack, command._job(cfg, config, m, m), strategies=("device_map",))
+        return plan.candidates[0].fits, command._host_blocks(plan.device_map)
+
+    assert p.size > 1 and planned(p.size) == (True, 0)
+    fits, host = planned(p.size + 1)
+    assert fits and host > 0  # fits, but only with blocks on the host
+    assert planned(4 * p.size)[0]  # the largest that fits is far larger: not what auto picks
 
 
 def test_no_probe_under_torchrun(monkeypatch, model_dirs, capsys):

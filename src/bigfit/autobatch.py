@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import signal
+import time
 from pathlib import Path
 
 import torch
@@ -49,7 +50,9 @@ def choose_micro_batch(argv: list[str], cfg: TrainConfig, world: int, speaks: bo
         if speaks:
             print(f"micro-batch auto -> {pred.size}: {said}; not probed under torchrun (its processes are the job's)")
         return _decided(cfg, world, pred.size)
+    start = time.perf_counter()
     search = _probe(argv, cfg, world, pred)
+    took = time.perf_counter() - start
     best = search.best()
     if search.start < pred.size:  # the workers keep to sizes the longest samples can fill
         said += f", the data gives {search.sizes[-1]} samples per process at most"
@@ -58,7 +61,7 @@ def choose_micro_batch(argv: list[str], cfg: TrainConfig, world: int, speaks: bo
                           f"memory in the probe ({outcome_text(search.outcomes)})")
     peak = search.peak(best)
     measured = f"peak {_gb(peak)} measured, {_gb(pred.budget - peak)} left" if peak else "measured by a probe step"
-    builds = ("the model built once" if search.worker_sets == 1 else
+    builds = (f"probed in {took:.0f} s, the model built once" if search.worker_sets == 1 else f"probed in {took:.0f} s, "
               f"the model built {search.worker_sets} times: new probe processes after an OOM on several ranks "
               "or where the engine cannot go on after one")
     print(f"micro-batch auto -> {best}: {said}, probes {outcome_text(search.outcomes)}; confirmed {best} "

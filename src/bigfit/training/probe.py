@@ -55,7 +55,8 @@ def probe(job: Job, engine: Engine, rt: Runtime) -> dict:
         search.outcomes.append([micro, ran and not full, _largest(peak, rt) if ran else None])
         _agreed_save(where, search, rt)
         if rt.is_main:
-            print(f"probe micro-batch {micro}: {outcome_text(search.outcomes[-1:])}", flush=True)
+            print(f"probe micro-batch {micro}: {outcome_text(search.outcomes[-1:])} in {time.perf_counter() - t0:.1f} s",
+                  flush=True)
         if not ran and not engine.recovers_from_oom and search.next() is not None:
             raise SystemExit(probefile.RETRY_EXIT)  # the next size in new processes, at once
     return {"probes": search.outcomes}
