@@ -99,7 +99,8 @@ def job(r: dict, strategy: str, override: dict) -> Job:
 
 
 def measured_map(prof, layout: dict, main: str = "cuda:0") -> list[str]:
-    """The device of every block (the profile's stacks in forward order) in benchmarks/device_map.py's layouts."""
+    """The device of every block (the profile's stacks in forward order) in benchmarks/device_map.py's layouts,
+    or "whole": every block on the main device (a map micro-batch auto balanced for a size the GPU holds)."""
     other = layout["devices"].split("+")[1]
     out = []
     for _, n in prof.stacks:
@@ -108,6 +109,8 @@ def measured_map(prof, layout: dict, main: str = "cuda:0") -> list[str]:
             out += [main if encoder else other] * n
         elif layout["layout"] == "split":
             out += [main] * (n // 2) + [other] * (n - n // 2)
+        elif layout["layout"] == "whole":
+            out += [main] * n
         elif layout["layout"] == "tail":
             keep = n if encoder else n - layout["tail"]
             out += [main] * keep + [other] * (n - keep)
@@ -144,7 +147,7 @@ def predict(r: dict) -> dict:
     if strategy == "pipeline" and r.get("measured_rank") is not None:  # strategies.py's rank 0 reports its own peak
         out["gpu_bytes"] = p.pipeline["devices"][f"rank {r['measured_rank']}"]["predicted_bytes"]
     layout = r["flags"]["device_map"]
-    if strategy == "device_map" and layout and layout["layout"] in ("flat", "split", "tail"):
+    if strategy == "device_map" and layout and layout["layout"] in ("flat", "split", "tail", "whole"):
         balancer = f"balancer's map: {e.step_time_s:.3f} s, {e.per_gpu['total'] / 1e9:.1f} GB"
         try:
             step, gpu, neck = rate_map(config, hw, jb, layout)

@@ -42,7 +42,9 @@ cve5-zero3-0 cve5-zero2-1 cve5-zero3-offload-2 cve5-zero3-3 bench5-single bench5
 bench5-zero3-offload nvme-21.9b-int8 nvme-25.0b-int8 bench6-zero2-offload bench6-single-fp32 h100-bench-single h100-bench-zero3
 dm7-b16-unsplit dm9-b8-unsplit dm9-b8-split dm9-b8-split-c4 dm9-b16-unsplit h100c-bench-zero2 h100d-train-zero2-offload-160
 h100d-train-zero2-offload-128 h100d-train-zero2-128 h100e-bench-zero2-offload h100e-bench-zero2
-h100e-bench-zero3-offload h100e-bench-single h100e-bench-zero2-offload-b h100e-bench-zero3""".split()
+h100e-bench-zero3-offload h100e-bench-single h100e-bench-zero2-offload-b h100e-bench-zero3 h100f-bench-device_map
+h100f-bench-single-fp32 h100f-bench-single h100f-bench-zero2 h100f-bench-zero3 h100f-bench-zero2-offload
+h100f-bench-zero3-offload""".split()
 
 
 @pytest.fixture(scope="module")
