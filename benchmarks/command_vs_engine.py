@@ -10,11 +10,14 @@ host RSS is the largest child's peak.
   python benchmarks/command_vs_engine.py --size 1b --seq 1024 --rows single,zero3,zero2-offload --out rows.jsonl
   python benchmarks/command_vs_engine.py --start-only --size 3b --rows zero2-offload   (time to first step)
   python benchmarks/command_vs_engine.py --rows zero3,zero3,zero3,zero3 --alternate   (rounds, the order alternated)
+  BIGFIT_NVME_HOST_GB=12 python benchmarks/command_vs_engine.py --rows zero2-offload-nvme   (both sides keep 12 GB of
+    optimizer states in RAM and the rest in BIGFIT_NVME_DIR, default /tmp/bigfit-nvme)
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import resource
 import statistics
@@ -90,6 +93,9 @@ def command_row(variant: str, model: Path, data: Path, mbs: int, seq: int, steps
              + ["--max-grad-norm", "0"] * ("noclip" in flags or "eager" in flags)
              + ["--offload-grads", "device"] * ("devgrads" in flags)
              + ["--activation-checkpointing"] * ("ckpt" in flags))
+    if strategy == "zero2-offload-nvme":  # the disk tier as the engine row sets it (strategies.py's variables)
+        extra += ["--nvme-dir", os.environ.get("BIGFIT_NVME_DIR", "/tmp/bigfit-nvme"),
+                  "--nvme-host-gb", os.environ.get("BIGFIT_NVME_HOST_GB", "0")]
     cmd = [sys.executable, "-m", "bigfit", "train", "--model", str(model), "--data", str(data), "--strategy", strategy,
            "--nproc", "1", "--precision", "bf16", "--batch-size", str(mbs), "--max-source-len", str(seq),
            "--max-steps", str(steps), "--eval-every", "0", "--eval-samples", "0", "--save-every", "0",

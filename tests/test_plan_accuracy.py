@@ -44,7 +44,8 @@ dm7-b16-unsplit dm9-b8-unsplit dm9-b8-split dm9-b8-split-c4 dm9-b16-unsplit h100
 h100d-train-zero2-offload-128 h100d-train-zero2-128 h100e-bench-zero2-offload h100e-bench-zero2
 h100e-bench-zero3-offload h100e-bench-single h100e-bench-zero2-offload-b h100e-bench-zero3 h100f-bench-device_map
 h100f-bench-single-fp32 h100f-bench-single h100f-bench-zero2 h100f-bench-zero3 h100f-bench-zero2-offload
-h100f-bench-zero3-offload""".split()
+h100f-bench-zero3-offload cve6-ddp-1 cve6-zero1-2 cve6-device_map-3 cve6-ddp-4 cve6-zero1-5
+cve6-device_map-6""".split()
 
 
 @pytest.fixture(scope="module")
