@@ -281,3 +281,20 @@ def test_predictions_match_the_peaks_measured_on_an_h200():
         ratios[(r["family"], r["strategy"], r["batch"])] = predicted["total"] / r["measured"]
     print(ratios)
     assert len(ratios) == 16 and all(0.9 <= x <= 1.1 for x in ratios.values()), ratios
+
+
+def test_a_pick_within_the_allocators_share_of_the_gpu_says_its_steps_may_flush_that_cache():
+    """Planned at a fixed batch, the fastest row may fill the GPU past the caching allocator's share
+    (estimate.CACHE_SLACK): the reason says so, and with room to spare it says nothing."""
+    from bigfit.planning.estimate import CACHE_SLACK, RESERVE
+    from bigfit.planning.search import Job, plan_for_config
+
+    job = Job(batch_size=8, seq_len=512, target_len=128, precision="bf16")
+    roomy = plan_for_config(t5_3b(), Hardware(gpu_bytes=(1000 * GB,), cpu_ram=512 * GB), job)
+    need = {c.estimate.name: c.estimate.per_gpu["total"] for c in roomy.candidates}[roomy.recommended]
+    assert "caching allocator" not in roomy.reason
+    budget = int(need / 0.98)  # the same job at 98% of the GPU past the reserve
+    tight = plan_for_config(t5_3b(), Hardware(gpu_bytes=(RESERVE + budget,), cpu_ram=512 * GB), job)
+    best = {c.estimate.name: c.estimate.per_gpu["total"] for c in tight.candidates}[tight.recommended]
+    assert best > (1 - CACHE_SLACK) * budget
+    assert f"at {best / budget:.0%} of the GPU's budget, within the 5% the caching allocator needs" in tight.reason
