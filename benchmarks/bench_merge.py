@@ -1,13 +1,17 @@
 """One `bigfit bench` table from several runs on the same workload, with the peers' rows beside them.
 
     python benchmarks/bench_merge.py --out DIR BENCH.json [BENCH.json ...] [--peers PEERS.json ...]
+        [--auto-pick STRATEGY]
 
 A GPU call's time limit often splits a bench into several runs (each `--strategies` a few rows), and
 benchmarks/peers_t5.py measures plain PyTorch and DeepSpeed on the same workload in the same columns.
 This writes DIR/bench.md, bench.csv, bench.json and bench.png through bigfit.bench.report, in the
 order given: a later run's row of a method replaces an earlier one's unless the later did not run to
 the end. Peers' rows are named "<method> (peer)" and have no predictions; their tokens/s and TFLOP/s
-are the bench's per sample (trained target tokens, not padding) at their step time.
+are the bench's per sample (trained target tokens, not padding) at their step time. Each run's own
+`--strategy auto` pick covers only its run's strategies; `--auto-pick` names the pick among all of
+them on that machine (benchmarks/results/2026-12-06-table/auto_pick.py asks it there), which the
+recommendation then weighs against the fastest measured.
 """
 from __future__ import annotations
 
@@ -58,6 +62,7 @@ def main() -> None:
     ap.add_argument("benches", nargs="+", type=Path, help="bench.json files, oldest first")
     ap.add_argument("--peers", nargs="*", type=Path, default=[], help="peers_t5.py --json files")
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--auto-pick", help="what --strategy auto picks among every run's strategies on that machine")
     a = ap.parse_args()
     benches = [json.loads(p.read_text()) for p in a.benches]
     rows = merged(benches, [json.loads(p.read_text()) for p in a.peers])
@@ -65,8 +70,11 @@ def main() -> None:
     first = benches[0]
     meta = {k: first.get(k) for k in ("model", "data", "train_samples", "eval_samples", "num_beams")}
     meta["sources"] = ", ".join(str(p) for p in [*a.benches, *a.peers])
-    meta["auto_picks"] = "; ".join(f"{b.get('started')}: {b.get('auto_pick')}" for b in benches)
-    meta["recommendation"] = recommendation(rows, None)
+    meta["each_run_auto_pick"] = "among its own strategies: " + "; ".join(
+        f"{b.get('started')} {b.get('auto_pick')}" for b in benches)
+    if a.auto_pick:
+        meta["auto_pick"] = f"{a.auto_pick} (among every run's strategies, asked on a machine of the same kind)"
+    meta["recommendation"] = recommendation(rows, a.auto_pick)
     for path in write(a.out, rows, meta):
         print(path)
 

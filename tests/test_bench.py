@@ -221,3 +221,26 @@ def test_runs_split_by_a_time_limit_merge_into_one_table_with_the_peers_rated_al
     per_sample = (900.0 * 0.37 / 128 + 400.0 * 0.2 / 40) / 2  # the median of the two ok rows: their mean
     assert rows[2]["tokens_per_s"] == pytest.approx(32 * per_sample / 0.5, rel=1e-3)
     assert rows[3]["status"] == "error" and rows[3]["reason"] == "no micro-batch ran: boom"
+
+
+def test_a_merged_table_weighs_the_pick_among_every_runs_strategies_against_the_fastest(tmp_path, monkeypatch):
+    """Each run's own auto pick covers its strategies alone; the one named with --auto-pick (asked on
+    the machine over all of them) is what the merged recommendation weighs."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+    import bench_merge
+
+    runs = []
+    for i, (row, pick) in enumerate([(OK, "zero2"), ({**OK, "method": "zero3 fp32", "strategy": "zero3",
+                                                       "train_s": 1.2}, "zero3")]):
+        runs.append(tmp_path / f"run{i}.json")
+        runs[-1].write_text(json.dumps({"model": "m", "started": f"t{i}", "auto_pick": pick, "rows": [row]}))
+    monkeypatch.setattr(sys, "argv", ["bench_merge.py", *map(str, runs), "--out", str(tmp_path / "table"),
+                                      "--auto-pick", "zero2"])
+    bench_merge.main()
+    md = (tmp_path / "table" / "bench.md").read_text()
+    assert "among its own strategies: t0 zero2; t1 zero3" in md
+    assert "fastest measured: zero3 fp32 (1.20 s to train, micro-batch 64); --strategy auto would pick zero2 instead" in md
