@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import resource
 import statistics
@@ -29,7 +28,7 @@ from pathlib import Path
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
-from strategies import SIZES  # noqa: E402
+from strategies import SIZES, nvme_tier  # noqa: E402
 
 
 def write_inputs(root: Path, size: str, seq: int, weights: bool) -> Path:
@@ -93,9 +92,9 @@ def command_row(variant: str, model: Path, data: Path, mbs: int, seq: int, steps
              + ["--max-grad-norm", "0"] * ("noclip" in flags or "eager" in flags)
              + ["--offload-grads", "device"] * ("devgrads" in flags)
              + ["--activation-checkpointing"] * ("ckpt" in flags))
-    if strategy == "zero2-offload-nvme":  # the disk tier as the engine row sets it (strategies.py's variables)
-        extra += ["--nvme-dir", os.environ.get("BIGFIT_NVME_DIR", "/tmp/bigfit-nvme"),
-                  "--nvme-host-gb", os.environ.get("BIGFIT_NVME_HOST_GB", "0")]
+    if strategy == "zero2-offload-nvme":  # the disk tier as the engine row sets it
+        where, host_gb = nvme_tier()
+        extra += ["--nvme-dir", where, "--nvme-host-gb", str(host_gb)]
     cmd = [sys.executable, "-m", "bigfit", "train", "--model", str(model), "--data", str(data), "--strategy", strategy,
            "--nproc", "1", "--precision", "bf16", "--batch-size", str(mbs), "--max-source-len", str(seq),
            "--max-steps", str(steps), "--eval-every", "0", "--eval-samples", "0", "--save-every", "0",

@@ -34,6 +34,11 @@ SIZES = {"tiny": (64, 2, 4, 2, 128, 384),  # a smoke test of this script on a CP
          "11b": (4096, 45, 32, 8, 14336, 128256)}  # 10.9B: the largest that trained on one H200 + 125 GiB
 
 
+def nvme_tier() -> tuple[str, float]:
+    """The disk tier's directory and GB of states kept in RAM: BIGFIT_NVME_DIR, BIGFIT_NVME_HOST_GB."""
+    return os.environ.get("BIGFIT_NVME_DIR", "/tmp/bigfit-nvme"), float(os.environ.get("BIGFIT_NVME_HOST_GB", "0"))
+
+
 def run_one(strategy: str, size: str, mbs: int, seq: int, steps: int, warmup: int, accum: int = 1,
             ckpt: bool = False, chunks: int | None = None) -> dict:
     import torch
@@ -62,8 +67,7 @@ def run_one(strategy: str, size: str, mbs: int, seq: int, steps: int, warmup: in
     if "torchadam" in variants:  # the engine's host step with torch's fused AdamW (fp32 gradients), not cpu_adam.py's
         os.environ["BIGFIT_CPU_ADAM"] = "0"
     if strategy == "zero2-offload-nvme":
-        tier.update(nvme_dir=os.environ.get("BIGFIT_NVME_DIR", "/tmp/bigfit-nvme"),
-                    nvme_host_gb=float(os.environ.get("BIGFIT_NVME_HOST_GB", "0")))
+        tier.update(zip(("nvme_dir", "nvme_host_gb"), nvme_tier()))
     rt = init_runtime(group_for_one=plan_for(strategy, 1).engine == "fsdp")
     pipe = dict(pipeline_schedule=variant, chunks=chunks) if strategy == "pipeline" else {}
     data = 1 if strategy == "pipeline" else rt.world_size  # pipeline stages all read the same batch

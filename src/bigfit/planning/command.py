@@ -23,6 +23,7 @@ from .job import planned_lengths
 from .layouts import SHOWN, check_degrees, flag
 from .quantized import check as check_4bit
 from .report import device_map_text, layout_table, pipeline_text, plan_table, plot_plan, rejected_text
+from .rows import gpu_cap
 from .search import SPLIT_MARGIN, WHOLE, Job, plan_for_config
 from .sizes import MAX_MICRO, Prediction, divisors, largest_true
 from .split import NAME as DEVICE_MAP
@@ -385,4 +386,4 @@ def auto_micro_batch(cfg, world: int) -> Prediction:
         raise BigfitError(f"--micro-batch-size auto: not even micro-batch {sizes[0] if sizes else cfg.chunks or 1} is "
                           f"predicted to fit with {cfg.strategy}; see `bigfit plan` for what would")
     best, c = rated
-    return Prediction(best, c.estimate.per_gpu["total"], min(hw.gpu_bytes) - RESERVE, sizes, c.estimate.step_time_s)
+    return Prediction(best, c.estimate.per_gpu["total"], gpu_cap(hw), sizes, c.estimate.step_time_s)

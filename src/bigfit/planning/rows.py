@@ -25,12 +25,17 @@ def gb(n: float) -> str:
     return f"{n / 1e9:.1f} GB"
 
 
+def gpu_cap(hw) -> int:
+    """The bytes a plan may use on the smallest GPU: its memory less the reserve."""
+    return min(hw.gpu_bytes) - RESERVE
+
+
 def fit_problem(e: Estimate, hw) -> str | None:
     """Why `e` does not fit: its GPU bytes against the smallest GPU (less the reserve), or the host's."""
-    gpu_cap = min(hw.gpu_bytes) - RESERVE
-    if e.per_gpu["total"] > gpu_cap:
+    cap = gpu_cap(hw)
+    if e.per_gpu["total"] > cap:
         worst = max(KEYS, key=e.per_gpu.get)
-        return (f"needs {gb(e.per_gpu['total'])} per GPU, {gb(e.per_gpu['total'] - gpu_cap)} more than the "
+        return (f"needs {gb(e.per_gpu['total'])} per GPU, {gb(e.per_gpu['total'] - cap)} more than the "
                 f"smallest GPU offers (largest part: {worst} {gb(e.per_gpu[worst])})")
     return host_problem(e, hw)
 

@@ -11,11 +11,11 @@ from ..precision import DTYPES
 from . import quantized
 from .adapters import describe as describe_lora
 from .devicecost import parameter_seconds, step_traffic
-from .estimate import CACHE_SLACK, RESERVE, Estimate, combine, grad_bytes, memory, nvme_bytes, nvme_fill, step_time
+from .estimate import CACHE_SLACK, Estimate, combine, grad_bytes, memory, nvme_bytes, nvme_fill, step_time
 from .hostcost import step_seconds as issue_seconds
 from .job import Job
 from .layouts import LayoutCandidate, Rejected, choose, layout_rows
-from .rows import Candidate, fit_problem as _fit, gb as _gb, host_problem as _host_fit
+from .rows import Candidate, fit_problem as _fit, gb as _gb, gpu_cap, host_problem as _host_fit
 from .profile import as_compiled, profile_model
 from .split import device_map_row
 from .stages import pipeline_row
@@ -190,7 +190,7 @@ def _edge(e: Estimate, hw) -> str:
     """A word where a data-parallel row fills a GPU past what the caching allocator needs beside it: such
     a step runs only by flushing the allocator's cache (T5-large under zero2-offload on an H100, 2026-12-06:
     1.06-1.31 s a step at 192 samples, 99% of the budget, against 0.53 s at 160); micro-batch auto keeps off it."""
-    budget = min(hw.gpu_bytes) - RESERVE
+    budget = gpu_cap(hw)
     if e.name in WHOLE or hw.device != "cuda" or e.per_gpu["total"] <= (1 - CACHE_SLACK) * budget:
         return ""
     return (f" (at {e.per_gpu['total'] / budget:.0%} of the GPU's budget, within the {CACHE_SLACK:.0%} the caching "
@@ -211,7 +211,7 @@ def _advice(cands: list[Candidate], job: Job, hw) -> str:
     # device_map's and pipeline's per-GPU figures are their fullest device: not comparable with the smallest GPU
     least = min([c for c in cands if c.estimate.name not in WHOLE] or cands,
                 key=lambda c: c.estimate.per_gpu["total"])
-    short = least.estimate.per_gpu["total"] - (min(hw.gpu_bytes) - RESERVE)
+    short = least.estimate.per_gpu["total"] - gpu_cap(hw)
     tips = []
     if not job.checkpointing:
         tips.append("--activation-checkpointing")
