@@ -1,5 +1,5 @@
-"""Issue 5's capacity target: the largest Llama-shaped model that a method fully fine-tunes (AdamW,
-bf16, 2 steps of 1 x 2048 tokens with activation checkpointing) on this machine, bigfit's offload
+"""The capacity target: the largest Llama-shaped model that a method fully fine-tunes (AdamW, bf16,
+2 steps of 1 x 2048 tokens with activation checkpointing; --steps, --warmup) on this machine, bigfit's offload
 engine against DeepSpeed's ZeRO-2/3 offload (../shared/bench/peers.py, carried in .whl/).
 
   python benchmarks/largest_model.py --layers 32,48,64 --methods zero2-offload,ds-z2-offload,ds-z3-offload
@@ -9,7 +9,9 @@ bigfit methods take strategies.py's variants: `zero2-offload+devgrads` (gradient
 12 bytes of host RAM per parameter), `zero2-offload-nvme+devgrads` (BIGFIT_NVME_HOST_GB of states in
 RAM, the rest in files under BIGFIT_NVME_DIR, emptied before each attempt). Sizes
 are hidden 4096 / 32 heads / 8 KV heads / 14336 MLP / vocabulary 128256 (8B at 32 layers), by layers.
-Prints one JSON line per attempt and the largest size that fitted per method.
+Prints one JSON line per attempt (the median step and each timed step) and the largest size that
+fitted per method. A disk tier's first steps write its files and run fast; its steady state needs
+a warm-up: `--layers 45 --methods zero2-offload-nvme+devgrads --warmup 10 --steps 6`.
 """
 from __future__ import annotations
 
@@ -30,21 +32,21 @@ shape = {shape!r}
 if {bigfit!r}:
     import strategies as m
     m.SIZES["probe"] = shape
-    r = m.run_one({method!r}, "probe", 1, {seq}, 2, 0, 1, True)
+    r = m.run_one({method!r}, "probe", 1, {seq}, {steps}, {warmup}, 1, True)
 else:
     import peers as m
     m.SIZES["probe"] = shape
-    r = m.run_one({method!r}, "probe", 1, {seq}, 2, 0, True)
+    r = m.run_one({method!r}, "probe", 1, {seq}, {steps}, {warmup}, True)
 r.pop("trace", None)
 print("RESULT " + json.dumps(r), flush=True)
 """
 
 
-def attempt(method: str, layers: int, timeout: int, tiny: bool = False) -> dict:
+def attempt(method: str, layers: int, timeout: int, tiny: bool = False, steps: int = 2, warmup: int = 0) -> dict:
     base = (64, None, 4, 2, 128, 384) if tiny else SHAPE  # --tiny: this script's smoke test on a CPU
     shape = (base[0], layers, *base[2:])
     code = ATTEMPT.format(here=HERE, whl=os.path.join(HERE, "..", ".whl"), shape=shape, method=method,
-                          seq=64 if tiny else 2048,
+                          seq=64 if tiny else 2048, steps=steps, warmup=warmup,
                           bigfit=not method.startswith(("ds-", "fsdp", "torch")))
     shutil.rmtree(os.environ.get("BIGFIT_NVME_DIR", "/tmp/bigfit-nvme"), ignore_errors=True)
     try:
@@ -57,7 +59,7 @@ def attempt(method: str, layers: int, timeout: int, tiny: bool = False) -> dict:
     why = r.get("error") or (f"exit {p.returncode}" + (" (killed: out of host memory?)" if p.returncode < 0 else "")
                              if not fits else None)
     return {"method": method, "layers": layers, "fits": fits, "why": why, **{k: r.get(k) for k in
-            ("params_b", "step_s", "peak_alloc_gib", "host_rss_gib")}}
+            ("params_b", "step_s", "step_times", "peak_alloc_gib", "host_rss_gib")}}
 
 
 def main() -> None:
@@ -65,13 +67,15 @@ def main() -> None:
     ap.add_argument("--layers", default="32,48,64")
     ap.add_argument("--methods", default="zero2-offload,ds-z2-offload,ds-z3-offload")
     ap.add_argument("--timeout", type=int, default=400)
+    ap.add_argument("--steps", type=int, default=2, help="timed steps; the step time is their median")
+    ap.add_argument("--warmup", type=int, default=0, help="untimed steps before them (a disk tier's files fill)")
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--out")
     a = ap.parse_args()
     best = {}
     for method in a.methods.split(","):
         for layers in sorted(map(int, a.layers.split(","))):
-            r = attempt(method, layers, a.timeout, a.tiny)
+            r = attempt(method, layers, a.timeout, a.tiny, a.steps, a.warmup)
             print(json.dumps(r), flush=True)
             if a.out:
                 with open(a.out, "a") as f:

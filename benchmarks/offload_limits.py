@@ -1,4 +1,4 @@
-"""The machine's limits that bound an offloaded step (issue 5): pinned PCIe bandwidth each way, the
+"""The machine's limits that bound an offloaded step: pinned PCIe bandwidth each way, the
 host's memory bandwidth, the CPU Adam rates (torch's fused AdamW with and without the engine's
 grad_scale, bigfit's kernel with fp32 and bf16 gradients), and the local disk's write and read
 bandwidth (for the NVMe tier).

@@ -1,4 +1,4 @@
-"""Issue 7's pipeline measurement: the bubble of each schedule against (p-1)/(m+p-1), and pipeline
+"""The pipeline measurement: the bubble of each schedule against (p-1)/(m+p-1), and pipeline
 throughput against zero3 on the same model and GPUs.
 
   python benchmarks/pipeline.py --gpus 2 --size 3b --seq 2048 --out $OUT/pipeline.jsonl

@@ -1,4 +1,4 @@
-"""Issue 7: throughput per GPU of bigfit's data-parallel strategies and of the peers on 1..N GPUs of
+"""Throughput per GPU of bigfit's data-parallel strategies and of the peers on 1..N GPUs of
 one host, each case under torchrun in its own processes, peers in the same call.
 
   python benchmarks/scaling.py --gpus 1,2 --size 3b --mbs 4 --seq 2048 --out $OUT/scaling.jsonl
