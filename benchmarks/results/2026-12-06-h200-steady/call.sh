@@ -1,8 +1,8 @@
 # One GPU, two calls on one start. call 1: this host's calibration (`bigfit plan --calibrate`, so the
 # rows below are rated with its own issue cost); zero3's `bigfit train` against strategies.py's engine
 # loop, six rounds alternated (1.5B Llama, bf16, 4 x 1024, 16 steps, median after 3); T5-large over
-# cuda:0 + cpu on today's code (benchmarks/device_map.py: batch 8 unsplit/flat/split and 4 chunks;
-# batch 64 compiled, the last decoder block on the host, 1 and 2 chunks). `PART=2`: the 10.9B disk
+# cuda:0 + cpu on today's code (benchmarks/device_map.py: batch 64 compiled, the last decoder block on
+# the host, 1 and 2 chunks; the calibrated batch-8 maps are 2026-12-05's dm9 rows). `PART=2`: the 10.9B disk
 # tier through benchmarks/largest_model.py to its steady state (10 untimed steps, then 6).
 # CPU dry run: TINY=1 bash call.sh; TINY=1 PART=2 bash call.sh
 set -u
@@ -22,9 +22,6 @@ if [ -n "${TINY:-}" ]; then SIZE=tiny; SEQ=64; DM=--tiny; else SIZE=1b; SEQ=1024
 echo "== zero3 rounds $(date +%T)" >> $L
 timeout 250 python benchmarks/command_vs_engine.py --work /tmp/cve --size $SIZE --seq $SEQ --steps 16 \
   --rows zero3,zero3,zero3,zero3,zero3,zero3 --alternate --out $OUT/cve.jsonl >> $L 2>&1
-echo "== device_map batch 8 $(date +%T)" >> $L
-timeout 150 python benchmarks/device_map.py $DM --layouts unsplit,flat,split --chunks 4 --beams 0 --steps 3 --warmup 1 \
-  --out $OUT/device_map8.jsonl >> $L 2>&1
 echo "== device_map batch 64 compiled $(date +%T)" >> $L
 timeout 110 python benchmarks/device_map.py $DM --batch 64 --layouts unsplit,tail --chunks 2 --compile gpu --beams 0 \
   --steps 3 --warmup 1 --out $OUT/device_map64.jsonl >> $L 2>&1
@@ -37,7 +34,7 @@ for r in rows:
     print("zero3", r["first"], r.get("engine_step_s"), r.get("command_step_s"), r.get("command_over_engine"))
 ratios = [r["command_over_engine"] for r in rows if r.get("command_over_engine")]
 print("median", statistics.median(ratios) if ratios else None)
-for f in ("device_map8", "device_map64"):
+for f in ("device_map64",):
     for l in open(f"{o}/{f}.jsonl") if os.path.exists(f"{o}/{f}.jsonl") else []:
         r = json.loads(l); print(f, r["layout"], r["step_s"], r.get("peak_gpu_gb", r.get("peak_gib")))
 PY
