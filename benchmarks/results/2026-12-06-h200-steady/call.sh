@@ -1,11 +1,11 @@
-# One GPU. This host's calibration first (`bigfit plan --calibrate`: the rows below are rated with its
-# own issue cost). Then T5-large over cuda:0 + cpu on today's code, as measured on 2026-12-01
-# (benchmarks/device_map.py, each chunked layout again with --sequential: a tick's host segments after
-# its GPU segments instead of beside them): batch 64 with the last decoder block on the host, eager in
-# 2 and 4 chunks and compiled in 2; batch 8 with the decoder on the host in 4 chunks. Last, in the time
-# left, zero3's `bigfit train` against strategies.py's engine loop, alternated rounds (1.5B Llama, bf16,
-# 4 x 1024, 16 steps, median after 3). `PART=2`: the 10.9B disk tier through
-# benchmarks/largest_model.py to its steady state (10 untimed steps, then 6).
+# One GPU. This host's calibration first (`bigfit plan --calibrate`: the rows below are rated with its own
+# issue cost). Then T5-large over cuda:0 + cpu on today's code, as measured on 2026-12-01
+# (benchmarks/device_map.py, each chunked layout again with --sequential: a tick's host segments after its
+# GPU segments instead of beside them): batch 64 and 128 with the last decoder block on the host, eager in
+# 2 and 4 chunks, and batch 64 compiled in 2; batch 8 with the decoder on the host in 4 chunks. Last, in
+# the time left, zero3's `bigfit train` against strategies.py's engine loop, alternated rounds (1.5B
+# Llama, bf16, 4 x 1024, 16 steps, median after 3; BUDGET: the call's seconds, 585). `PART=2`: the 10.9B
+# disk tier through benchmarks/largest_model.py to its steady state (10 untimed steps, then 6).
 # CPU dry run: TINY=1 bash call.sh; TINY=1 LAYERS=2 NVME_GB=0.0001 PART=2 bash call.sh
 set -u
 S=$(date +%s); OUT=${OUT:-/tmp/out}; mkdir -p $OUT
@@ -26,9 +26,10 @@ dm() {  # name, timeout, device_map.py's arguments
   timeout $2 python benchmarks/device_map.py $DM --beams 0 --steps 3 --warmup 1 --sequential "${@:3}" --out $OUT/dm-$1.jsonl >> $L 2>&1
 }
 dm b64 150 --batch 64 --layouts unsplit,tail --chunks 2,4
+dm b128 120 --batch 128 --layouts tail --chunks 2,4
 dm b64-compiled 150 --batch 64 --layouts unsplit,tail --chunks 2 --compile gpu
 dm b8 110 --batch 8 --layouts flat --chunks 4
-left=$(( 585 - $(date +%s) + S ))
+left=$(( ${BUDGET:-585} - $(date +%s) + S ))
 echo "== zero3 rounds $(date +%T), ${left} s left" >> $L
 [ $left -gt 60 ] && timeout $left python benchmarks/command_vs_engine.py --work /tmp/cve --size $SIZE --seq $SEQ --steps 16 \
   --rows zero3,zero3,zero3,zero3,zero3,zero3 --alternate --out $OUT/cve.jsonl >> $L 2>&1
