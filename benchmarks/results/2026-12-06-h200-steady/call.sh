@@ -5,7 +5,8 @@
 # 2 and 4 chunks, and batch 64 compiled in 2; batch 8 with the decoder on the host in 4 chunks. Last, in
 # the time left, zero3's `bigfit train` against strategies.py's engine loop, alternated rounds (1.5B
 # Llama, bf16, 4 x 1024, 16 steps, median after 3; BUDGET: the call's seconds, 585). `PART=2`: the 10.9B
-# disk tier through benchmarks/largest_model.py to its steady state (10 untimed steps, then 6).
+# disk tier through benchmarks/largest_model.py to its steady state (10 untimed steps, then 6), with
+# torch's AdamW on the host as on 2026-11-29.
 # CPU dry run: TINY=1 bash call.sh; TINY=1 LAYERS=2 NVME_GB=0.0001 PART=2 bash call.sh
 set -u
 S=$(date +%s); OUT=${OUT:-/tmp/out}; mkdir -p $OUT
@@ -14,7 +15,7 @@ L=$OUT/call${PART:-1}.log
 ( nvidia-smi --query-gpu=name,memory.total --format=csv 2>/dev/null; nproc; free -g | head -2; date -u +%FT%TZ; df -h /tmp | tail -1 ) > $OUT/machine${PART:-1}.txt
 if [ "${PART:-1}" = 2 ]; then
   export BIGFIT_NVME_HOST_GB=${NVME_GB:-111} BIGFIT_NVME_DIR=/tmp/bigfit-nvme
-  timeout ${LIMIT:-545} python benchmarks/largest_model.py --methods zero2-offload-nvme+devgrads --layers ${LAYERS:-45} \
+  timeout ${LIMIT:-545} python benchmarks/largest_model.py --methods zero2-offload-nvme+devgrads+torchadam --layers ${LAYERS:-45} \
     --warmup ${WARMUP:-10} --steps ${STEPS:-6} --timeout 540 ${TINY:+--tiny} --out $OUT/nvme-steady.jsonl >> $L 2>&1
   echo "exit $? $(date +%T)" >> $L; tail -3 $L; exit
 fi
