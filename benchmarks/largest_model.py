@@ -1,9 +1,9 @@
 """The capacity target: the largest Llama-shaped model that a method fully fine-tunes (AdamW, bf16,
-2 steps of 1 x 2048 tokens with activation checkpointing; --steps, --warmup) on this machine, bigfit's offload
-engine against DeepSpeed's ZeRO-2/3 offload (../shared/bench/peers.py, carried in .whl/).
+2 steps of 1 x 2048 tokens with activation checkpointing; --steps, --warmup) on this machine, bigfit's
+offload engine against DeepSpeed's ZeRO-2/3 offload (../shared/bench/peers.py, carried in .whl/).
 
   python benchmarks/largest_model.py --layers 32,48,64 --methods zero2-offload,ds-z2-offload,ds-z3-offload
-Each (method, size) runs in its own process with a timeout; a size fits when its 2 steps finish (an
+Each (method, size) runs in its own process with a timeout; a size fits when its steps finish (an
 out-of-memory error, a kill by the kernel's OOM killer or the timeout count as not fitting).
 bigfit methods take strategies.py's variants: `zero2-offload+devgrads` (gradients wait on the GPU:
 12 bytes of host RAM per parameter), `zero2-offload-nvme+devgrads` (BIGFIT_NVME_HOST_GB of states in

@@ -108,7 +108,8 @@ def run_one(strategy: str, size: str, mbs: int, seq: int, steps: int, warmup: in
     step_s = statistics.median(times)
     tok_s = accum * mbs * seq / step_s
     return {"method": f"bigfit {name}", "params_b": round(n / 1e9, 3), "mbs": mbs, "seq": seq, "accum": accum,
-            "step_s": round(step_s, 3), "step_times": [round(t, 3) for t in times], "tok_s": round(tok_s), "tflops": round(flops_per_token * tok_s / 1e12, 1),
+            "step_s": round(step_s, 3), "step_times": [round(t, 3) for t in times], "tok_s": round(tok_s),
+            "tflops": round(flops_per_token * tok_s / 1e12, 1),
             "peak_alloc_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if gpu else None,
             "host_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 1),
             "loss": round(out["loss"], 3),
