@@ -22,6 +22,8 @@ import shutil
 import subprocess
 import sys
 
+from strategies import nvme_tier  # this folder is on the path: the script runs from it
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 SHAPE = (4096, None, 32, 8, 14336, 128256)  # hidden, layers, heads, kv heads, MLP, vocabulary
 
@@ -48,7 +50,7 @@ def attempt(method: str, layers: int, timeout: int, tiny: bool = False, steps: i
     code = ATTEMPT.format(here=HERE, whl=os.path.join(HERE, "..", ".whl"), shape=shape, method=method,
                           seq=64 if tiny else 2048, steps=steps, warmup=warmup,
                           bigfit=not method.startswith(("ds-", "fsdp", "torch")))
-    shutil.rmtree(os.environ.get("BIGFIT_NVME_DIR", "/tmp/bigfit-nvme"), ignore_errors=True)
+    shutil.rmtree(nvme_tier()[0], ignore_errors=True)
     try:
         p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
