@@ -5,6 +5,7 @@ traces at 2 and 3 (profile._affine): equal to their own trace, field for field, 
 from __future__ import annotations
 
 import dataclasses
+from collections import OrderedDict
 
 import pytest
 from transformers import GPT2Config, LlamaConfig, T5Config
@@ -51,7 +52,7 @@ def test_the_short_trace_equals_the_whole_one(monkeypatch, family, device, autoc
 def test_a_large_micro_batch_drawn_from_two_small_ones_equals_its_trace(monkeypatch, family, device, autocast,
                                                                         precision, lora):
     config, args = deep(family), (16, 8, precision, device, autocast, lora)
-    monkeypatch.setattr(profile, "_traced", {})
+    monkeypatch.setattr(profile, "_traced", OrderedDict())
     drawn = profile.profile_model(config, 11, *args)
     assert len(profile._traced) == 3  # 2, 3 and 11 drawn from them: 11 was not traced
     traced = _profile(config, 11, *args)
@@ -69,3 +70,14 @@ def test_a_stack_whose_blocks_differ_is_traced_whole():
     assert shorten.kept(block_lists(model)) == [6]
     model = AutoModelForCausalLM.from_config(deep("llama"))
     assert shorten.kept(block_lists(model)) == [3]
+
+
+def test_the_trace_cache_lets_the_least_recently_used_go(monkeypatch):
+    config, args = deep("gpt2"), (16, 8, "bf16", "cuda", True, None)
+    traced = []
+    monkeypatch.setattr(profile, "_traced", OrderedDict())
+    monkeypatch.setattr(profile, "_TRACED_KEPT", 2)
+    monkeypatch.setattr(profile, "_profile", lambda _config, m, *_: traced.append(m) or m)
+    for m in (1, 2, 1, 3, 1, 2):  # 2 goes when 3 comes (1 was asked since); 3 goes when 2 comes back
+        profile.profile_model(config, m, *args)
+    assert traced == [1, 2, 3, 2] and list(profile._traced) == [(config.to_json_string(), m, *args) for m in (1, 2)]
