@@ -7,6 +7,7 @@
 # Llama, bf16, 4 x 1024, 16 steps, median after 3; BUDGET: the call's seconds, 585). `PART=2`: the 10.9B
 # disk tier through benchmarks/largest_model.py to its steady state (10 untimed steps, then 6), with
 # torch's AdamW on the host as on 2026-11-29.
+# BIG=96 on an H100 (80 GB: batch 128 needs 89 GB there).
 # CPU dry run: TINY=1 bash call.sh; TINY=1 LAYERS=2 NVME_GB=0.0001 PART=2 bash call.sh
 set -u
 S=$(date +%s); OUT=${OUT:-/tmp/out}; mkdir -p $OUT
@@ -27,7 +28,7 @@ dm() {  # name, timeout, device_map.py's arguments
   timeout $2 python benchmarks/device_map.py $DM --beams 0 --steps 3 --warmup 1 --sequential "${@:3}" --out $OUT/dm-$1.jsonl >> $L 2>&1
 }
 # the cases held outside the target by the overlap rule first (a short call still settles it)
-dm b128 120 --batch 128 --layouts tail --chunks 2,4
+dm b${BIG:-128} 120 --batch ${BIG:-128} --layouts tail --chunks 2,4
 dm b64-compiled 150 --batch 64 --layouts unsplit,tail --chunks 2 --compile gpu
 dm b64 150 --batch 64 --layouts unsplit,tail --chunks 2,4
 dm b8 110 --batch 8 --layouts flat --chunks 4
