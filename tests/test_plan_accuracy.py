@@ -45,7 +45,10 @@ h100d-train-zero2-offload-128 h100d-train-zero2-128 h100e-bench-zero2-offload h1
 h100e-bench-zero3-offload h100e-bench-single h100e-bench-zero2-offload-b h100e-bench-zero3 h100f-bench-device_map
 h100f-bench-single-fp32 h100f-bench-single h100f-bench-zero2 h100f-bench-zero3 h100f-bench-zero2-offload
 h100f-bench-zero3-offload cve6-ddp-1 cve6-zero1-2 cve6-device_map-3 cve6-ddp-4 cve6-zero1-5
-cve6-device_map-6""".split()
+cve6-device_map-6 dm10-b96-tail dm10-b96-tail-c2 dm10-b96-tail-c2-after dm10-b96-tail-c4 dm10-b96-tail-c4-after
+dm10-b64-unsplit dm10-b64-tail dm10-b64-tail-c2 dm10-b64-tail-c4 dm10-b64-tail-c4-after dm10-b64-tail-compiled
+dm10-b64-tail-c2-compiled dm10-b64-tail-c2-after-compiled dm10-b8-flat dm10-b8-flat-c4 dm10-b8-flat-c4-after
+cve7-zero3-0 cve7-zero3-1 cve7-zero3-2 h100-nvme-10.9b-host111""".split()
 
 
 @pytest.fixture(scope="module")
