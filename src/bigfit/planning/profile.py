@@ -164,11 +164,11 @@ def profile_model(config, micro_batch: int, seq_len: int, target_len: int, preci
     if key in _traced:
         _traced.move_to_end(key)
         return _traced[key]
-    args = (config, seq_len, target_len, precision, device, autocast, lora)
+    rest = (seq_len, target_len, precision, device, autocast, lora)
     prof = None
     if micro_batch > 3:  # affine in the micro-batch from 2 on: two traces serve every larger size
-        prof = _affine(*[profile_model(config, m, *args[1:]) for m in (2, 3)], micro_batch - 2)
-    _traced[key] = prof if prof is not None else _profile(config, micro_batch, *args[1:])
+        prof = _affine(*[profile_model(config, m, *rest) for m in (2, 3)], micro_batch - 2)
+    _traced[key] = prof if prof is not None else _profile(config, micro_batch, *rest)
     while len(_traced) > _TRACED_KEPT:
         _traced.popitem(last=False)
     return _traced[key]
