@@ -1,3 +1,5 @@
+import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -32,6 +34,41 @@ LONGEST = ("test_layouts.py", "test_launch.py", "test_bench.py", "test_autobatch
 def pytest_collection_modifyitems(items) -> None:
     first = {name: i for i, name in enumerate(LONGEST)}
     items.sort(key=lambda item: first.get(item.path.name, len(LONGEST)))  # stable: each file's own order kept
+
+
+def pytest_configure(config) -> None:
+    config.addinivalue_line("markers", "alone: times this machine's speed; no other worker's test runs beside it")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node) -> None:
+    """xdist's controller, for each worker: where the workers meet (the controller's own TMPDIR)."""
+    node.workerinput["bigfit_machine"] = os.path.join(_tmp, "machine")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Each test of a worker holds the machine shared, and an `alone` one holds it to itself (its setup,
+    module fixtures included, to its teardown): with the other worker's test beside it, a timed step on
+    2 cores read twice its prediction (CI, 2026-12-07), as the two processes' threads wait on each other."""
+    base = getattr(item.config, "workerinput", {}).get("bigfit_machine")
+    if base is None:  # one process: nothing runs beside it
+        yield
+        return
+    with _machine_to_itself(Path(base), item.get_closest_marker("alone") is not None):
+        yield
+
+
+@contextlib.contextmanager
+def _machine_to_itself(base: Path, alone: bool):
+    """A readers-writer lock of flock(2)s, with writers first: each test takes the turn before its share,
+    and an `alone` test keeps the turn while it waits, so no worker starts another test before it."""
+    with open(f"{base}.turn", "a") as turn, open(f"{base}.use", "a") as use:
+        fcntl.flock(turn, fcntl.LOCK_EX)
+        fcntl.flock(use, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        if not alone:
+            fcntl.flock(turn, fcntl.LOCK_UN)
+        yield  # closing the files lets both go
 
 
 @pytest.fixture(scope="session")

@@ -18,8 +18,8 @@ from bigfit.planning.devicecost import CPU_COPY_REACH, CPU_MATMUL_REACH, MEM_EFF
 from bigfit.planning.estimate import combine
 
 # This machine's speed varies (shared cores): the prediction must land within these of the measure. Both
-# sides take their least disturbed figure (cpu_rates the best of its repeats, the steps their fastest):
-# with another test process beside it the median step read 2.1x the prediction.
+# sides take their least disturbed figure (cpu_rates the best of its repeats, the steps their fastest),
+# and the test runs `alone` (conftest.py): beside another test process the step read 2x the prediction.
 WITHIN = (0.5, 2.0)
 TRIES = 3
 
@@ -81,6 +81,7 @@ def test_a_cpu_step_adds_issue_compute_and_communication_where_a_gpu_overlaps_th
     assert combine(costs) == combine(costs, device="cuda") == pytest.approx(0.3)
 
 
+@pytest.mark.alone
 def test_the_predicted_step_is_near_real_training_steps_on_this_machine(cache):
     """Up to TRIES rounds, each measuring the CPU's rates afresh and then real steps: a load that comes
     and goes beside the test can part the two within one round, a wrong model parts them in every one."""
