@@ -135,6 +135,18 @@ def test_processes_exit_2_with_one_line_and_help_still_works(tmp_path):
     assert r.returncode == 0 and r.stdout.startswith("usage: bigfit")
 
 
+def test_a_flags_mistake_is_said_before_torch_loads():
+    """The flags' checks need no torch (1-2 s to import): a mistake or --help answers at once."""
+    code = ("import sys; from bigfit.cli import main\n"
+            "for argv in (['train', '--strategy', 'pipedream'], ['train', '--lora-r', '0'], ['plan', '--help']):\n"
+            "    try: main(argv)\n"
+            "    except SystemExit: pass\n"
+            "print(sorted(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.splitlines()[-1] == "[]", r.stdout + r.stderr
+    assert "strategy 'pipedream' is not valid" in r.stderr and "--lora-r" in r.stderr
+
+
 DATA_CASES = [  # file name, bytes, the error after "--data 'PATH'"
     ("pairs.jsonl", LATIN1, " line 2: 0xe9 at byte offset 46 is not valid utf-8 (invalid continuation byte); if the "
      "file is in another encoding, name it with --data-encoding (e.g. --data-encoding latin-1)"),

@@ -13,10 +13,12 @@ from __future__ import annotations
 import re
 import sys
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from .errors import BigfitError
+
+if TYPE_CHECKING:  # the command's checks read LoraSettings before anything needs torch (data/__init__.py)
+    import torch
 
 ADAPTER = "default"  # peft's adapter name: the one adapter bigfit trains
 ALL_LINEAR = "all-linear"  # peft's shorthand: every linear layer but the output head
@@ -68,9 +70,14 @@ def _peft():
 
 def linear_names(model: torch.nn.Module) -> list[str]:
     """The distinct last names of the model's linear layers (what --lora-targets may name)."""
-    names = {path.rpartition(".")[2] for path, m in model.named_modules()
-             if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D"}
-    return sorted(names)
+    return sorted({path.rpartition(".")[2] for path, m in model.named_modules() if _linear(m)})
+
+
+def _linear(module: torch.nn.Module) -> bool:
+    """nn.Linear (its subclasses too: bitsandbytes' 4-bit layers) or GPT-2's Conv1D."""
+    from torch import nn  # loaded already: `module` is one of its modules
+
+    return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"
 
 
 def check_targets(model: torch.nn.Module, settings: LoraSettings) -> None:
@@ -129,7 +136,7 @@ def adapter_parameters(model: torch.nn.Module, settings: LoraSettings) -> int:
     targets, head = settings.target_modules(), model.get_output_embeddings()
     n = 0
     for path, m in model.named_modules():
-        if not (isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D"):
+        if not _linear(m):
             continue
         if (m is not head) if targets == ALL_LINEAR else any(path == t or path.endswith("." + t) for t in targets):
             n += settings.r * sum(m.weight.shape)  # Linear's (out, in), Conv1D's (in, out)
