@@ -93,7 +93,7 @@ def test_largest_true_gallops_then_bisects():
 
 def test_the_prediction_searches_every_size_and_keeps_divisors_for_a_fixed_batch(monkeypatch, model_dirs):
     from bigfit.config import TrainConfig
-    from bigfit.planning import command
+    from bigfit.planning import auto
 
     planned = []
 
@@ -102,11 +102,11 @@ def test_the_prediction_searches_every_size_and_keeps_divisors_for_a_fixed_batch
         est = SimpleNamespace(per_gpu={"total": job.micro_batch * 10**6}, step_time_s=0.1)
         return SimpleNamespace(candidates=[SimpleNamespace(fits=job.micro_batch <= 300, estimate=est)], device_map=None)
 
-    monkeypatch.setattr(command, "plan_for_config", plan)
-    p = command.auto_micro_batch(TrainConfig(model=str(model_dirs["gpt2"]), strategy="single", batch_size="auto"), 2)
+    monkeypatch.setattr(auto, "plan_for_config", plan)
+    p = auto.auto_micro_batch(TrainConfig(model=str(model_dirs["gpt2"]), strategy="single", batch_size="auto"), 2)
     assert (p.size, p.need, p.sizes[-1]) == (300, 300 * 10**6, 4096)  # not a power of two
     assert len(set(planned)) <= 2 * math.ceil(math.log2(300)) + 1  # not 4096 plans
-    p = command.auto_micro_batch(TrainConfig(model=str(model_dirs["gpt2"]), strategy="single", batch_size=960), 2)
+    p = auto.auto_micro_batch(TrainConfig(model=str(model_dirs["gpt2"]), strategy="single", batch_size=960), 2)
     assert (p.size, p.sizes) == (240, divisors(480))  # the largest divisor of the per-process 480 up to 300
 
 
@@ -116,11 +116,11 @@ def test_the_prediction_leaves_the_allocators_share_of_the_card(monkeypatch, mod
     its own)."""
     from bigfit.config import TrainConfig
     from bigfit.hardware import Hardware
-    from bigfit.planning import command
+    from bigfit.planning import auto
     from bigfit.planning.estimate import CACHE_SLACK, RESERVE
 
     budget = 100 * 10**9
-    monkeypatch.setattr(command, "_this_machine", lambda *a, **k: Hardware(gpu_bytes=(2 * budget + RESERVE,
+    monkeypatch.setattr(auto, "_this_machine", lambda *a, **k: Hardware(gpu_bytes=(2 * budget + RESERVE,
                                                                                       budget + RESERVE)))
 
     def plan(config, hw, job, strategies):  # 1 GB a sample on the smaller GPU: it holds 100 itself
@@ -128,8 +128,8 @@ def test_the_prediction_leaves_the_allocators_share_of_the_card(monkeypatch, mod
         fits = est.per_gpu["total"] <= min(hw.gpu_bytes) - RESERVE
         return SimpleNamespace(candidates=[SimpleNamespace(fits=fits, estimate=est)], device_map=None)
 
-    monkeypatch.setattr(command, "plan_for_config", plan)
-    p = command.auto_micro_batch(TrainConfig(model=str(model_dirs["gpt2"]), strategy="single", batch_size="auto"), 2)
+    monkeypatch.setattr(auto, "plan_for_config", plan)
+    p = auto.auto_micro_batch(TrainConfig(model=str(model_dirs["gpt2"]), strategy="single", batch_size="auto"), 2)
     assert CACHE_SLACK == 0.05 and (p.size, p.budget) == (95, budget)
 
 
@@ -141,19 +141,19 @@ def test_a_device_maps_prediction_keeps_on_the_gpu_the_blocks_the_smallest_size_
     from bigfit.config import TrainConfig
     from bigfit.hardware import Hardware
     from bigfit.models import load_config, locate
-    from bigfit.planning import command
+    from bigfit.planning import auto
     from bigfit.planning.estimate import CACHE_SLACK, RESERVE
 
     gpu = Hardware(gpu_bytes=(RESERVE + 50 * 2**20,), cpu_ram=8 * 2**30)
-    monkeypatch.setattr(command, "_this_machine", lambda *a, **k: gpu)
+    monkeypatch.setattr(auto, "_this_machine", lambda *a, **k: gpu)
     cfg = TrainConfig(model=str(model_dirs["t5"]), strategy="device_map", batch_size="auto", precision="bf16")
-    p = command.auto_micro_batch(cfg, 1)
+    p = auto.auto_micro_batch(cfg, 1)
     config = load_config(locate(cfg.model))
     slack = Hardware(gpu_bytes=(RESERVE + int((1 - CACHE_SLACK) * 50 * 2**20),), cpu_ram=8 * 2**30)
 
     def planned(m):
-        plan = command.plan_for_config(config, slack, command._job(cfg, config, m, m), strategies=("device_map",))
-        return plan.candidates[0].fits, command._host_blocks(plan.device_map)
+        plan = auto.plan_for_config(config, slack, auto._job(cfg, config, m, m), strategies=("device_map",))
+        return plan.candidates[0].fits, auto._host_blocks(plan.device_map)
 
     assert p.size > 1 and planned(p.size) == (True, 0)
     fits, host = planned(p.size + 1)
@@ -339,21 +339,21 @@ def test_auto_with_auto_batch_sizes_picks_the_fastest_per_sample_at_each_strateg
     import dataclasses
 
     from bigfit.config import TrainConfig
-    from bigfit.planning import command
+    from bigfit.planning import auto
 
     cfg = TrainConfig(model=str(model_dirs["t5"]), strategy="auto", batch_size="auto", max_source_len=32,
                       max_target_len=16, max_train_samples=64, optimizer_states="fp32")
-    name, reason = command.auto_strategy(cfg, 2, one_process=False)
+    name, reason = auto.auto_strategy(cfg, 2, one_process=False)
     assert "at the largest micro-batch each strategy is predicted to hold" in reason
     per_sample = {}
     for s in ("ddp", "zero1", "zero2", "zero3"):  # the candidates without GPUs (the offload rows: below)
-        pred = command.auto_micro_batch(dataclasses.replace(cfg, strategy=s), 2)
+        pred = auto.auto_micro_batch(dataclasses.replace(cfg, strategy=s), 2)
         assert pred.size <= 32  # bounded by each process's share of the samples
         per_sample[s] = pred.step_s / (2 * pred.size)
     assert per_sample[name] == pytest.approx(min(per_sample.values()), rel=1e-6)
-    fixed = command.auto_strategy(dataclasses.replace(cfg, batch_size=4), 2, one_process=False)
+    fixed = auto.auto_strategy(dataclasses.replace(cfg, batch_size=4), 2, one_process=False)
     assert fixed[1].startswith(f"{fixed[0]} is the fastest that fits")
     # without GPUs the offload rows run (and fit) but are no candidate: the host holds everything already
-    offload = command.plan_here(cfg, 2, ("zero2-offload", "zero3-offload")).candidates
+    offload = auto.plan_here(cfg, 2, ("zero2-offload", "zero3-offload")).candidates
     assert all(c.fits and c.why_not.startswith("not a candidate without GPUs") for c in offload)
     assert "offload" not in name and "offload" not in fixed[0]

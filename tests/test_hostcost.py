@@ -161,13 +161,13 @@ def test_auto_sees_the_nvme_tiers_disk_and_fills_ram_with_states(tmp_path, model
     from bigfit.calibration import disk
     from bigfit.config import TrainConfig
     from bigfit.models import build_model, count_parameters, load_config, locate
-    from bigfit.planning import command
+    from bigfit.planning import auto
     from bigfit.planning.estimate import PROCESS_BYTES
 
     cfg = TrainConfig(model=str(model_dirs["llama"]), output_dir=str(tmp_path / "out"), batch_size=2, micro_batch_size=1)
-    p = command._auto(cfg, 1, ("zero2-offload-nvme", "device_map"), None)
+    p = auto._auto(cfg, 1, ("zero2-offload-nvme", "device_map"), None)
     free, gbps = disk(str(tmp_path / "out" / "nvme"))  # measured once per filesystem, then from the cache
-    hw = command._this_machine(1, nvme_dir=str(tmp_path / "out" / "nvme"))
+    hw = auto._this_machine(1, nvme_dir=str(tmp_path / "out" / "nvme"))
     assert gbps > 0 and hw.nvme_gbps == gbps and 0 < hw.nvme <= free
     assert hw.notes[-1].startswith(f"NVMe tier at {tmp_path / 'out' / 'nvme'}: ") and "NVMe" in p.hardware
     nvme = {c.estimate.name: c for c in p.candidates}["zero2-offload-nvme"]
@@ -176,7 +176,7 @@ def test_auto_sees_the_nvme_tiers_disk_and_fills_ram_with_states(tmp_path, model
     src = locate(cfg.model)
     host, n = nvme.estimate.per_host, count_parameters(build_model(src, load_config(src), 0, on_meta=True))
     assert host["optimizer"] == pytest.approx(min(12 * n, 0.9 * hw.cpu_ram - host["grads"] - PROCESS_BYTES))
-    assert command.nvme_host_gb(cfg, 1) == pytest.approx(host["optimizer"] / 1e9)
+    assert auto.nvme_host_gb(cfg, 1) == pytest.approx(host["optimizer"] / 1e9)
 
 
 def test_a_smaller_card_is_simulated_by_bigfit_gpu_memory(monkeypatch):

@@ -277,7 +277,7 @@ def test_strategy_auto_hands_the_format_it_rated_to_the_run(model_dirs, monkeypa
     keeps fp32; a compact format with a strategy that keeps fp32 states is one line."""
     from bigfit.config import TrainConfig
     from bigfit.errors import BigfitError
-    from bigfit.planning import command as planner
+    from bigfit.planning import auto as planner
     from bigfit.resolution import resolve
     from bigfit.training import command
 

@@ -13,7 +13,7 @@ import torch
 
 from bigfit import calibration
 from bigfit.hardware import GLOO_LOCAL_GBPS, calibration_path
-from bigfit.planning.command import _this_machine
+from bigfit.planning.auto import _this_machine
 from bigfit.planning.devicecost import CPU_COPY_REACH, CPU_MATMUL_REACH, MEM_EFFICIENCY, MFU
 from bigfit.planning.estimate import combine
 
@@ -118,7 +118,7 @@ def test_the_planner_rates_the_datas_longest_samples_within_the_limits(model_dir
 
     from bigfit.config import TrainConfig
     from bigfit.models import load_config, locate
-    from bigfit.planning.command import _job
+    from bigfit.planning.auto import _job
     from bigfit.planning.job import planned_lengths
     from bigfit.training.job import with_data_lengths
 

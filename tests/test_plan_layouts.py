@@ -191,16 +191,16 @@ def test_70b_fits_only_composed_and_only_on_enough_gpus(llama70b):
 def test_tiny_t5_on_two_gpus_still_takes_a_named_strategy(model_dirs, monkeypatch):
     from bigfit.config import TrainConfig
     from bigfit.parallel.plan import plan_for
-    from bigfit.planning import command
+    from bigfit.planning import auto
     from bigfit.planning.search import ALL, Job, plan_for_config
 
     hw = Hardware(gpu_bytes=(80 * GB,) * 2)
     p = plan_for_config(tiny_config("t5"), hw, Job(batch_size=8, seq_len=64, target_len=16), layouts={})
     assert p.layouts and p.recommended in ALL and p.layout_pick is None
     assert "must beat the fastest named one" in p.layout_reason
-    monkeypatch.setattr(command, "_this_machine", lambda world, strategy=None, nvme_dir=None: hw)
+    monkeypatch.setattr(auto, "_this_machine", lambda world, strategy=None, nvme_dir=None: hw)
     cfg = TrainConfig(model=str(model_dirs["t5"]), strategy="auto", batch_size=8, max_source_len=32)
-    name, degrees, reason = command.auto_plan(cfg, 2, one_process=False)
+    name, degrees, reason = auto.auto_plan(cfg, 2, one_process=False)
     assert name in ALL and "composed plans:" in reason
     assert plan_for(name, 2, **degrees).name == name and set(degrees) == {"pp", "dp_replicate", "dp_shard", "tp"}
 

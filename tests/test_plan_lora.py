@@ -266,7 +266,7 @@ def test_plan_command_lora_flags(model_dirs, capsys):
 
 def test_train_config_lora_reaches_the_plan():
     from bigfit.config import TrainConfig
-    from bigfit.planning.command import _job
+    from bigfit.planning.auto import _job
 
     cfg = TrainConfig(lora=True, lora_r=8)
     assert _job(cfg, tiny_config("llama"), 8, None).lora == LoraSettings(r=8)
@@ -325,7 +325,7 @@ def test_4bit_stored_bytes_are_bitsandbytes_own():
 
 def test_4bit_base_rows_are_every_named_strategy():
     from bigfit.config import TrainConfig
-    from bigfit.planning.command import _job
+    from bigfit.planning.auto import _job
     from bigfit.planning.search import plan_for_config
 
     # every named strategy: FSDP2's shard torchao's NF4, the others hold whole layers (bitsandbytes' on GPUs)
@@ -345,16 +345,16 @@ def test_strategy_auto_with_a_4bit_base_picks_a_row_that_holds_whole_layers(mode
     blocks): single or ddp, on a host-bound model whose offload engine would add its host step."""
     from types import SimpleNamespace
 
-    from bigfit.planning import command
+    from bigfit.planning import auto
     from bigfit.quantize import check
 
     check(SimpleNamespace(load_in_4bit=True, lora=True, strategy="auto", precision="bf16"), cuda=True)
     for gpus, want in ((1, "single"), (2, "ddp")):
         hw = Hardware(gpu_bytes=(80 * GB,) * gpus, cpu_ram=512 * GB)
-        monkeypatch.setattr(command, "_this_machine", lambda world, strategy=None, nvme_dir=None: hw)
+        monkeypatch.setattr(auto, "_this_machine", lambda world, strategy=None, nvme_dir=None: hw)
         cfg = TrainConfig(model=str(model_dirs["llama"]), strategy="auto", lora=True, load_in_4bit=True,
                           precision="bf16", batch_size=8, max_source_len=32)
-        name, degrees, reason = command.auto_plan(cfg, gpus, one_process=gpus == 1)
+        name, degrees, reason = auto.auto_plan(cfg, gpus, one_process=gpus == 1)
         assert name == want and "composed plans:" in reason, reason
 
 

@@ -162,7 +162,7 @@ def test_strategy_auto_choosing_device_map_trains_with_the_auto_map(monkeypatch,
     """`bigfit train --strategy auto` given a device_map recommendation runs `--device-map auto`. The
     planner's answer is stubbed: on this CPU machine the map is one device, never recommended."""
     import bigfit.device_map.strategy as strategy
-    import bigfit.planning.command as command
+    import bigfit.planning.auto as auto
     from bigfit.cli import main
     from conftest import read_jsonl
 
@@ -175,7 +175,7 @@ def test_strategy_auto_choosing_device_map_trains_with_the_auto_map(monkeypatch,
             raise BigfitError("stop: --nproc fixes the processes")
         return "device_map", {}, "stubbed"
 
-    monkeypatch.setattr(command, "auto_plan", recommend)
+    monkeypatch.setattr(auto, "auto_plan", recommend)
     common = ["--strategy", "auto", "--data", str(pairs_file), "--max-steps", "1", "--batch-size", "4", "--eval-samples",
               "0", "--save-every", "0", "--no-consolidate", "--output-dir", str(tmp_path)]
     assert main(["train", *common]) == 0
@@ -191,7 +191,7 @@ def test_strategy_auto_plans_with_chunks_left_to_their_default(model_dirs):
     """A TrainConfig's chunks stay None until resolved; the plan behind --strategy auto takes that as
     each strategy's default (device_map's row once failed on it: auto without --nproc crashed)."""
     from bigfit.config import TrainConfig
-    from bigfit.planning.command import auto_strategy
+    from bigfit.planning.auto import auto_strategy
 
     cfg = TrainConfig(model=str(model_dirs["llama"]), strategy="auto", batch_size=4, max_source_len=32)
     name, reason = auto_strategy(cfg, 2, one_process=True)
@@ -361,7 +361,7 @@ def test_strategy_auto_choosing_pipeline_launches_its_resolved_layout(monkeypatc
     with strategy pipeline: they resolve the schedule and chunks the plan rated (config.pipeline_defaults).
     The planner's answer is stubbed (this CPU machine never gets a pipeline), the launch captured."""
     import bigfit.launch as launch
-    import bigfit.planning.command as command
+    import bigfit.planning.auto as auto
     from bigfit.cli import main
     from bigfit.config import TrainConfig
     from bigfit.resolution import resolve
@@ -371,7 +371,7 @@ def test_strategy_auto_choosing_pipeline_launches_its_resolved_layout(monkeypatc
     from tiny import tiny_config
 
     launched = []
-    monkeypatch.setattr(command, "auto_plan", lambda cfg, world, one_process=True: ("pipeline", {"pp": 2}, "stubbed"))
+    monkeypatch.setattr(auto, "auto_plan", lambda cfg, world, one_process=True: ("pipeline", {"pp": 2}, "stubbed"))
     monkeypatch.setattr(launch, "launch_local", lambda argv, nproc, logs, **kw: launched.append((kw, nproc)) or 0)
     assert main(["train", "--strategy", "auto", "--nproc", "2", "--model", str(model_dirs["llama"]), "--data",
                  str(pairs_file), "--batch-size", "4", "--max-source-len", "32", "--output-dir", str(tmp_path)]) == 0

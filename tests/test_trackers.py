@@ -74,7 +74,7 @@ def test_every_dashboard_gets_the_numbers_metrics_jsonl_holds(model_dirs, pairs_
 def _planned_peak(model_dirs, pairs_file) -> float:
     """The planner's peak for _train's run (on this machine: the CPU as the run's device)."""
     from bigfit.config import TrainConfig
-    from bigfit.planning.command import predicted_peak_gb
+    from bigfit.planning.auto import predicted_peak_gb
     from bigfit.resolution import resolve
 
     cfg = resolve(TrainConfig(model=str(model_dirs["t5"]), data=str(pairs_file), strategy="single", batch_size=4), 1)

@@ -1,5 +1,5 @@
 """`--micro-batch-size auto` / `--batch-size auto`: the largest micro-batch the planner predicts to
-fit (planning/command.py), then the largest that runs, found by probe workers (training/probe.py).
+fit (planning/auto.py), then the largest that runs, found by probe workers (training/probe.py).
 
 The probe starts at the prediction, steps away from it (up while sizes run, down while they fail)
 and bisects between the largest that ran and the smallest that failed (planning/sizes.py). Its
@@ -21,7 +21,7 @@ from .config import SPLIT_STRATEGIES, TrainConfig
 from .distributed import launched_by_torchrun_env
 from .errors import BigfitError
 from .launch import launch_local
-from .planning.command import auto_micro_batch
+from .planning.auto import auto_micro_batch
 from .planning.estimate import CACHE_SLACK
 from .planning.sizes import Prediction, ProbeSearch, outcome_text
 from .probefile import OOM_EXIT, RETRY_EXIT, load, out_of_memory, path, save

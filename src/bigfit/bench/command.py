@@ -104,7 +104,7 @@ def _strategies(text: str, base: TrainConfig) -> list[str]:
     if text == "auto":  # the planner's: those predicted to fit here at one sample a process
         import torch
 
-        from ..planning.command import plan_here
+        from ..planning.auto import plan_here
 
         if not torch.cuda.is_available():  # offload tiers and a map onto the host are for a GPU's memory
             every = tuple(s for s in every if "offload" not in s and s not in SPLIT_STRATEGIES)
@@ -147,7 +147,7 @@ def _host_figure() -> dict:
 
 def _auto_pick(base: TrainConfig, strategies: set[str]) -> tuple[str | None, str]:
     """What `--strategy auto --batch-size auto` would pick among the strategies benched, and why."""
-    from ..planning.command import auto_named
+    from ..planning.auto import auto_named
 
     named = tuple(s for s in STRATEGIES + SPLIT_STRATEGIES if s in strategies)
     try:

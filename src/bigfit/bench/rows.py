@@ -32,7 +32,7 @@ def run(spec: dict) -> int:
     from ..checks import validate
     from ..config import TrainConfig
     from ..errors import BigfitError
-    from ..planning.command import auto_micro_batch
+    from ..planning.auto import auto_micro_batch
     from ..probefile import load, path
     from ..training.job import with_data_lengths
 
@@ -86,7 +86,7 @@ def _train_at(row: Path, cfg, nproc: int, spec: dict, micro: int, peak: int | No
     status, OOM_EXIT where one process (this one, or a worker) ran out of memory."""
     import torch
 
-    from ..planning.command import plan_here
+    from ..planning.auto import plan_here
     from ..training.command import train_command
 
     batch = micro * nproc

@@ -20,7 +20,7 @@ from ..config import SPLIT_STRATEGIES, TrainConfig
 from ..distributed import launched_by_torchrun_env
 from ..errors import BigfitError
 from ..parallel.plan import ALIASES
-from ..planning import command as planner
+from ..planning import auto as planner
 from .ckptdir import resolve_resume
 from .job import prepare, with_data_lengths
 from .ownership import claim

@@ -66,7 +66,7 @@ def prepare(cfg: TrainConfig, world_size: int) -> Job:
 
 def with_data_lengths(cfg: TrainConfig) -> TrainConfig:
     """`cfg` with the longest training sample's source and target tokens in extra["data_lengths"], at
-    most --max-source-len / --max-target-len: what the planner rates (planning/command.py), since no
+    most --max-source-len / --max-target-len: what the planner rates (planning/auto.py), since no
     batch is longer. The limits are caps, often far past the data: the embedded task's samples are 29
     and 10 tokens at most, and rated at 128/128 a step of it read 5.3 s where 0.5 s is measured."""
     source = locate(cfg.model)
