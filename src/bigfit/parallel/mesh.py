@@ -18,6 +18,7 @@ from .plan import DIMS, ParallelPlan
 
 
 _made: dict = {}  # (device type, degrees) -> (mesh, data view), for the process group they were made in
+_run_groups: list = []  # the groups made for the run in progress alone (run_group), this rank's
 
 
 def with_mesh(rt: Runtime, plan: ParallelPlan) -> Runtime:
@@ -59,8 +60,28 @@ def new_data_group(rt: Runtime):
     if rt.data.world_size == 1:
         return None
     if rt.data_view is None:
-        return dist.new_group()
-    return dist.new_subgroups_by_enumeration(_data_ranks(rt.mesh))[0]
+        return run_group(None)
+    enumeration = _data_ranks(rt.mesh)
+    groups = [run_group(ranks) for ranks in enumeration]  # every rank makes every one, in the same order
+    return next(g for ranks, g in zip(enumeration, groups) if rt.rank in ranks)
+
+
+def run_group(ranks: list[int] | None):
+    """dist.new_group(ranks) (collective: every rank of the job calls it, in the same order), kept
+    for this run alone: release_run_groups ends it with the run. A gloo group holds three threads
+    and an NCCL one a communicator's device memory; a process that runs job after job in one group
+    (a notebook, the tests' kept ranks) gathered them run after run (idle ranks woke 4x as often
+    after a file of the tests' runs)."""
+    group = dist.new_group(ranks)
+    if group is not dist.GroupMember.NON_GROUP_MEMBER:
+        _run_groups.append(group)
+    return group
+
+
+def release_run_groups() -> None:
+    """Destroy the groups run_group made for the run that ends (each rank its own: not collective)."""
+    while _run_groups:
+        dist.destroy_process_group(_run_groups.pop())
 
 
 def data_ranks(rt: Runtime) -> list[int]:

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from ..distributed import Runtime, gather_objects
 from ..loading import Weights, fill
+from ..parallel.mesh import run_group
 from ..precision import compute_dtype
 from ..quantize import describe as describe_4bit, quantize_base
 from ..strategies.materialise import to_empty
@@ -128,7 +129,7 @@ def _tied(model: torch.nn.Module, groups, rt: Runtime) -> list:
     for names, positions in groups:
         for others in grid.flatten(1).unbind(1):  # each combination of the inner coordinates
             ranks = [int(others[p]) for p in positions]
-            group = dist.new_group(ranks)
+            group = run_group(ranks)  # this run's alone
             if rt.rank in ranks:
                 name = next(n for n in names if n in params)
                 out.append((name, group, rt.rank == ranks[0]))

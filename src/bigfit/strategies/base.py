@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -37,6 +38,19 @@ def syncing(owner, sync: bool):
         yield
     finally:
         owner.sync = True
+
+
+def grad_hook(method: Callable) -> Callable:
+    """`method` of an engine as a parameter's post-accumulate-grad hook, held weakly. torch keeps that
+    hook from the tensor's C++ side, out of sight of Python's collector: a bound method there kept its
+    engine, and the engine its parameters, past the run (every offload engine, its host buffers with
+    it, stayed alive in a process that ran three: a notebook, the tests' kept ranks)."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(p: torch.Tensor) -> None:
+        if (bound := ref()) is not None:
+            bound(p)
+    return hook
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

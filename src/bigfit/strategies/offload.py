@@ -46,7 +46,7 @@ import torch
 
 from ..models import block_lists
 from . import cpu_adam, statefmt
-from .base import syncing
+from .base import grad_hook, syncing
 from .buckets import Bucket, group_parameters, local_span, make_buckets, pack
 from .enginestate import EngineStates
 from .gradslots import GradientSlots
@@ -93,7 +93,7 @@ class OffloadEngine(HostSteps, EngineStates):
             b.state["free"].set()
             b.state["issued"].set()
         self._of = {id(s.param): b for b in self.buckets for s in b.slots}
-        self._hooks = [s.param.register_post_accumulate_grad_hook(self._on_grad)
+        self._hooks = [s.param.register_post_accumulate_grad_hook(grad_hook(self._on_grad))
                        for b in self.buckets for s in b.slots if id(s.param) not in self.held]
         self._hooks += [m.register_forward_pre_hook(functools.partial(self._await_hook, bs))
                         for m, bs in waiting_modules(model, prefixes, self._of)]

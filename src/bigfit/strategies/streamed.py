@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import syncing
+from .base import grad_hook, syncing
 from .sharding import FSDPApplied, _units
 
 
@@ -44,7 +44,8 @@ class StreamedSteps:
         self._unit_of = {id(p): i for i, ps in enumerate(self.units) for p in ps}
         self.inners = [cls(ps, **kw) for ps in self.units]
         self._left = [len(ps) for ps in self.units]
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for ps in self.units for p in ps]
+        self._hooks = [p.register_post_accumulate_grad_hook(grad_hook(self._on_grad)) for ps in self.units
+                       for p in ps]
         self._hooks.append(optimizer.register_step_pre_hook(self._before_step))
 
     def syncing(self, sync: bool):

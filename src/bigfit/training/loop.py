@@ -19,7 +19,7 @@ from ..loading import loads_per_rank
 from ..lora import inject, trainable_parameters
 from ..models import build_model, count_parameters
 from ..parallel.apply import apply
-from ..parallel.mesh import with_mesh
+from ..parallel.mesh import release_run_groups, with_mesh
 from ..precision import LossScaler, fp16_warning
 from ..strategies import Engine, build_optimizer
 from . import checkpoint, probe, runinfo
@@ -46,6 +46,7 @@ def train(cfg: TrainConfig) -> dict:
         with claim(job, rt), _collector_paused():  # the output directory is this run's (a launcher may have claimed it)
             return _train(job, rt, clock)
     finally:
+        release_run_groups()
         shutdown(rt)
 
 
