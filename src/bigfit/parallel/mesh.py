@@ -70,8 +70,8 @@ def run_group(ranks: list[int] | None):
     """dist.new_group(ranks) (collective: every rank of the job calls it, in the same order), kept
     for this run alone: release_run_groups ends it with the run. A gloo group holds three threads
     and an NCCL one a communicator's device memory; a process that runs job after job in one group
-    (a notebook, the tests' kept ranks) gathered them run after run (idle ranks woke 4x as often
-    after a file of the tests' runs)."""
+    (a notebook, the tests' kept ranks) gathered them run after run (a kept rank idling after 12 of
+    the tests' parity runs used 4x the CPU of a fresh one)."""
     group = dist.new_group(ranks)
     if group is not dist.GroupMember.NON_GROUP_MEMBER:
         _run_groups.append(group)

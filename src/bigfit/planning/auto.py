@@ -1,5 +1,5 @@
 """What `bigfit train` asks the planner about its own job on this machine: the machine as the job's
-processes see it (this_machine), `--strategy auto`'s pick over the named strategies and the composed
+processes see it (_this_machine), `--strategy auto`'s pick over the named strategies and the composed
 plans, `--batch-size auto` / `--micro-batch-size auto`'s largest micro-batch predicted to fit, and the
 figures a launched run reads from its plan (peak memory for the dashboards, the offload engine's state
 format, the NVMe tier's share in RAM). `bigfit plan` itself is command.py."""
