@@ -136,15 +136,18 @@ def test_processes_exit_2_with_one_line_and_help_still_works(tmp_path):
 
 
 def test_a_flags_mistake_is_said_before_torch_loads():
-    """The flags' checks need no torch (1-2 s to import): a mistake or --help answers at once."""
+    """The flags' checks need no torch (1-2 s to import; the training stack 5 s): a mistake, a --data file
+    that is not there or --help answers at once."""
     code = ("import sys; from bigfit.cli import main\n"
-            "for argv in (['train', '--strategy', 'pipedream'], ['train', '--lora-r', '0'], ['plan', '--help']):\n"
+            "for argv in (['train', '--strategy', 'pipedream'], ['train', '--lora-r', '0'], ['plan', '--help'],\n"
+            "             ['train', '--data', 'missing/pairs.jsonl']):\n"
             "    try: main(argv)\n"
             "    except SystemExit: pass\n"
             "print(sorted(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.splitlines()[-1] == "[]", r.stdout + r.stderr
     assert "strategy 'pipedream' is not valid" in r.stderr and "--lora-r" in r.stderr
+    assert "--data 'missing/pairs.jsonl' does not exist" in r.stderr
 
 
 DATA_CASES = [  # file name, bytes, the error after "--data 'PATH'"

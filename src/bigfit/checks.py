@@ -5,11 +5,13 @@ from __future__ import annotations
 from .config import (OPTIMIZER_STATES, OPTIMIZERS, PIPELINE_SCHEDULES, PIPELINE_STRATEGIES, PRECISIONS, REDUCE_DTYPES,
                      REPORTERS, SCHEDULES, SPLIT_STRATEGIES, STRATEGIES, WARMUPS, TrainConfig)
 from .data.columns import Columns
+from .data.files import KINDS
+from .data.tables import is_table
 from .errors import BigfitError, one_of
 from .lora import LoraSettings
 from .planning.flags import LORA_FLAGS
 from .settings import holds, setting_names, type_problem
-from .userfiles import check_encoding
+from .userfiles import check_encoding, user_file
 
 
 def validate(cfg: TrainConfig) -> None:
@@ -17,6 +19,8 @@ def validate(cfg: TrainConfig) -> None:
     _validate_types(cfg)
     check_encoding(cfg.data_encoding)
     Columns.parse(cfg.data_columns)  # its one line before any data is read
+    if cfg.data is not None and not is_table(cfg.data):  # a file: a mistyped path said before torch loads (5 s)
+        user_file(cfg.data, f"--data {cfg.data!r}", KINDS)
     reporters(cfg.report_to)
     strategies = (*STRATEGIES, *SPLIT_STRATEGIES, *PIPELINE_STRATEGIES, "auto")
     for name, valid in (("strategy", strategies), ("optimizer", OPTIMIZERS), ("lr_schedule", SCHEDULES),
