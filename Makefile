@@ -19,10 +19,13 @@ test: $(STAMP)
 	$(PY) -m compileall -q src tests > /dev/null
 	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder $(ARGS)
 
+# pip shows its own progress (each package it fetches, a bar for the large ones on a terminal): on a
+# fresh clone these steps take minutes, which `pip install -q` spent saying nothing.
+PIP := $(PY) -m pip install --disable-pip-version-check
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "torch==2.13.0"
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) "torch==2.13.0"
+	$(PIP) -e ".[test]"
 	touch $@
 
 clean:

@@ -10,9 +10,36 @@ from pathlib import Path
 
 import pytest
 
+# multiprocessing makes its AF_UNIX sockets (a rank pool's shared tensors: resource_sharer; a Manager's,
+# a Listener's) at TMPDIR/pymp-XXXXXXXX/listener-XXXXXXXX, and a socket's path holds 107 bytes. With the
+# run's root and each xdist worker's nested in the user's TMPDIR, one of 32 characters or more passed it:
+# no tensor a rank returned could be sent, and under a TMPDIR of 60 characters three rank-pool files
+# (tensor parallel, loading, QLoRA) failed in 6 min 38 s, their pools waiting out 240 s timeouts (98 s now).
+SOCKET_PATH_MAX = 107
+SOCKET_TAIL = len("/pymp-XXXXXXXX/listener-XXXXXXXX")  # the longest name multiprocessing makes under TMPDIR
+ROOT_PREFIX, WORKER_PREFIX = "bigfit-tests-", "w-"
+ROOT_ENV = "BIGFIT_TESTS_ROOT"  # the controller's root, where xdist's workers (which inherit it) make theirs
+SHORT_BASES = ("/tmp", "/var/tmp", "/dev/shm")
+
+
+def nested_room(base: str) -> int:
+    """The longest socket path under a root made in `base` and a worker's root inside it."""
+    return len(base) + len(f"/{ROOT_PREFIX}12345678/{WORKER_PREFIX}12345678") + SOCKET_TAIL
+
+
+def temp_root(tmpdir: str) -> str:
+    """A new directory for a pytest run's temporary files: in `tmpdir` (the user's TMPDIR) where that
+    leaves multiprocessing's sockets room, else in the first short writable base."""
+    fits = [b for b in (tmpdir, *SHORT_BASES) if nested_room(b) <= SOCKET_PATH_MAX and os.access(b, os.W_OK | os.X_OK)]
+    return tempfile.mkdtemp(prefix=ROOT_PREFIX, dir=(fits or [tmpdir])[0])  # none: sockets may fail, files won't
+
+
 # Nothing is downloaded in tests; torchrun and inductor leave folders in TMPDIR: give them ours.
 os.environ["HF_HUB_OFFLINE"] = "1"
-_tmp = tempfile.mkdtemp(prefix="bigfit-tests-")
+if ROOT_ENV in os.environ:  # an xdist worker: inside the controller's root, which left room for it
+    _tmp = tempfile.mkdtemp(prefix=WORKER_PREFIX, dir=os.environ[ROOT_ENV])
+else:
+    _tmp = os.environ[ROOT_ENV] = temp_root(tempfile.gettempdir())
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(_tmp, "inductor"))
 os.environ["TMPDIR"] = _tmp
 os.environ["XDG_CACHE_HOME"] = os.path.join(_tmp, "cache")  # bigfit's calibration cache (hardware.calibration_path)
@@ -38,6 +65,13 @@ def pytest_collection_modifyitems(items) -> None:
 
 def pytest_configure(config) -> None:
     config.addinivalue_line("markers", "alone: times this machine's speed; no other worker's test runs beside it")
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    """The controller removes the run's temporary root (the workers' are in it) when every test passed: a
+    whole run leaves some hundred MB there; after a failure it stays, to be looked at."""
+    if not hasattr(session.config, "workerinput") and exitstatus == 0:
+        shutil.rmtree(_tmp, ignore_errors=True)
 
 
 @pytest.hookimpl(optionalhook=True)

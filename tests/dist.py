@@ -16,6 +16,12 @@ import socket
 import time
 import traceback
 from contextlib import contextmanager
+from multiprocessing.reduction import ForkingPickler
+
+_SEND_FAILED = 70  # a rank's exit status when it could not put its report on the queue
+# After a rank dies without a report, the others' few seconds to report their own errors (a peer in a
+# collective with it fails at once, with gloo's message), before those still silent are called hung.
+DEATH_GRACE_S = 5.0
 
 
 def _free_port() -> int:
@@ -62,7 +68,7 @@ def _serve(rank: int, world: int, port: int, tasks, results) -> None:
         torch.set_num_threads(threads_per_rank(world))
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     except BaseException:
-        results.put((rank, traceback.format_exc(), None, False))
+        _send(results, rank, traceback.format_exc(), None, False)
         return
     while True:
         try:
@@ -78,10 +84,27 @@ def _serve(rank: int, world: int, port: int, tasks, results) -> None:
             result, tb = fn(*args), None
         except BaseException:
             result, tb = None, traceback.format_exc()
-        results.put((rank, tb, result, dist.is_initialized()))
+        _send(results, rank, tb, result, dist.is_initialized())
         if not dist.is_initialized():
             return
     dist.destroy_process_group()
+
+
+def _send(results, rank: int, tb: str | None, result, kept_group: bool) -> None:
+    """Put this rank's report on `results`, its result pickled here first: Queue.put pickles in a
+    feeder thread, which prints an error there to stderr and sends nothing, so a result that cannot
+    be pickled (or whose tensors cannot be shared: multiprocessing's AF_UNIX socket path past 107 bytes
+    under a long TMPDIR) left the caller waiting out its whole timeout (240 s). Such an error is sent
+    as this rank's traceback; a rank that cannot send even that exits, which collect sees at once."""
+    try:
+        payload = ForkingPickler.dumps(result)  # tensors are shared (torch's reductions), not copied
+    except BaseException:
+        tb, payload = f"{tb or ''}its result could not be sent:\n{traceback.format_exc()}", ForkingPickler.dumps(None)
+    try:
+        results.put((rank, tb, bytes(payload), kept_group))
+    except BaseException:
+        traceback.print_exc()
+        os._exit(_SEND_FAILED)
 
 
 class _Ranks:
@@ -102,22 +125,40 @@ class _Ranks:
             q.put((fn, args))
 
     def collect(self, deadline: float, timeout_s: float) -> tuple[dict, dict]:
-        results, errors = {}, {}
+        results, errors, died = {}, {}, None
         # Drain the queue before joining: a child cannot exit while its large result is still unread.
         while len(results) + len(errors) < self.world and time.monotonic() < deadline:
             try:
-                rank, tb, result, kept_group = self.results.get(timeout=0.5)
+                rank, tb, payload, kept_group = self.results.get(timeout=0.5)
             except queue_mod.Empty:
-                if all(r in results or r in errors or p.exitcode is not None for r, p in enumerate(self.procs)):
-                    break  # someone died without a word
+                silent = [r for r in range(self.world) if r not in results and r not in errors]
+                if died is None and any(self.procs[r].exitcode is not None for r in silent):
+                    died = min(r for r in silent if self.procs[r].exitcode is not None)
+                    deadline = min(deadline, time.monotonic() + DEATH_GRACE_S)
+                if all(self.procs[r].exitcode is not None for r in silent):
+                    break  # every silent rank is gone: nothing more can come
                 continue
-            (errors.__setitem__(rank, tb) if tb else results.__setitem__(rank, result))
             self.intact &= kept_group
-        for rank, p in enumerate(self.procs):
+            try:
+                result = ForkingPickler.loads(payload)
+            except BaseException:
+                tb = f"{tb or ''}its result could not be read here:\n{traceback.format_exc()}"
+            (errors.__setitem__(rank, tb) if tb else results.__setitem__(rank, result))
+        for rank in range(self.world):
             if rank not in results and rank not in errors:
-                errors[rank] = (f"still running after {timeout_s}s (hung in a collective?)" if p.exitcode is None
-                                else f"died with exit code {p.exitcode} before reporting")
+                errors[rank] = self._silence(rank, died, timeout_s)
         return results, errors
+
+    def _silence(self, rank: int, died: int | None, timeout_s: float) -> str:
+        """Why `rank` sent no report."""
+        code = self.procs[rank].exitcode
+        if code == _SEND_FAILED:
+            return "could not put its report on the queue (its traceback is on its stderr)"
+        if code is not None:
+            return f"died with exit code {code} before reporting"
+        if died is not None:
+            return f"still running {DEATH_GRACE_S:.0f}s after rank {died} died (waiting for it in a collective?)"
+        return f"still running after {timeout_s}s (hung in a collective?)"
 
     @property
     def reusable(self) -> bool:

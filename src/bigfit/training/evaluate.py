@@ -17,6 +17,7 @@ import torch
 from ..data import collate
 from ..distributed import Runtime, all_reduce_sum, gather_objects
 from ..strategies import Engine
+from .metrics import EvalProgress
 
 
 def shard_batches(items: list, rt: Runtime, batch_size: int) -> list[tuple[list, int]]:
@@ -39,8 +40,10 @@ def evaluate(applied: Engine, samples: list[dict], *, tokenizer, pad_id: int, se
     model.eval()
     loss, tokens, pairs = 0.0, 0, []
     generate = seq2seq and applied.generates
+    span = batch_size * rt.data.world_size  # the samples a batch takes over all data ranks
+    progress = EvalProgress(len(samples)) if rt.is_main else None  # the rank that speaks
     try:
-        for items, n_real in shard_batches(samples, rt.data, batch_size):
+        for i, (items, n_real) in enumerate(shard_batches(samples, rt.data, batch_size)):
             batch = collate(items, pad_id, rt.device, multiple=applied.sequence_multiple)
             l, n = applied.eval_batch(batch, seq2seq)
             if n_real and applied.counts:
@@ -48,7 +51,11 @@ def evaluate(applied: Engine, samples: list[dict], *, tokenizer, pad_id: int, se
             if generate:
                 texts = _generate(applied, batch, tokenizer, num_beams, max_new_tokens, rt)
                 pairs += [(t, s["target"]) for t, s in zip(texts[:n_real], items[:n_real]) if applied.counts]
+            if progress:
+                progress.update(min(len(samples), (i + 1) * span))  # equal batch counts: this rank speaks for all
     finally:
+        if progress:
+            progress.close()
         model.train(was_training)
         applied.reshard()
     loss, tokens = all_reduce_sum([loss, tokens], rt)

@@ -98,6 +98,16 @@ class StartClock:
         return f"first step {sum(phases.values()):.1f} s after the command started: {parts}"
 
 
+def _bar(transient: bool) -> Progress:
+    """A live bar whose rows name themselves: training's, and an evaluation's below it."""
+    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn(), console=console,
+                    transient=transient)
+
+
+_shown: list[Progress] = []  # the training bar while it is live: an evaluation then adds a row to it
+
+
 class StepProgress:
     """A live bar on a terminal; on a pipe (CI, logs) a plain line every tenth of the run instead."""
 
@@ -106,11 +116,10 @@ class StepProgress:
         self.every = max(1, total // 10)
         self.t0, self.start = time.perf_counter(), start
         if self.live:
-            self.bar = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                                TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn(),
-                                console=console)
+            self.bar = _bar(transient=False)
             self.task = self.bar.add_task("train", total=total, completed=start, info="")
             self.bar.start()
+            _shown.append(self.bar)
 
     def update(self, step: int, loss: float, tokens_per_s: float) -> None:
         info = f"loss {loss:.4f}  {tokens_per_s:,.0f} tok/s"
@@ -126,6 +135,51 @@ class StepProgress:
     def close(self) -> None:
         if self.live:
             self.bar.stop()
+            _shown.remove(self.bar)
+
+
+class EvalProgress:
+    """Held-out samples evaluated so far, for the wait an evaluation is (before the first step, the
+    baseline's beam search took 31 s of a 120 s start under load, with nothing shown): on a terminal a
+    row updated in place (below the training bar while that is live), gone when the evaluation ends; on
+    a pipe a plain line every PLAIN_EVERY_S, none for an evaluation shorter than that."""
+
+    PLAIN_EVERY_S = 10.0
+
+    def __init__(self, total: int, clock=time.perf_counter):
+        self.total, self.live, self.clock = total, console.is_terminal, clock
+        self.t0 = self.said = clock()
+        if self.live:
+            self.bar = _shown[-1] if _shown else _bar(transient=True)
+            self.task = self.bar.add_task("eval", total=total, info="samples")
+            if not _shown:
+                self.bar.start()
+
+    def update(self, done: int) -> None:
+        if self.live:
+            self.bar.update(self.task, completed=done)
+        elif (now := self.clock()) - self.said >= self.PLAIN_EVERY_S:
+            self.said = now
+            console.print(f"eval {done}/{self.total} samples  {now - self.t0:.1f}s")
+            sys.stdout.flush()
+
+    def close(self) -> None:
+        if self.live:
+            self.bar.remove_task(self.task)
+            if self.bar in _shown:
+                self.bar.refresh()  # else the next line printed above the bar shows the row's last frame again
+            else:
+                self.bar.stop()
+
+
+def stop_live() -> None:
+    """Stop the training bar where it is still live (an interrupt or an error ends the loop before it
+    closes it) and give the terminal its cursor back, which a live bar hides until it stops: after a
+    Ctrl-C the bar was drawn again below the message, and the shell left without a cursor."""
+    while _shown:
+        _shown.pop().stop()
+    if console.is_terminal:
+        console.show_cursor(True)
 
 
 def table(title: str, rows: list[tuple[str, object]]) -> Table:
