@@ -9,6 +9,7 @@ unit the planner multiplies. Kept per device type in the cache (hardware.calibra
 matmul and memory rates its cores give the processes that compute in their place (`cpu_rates`)."""
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -21,7 +22,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, LlamaConfig
 
 from . import adamrate
-from .hardware import calibration_path
+from .hardware import calibration_path, keep_unkept, unkept
 from .launch import allowed_cores  # the same cores launch.py shares among its workers
 from .models import is_seq2seq
 from .planning.profile import profile_model
@@ -80,31 +81,41 @@ def _sync(gpu: bool) -> None:
 def calibrate() -> dict:
     """Measure on this machine's GPU (else its CPU) and keep the figures; returns the record: the
     host's cost per operator issued, and its Adam step's parameters a second (adamrate.py) for the
-    jobs on that device, whose host it is."""
+    jobs on that device, whose host it is, and "not_kept": why the cache could not keep them (None
+    where it did; this process plans with them either way)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     record = {**measure(device), "host_adam": adamrate.rates()}
     kept = _read_cache()
     kept[device.type] = record
     if device.type == "cpu":  # its cores are the job's devices: their rates afresh too
         kept[CPU_RATES] = _measure_cpu()
-    _write_cache(kept)
-    return record
+    return {**record, "not_kept": _write_cache(kept)}
 
 
 def _read_cache() -> dict:
     try:
         kept = json.loads(calibration_path().read_text())
     except (OSError, ValueError):
-        return {}  # first calibration, or an unreadable file: written afresh
-    return kept if isinstance(kept, dict) else {}
+        kept = {}  # first calibration, or an unreadable file: written afresh
+    return {**kept, **unkept()} if isinstance(kept, dict) else unkept()
 
 
-def _write_cache(kept: dict) -> None:
+def _write_cache(kept: dict) -> str | None:
+    """Keep `kept` in the cache; where the cache cannot be written (a read-only home, a full disk) the
+    figures hold for this process only (hardware.unkept) and the reason is returned: a measure is
+    worth having without a cache, and the cheap ones (a disk's, the cores') are simply measured again."""
     path = calibration_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(kept, indent=1))
-    tmp.replace(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(kept, indent=1))
+        tmp.replace(path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink()  # a full disk's half-written file
+        keep_unkept(kept)
+        return f"{path} cannot be written ({e.strerror or e})"
+    return None
 
 
 DISK_PROBE_BYTES = 256 * 2**20  # enough to pass a disk's write cache; ~0.1-0.3 s on an NVMe drive

@@ -3,7 +3,7 @@ BigfitError that names the bad value and what would be valid (config.py holds th
 from __future__ import annotations
 
 from .config import (OPTIMIZER_STATES, OPTIMIZERS, PIPELINE_SCHEDULES, PIPELINE_STRATEGIES, PRECISIONS, REDUCE_DTYPES,
-                     REPORTERS, SCHEDULES, SPLIT_STRATEGIES, STRATEGIES, WARMUPS, TrainConfig)
+                     RANGES, REPORTERS, SCHEDULES, SPLIT_STRATEGIES, STRATEGIES, WARMUPS, TrainConfig)
 from .data.columns import Columns
 from .data.files import KINDS
 from .data.tables import is_table
@@ -29,28 +29,10 @@ def validate(cfg: TrainConfig) -> None:
             raise one_of(name.replace("_", "-"), getattr(cfg, name), valid)
     if cfg.precision is not None and cfg.precision not in PRECISIONS:
         raise one_of("precision", cfg.precision, (*PRECISIONS, "auto"))
-    if cfg.loss_scale < 0 or cfg.min_loss_scale <= 0 or cfg.loss_scale_window < 1 or cfg.hysteresis < 1:
-        raise BigfitError(f"fp16 loss scaling needs loss_scale >= 0 (0: dynamic), min_loss_scale > 0, "
-                          f"loss_scale_window >= 1 and hysteresis >= 1; got {cfg.loss_scale}, {cfg.min_loss_scale}, "
-                          f"{cfg.loss_scale_window}, {cfg.hysteresis}")
-    for name in ("max_steps", "batch_size", "max_source_len", "max_target_len", "num_beams", "max_new_tokens"):
-        if getattr(cfg, name) != "auto" and getattr(cfg, name) <= 0:
-            raise BigfitError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(cfg, name)}")
-    for name in ("save_every", "eval_every", "warmup_steps", "eval_samples", "keep_checkpoints"):
-        if getattr(cfg, name) < 0:
-            raise BigfitError(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(cfg, name)}")
-    if cfg.max_train_samples is not None and (cfg.max_train_samples < 1 or (
-            cfg.batch_size != "auto" and cfg.max_train_samples < cfg.batch_size)):
+    _validate_ranges(cfg)
+    if cfg.max_train_samples is not None and cfg.batch_size != "auto" and cfg.max_train_samples < cfg.batch_size:
         raise BigfitError(f"--max-train-samples must be at least the global batch ({cfg.batch_size}), got "
                           f"{cfg.max_train_samples}")
-    if cfg.dataset_num_proc is not None and cfg.dataset_num_proc < 1:
-        raise BigfitError(f"--dataset-num-proc must be at least 1, got {cfg.dataset_num_proc}")
-    if cfg.nproc is not None and cfg.nproc < 1:
-        raise BigfitError(f"--nproc must be at least 1, got {cfg.nproc}")
-    if cfg.micro_batch_size not in (None, "auto") and cfg.micro_batch_size < 1:
-        raise BigfitError(f"--micro-batch-size must be at least 1, got {cfg.micro_batch_size}")
-    if cfg.lr <= 0 or cfg.timeout_s <= 0:
-        raise BigfitError(f"--lr and --timeout-s must be positive, got {cfg.lr} and {cfg.timeout_s}")
     if cfg.delayed_update and not cfg.strategy.startswith("zero2-offload"):
         raise BigfitError(f"--delayed-update needs --strategy zero2-offload (its host optimizer step is what is "
                           f"delayed), not {cfg.strategy}")
@@ -64,8 +46,6 @@ def validate(cfg: TrainConfig) -> None:
         raise BigfitError(f"--device-map belongs to --strategy device_map, not {cfg.strategy}")
     if cfg.strategy not in ("device_map", "pipeline") and cfg.chunks not in (None, 1) and (cfg.pp or 1) == 1:
         raise BigfitError(f"--chunks belongs to --strategy device_map or a pipeline (--pp), not {cfg.strategy}")
-    if cfg.chunks is not None and (isinstance(cfg.chunks, bool) or not isinstance(cfg.chunks, int) or cfg.chunks < 1):
-        raise BigfitError(f"--chunks must be a positive integer, got {cfg.chunks!r}")
     _validate_pipeline(cfg)
 
 
@@ -90,12 +70,20 @@ def _validate_types(cfg: TrainConfig) -> None:
             raise BigfitError(f"setting {name} {type_problem(name, getattr(cfg, name), in_file=False)}")
 
 
+def _validate_ranges(cfg: TrainConfig) -> None:
+    """Each number within its setting's range (config.RANGES); "auto" and None are the types' to check."""
+    for name, valid in RANGES.items():
+        value = getattr(cfg, name)
+        if isinstance(value, (int, float)) and not valid.holds(value):
+            raise BigfitError(f"--{name.replace('_', '-')} must be {valid.describe()}, got {value}")
+
+
 def _validate_offload(cfg: TrainConfig) -> None:
     if cfg.offload_grads not in ("host", "device"):
         raise one_of("--offload-grads", cfg.offload_grads, ("host", "device"))
     if cfg.offload_grads != "host" and not cfg.strategy.startswith("zero2-offload"):
         raise BigfitError(f"--offload-grads belongs to --strategy zero2-offload(-nvme), not {cfg.strategy}")
-    if cfg.nvme_host_gb is not None and (cfg.nvme_host_gb < 0 or cfg.strategy != "zero2-offload-nvme"):
+    if cfg.nvme_host_gb is not None and cfg.strategy != "zero2-offload-nvme":
         raise BigfitError(f"--nvme-host-gb must be 0 or more and belongs to --strategy zero2-offload-nvme; got "
                           f"{cfg.nvme_host_gb} with {cfg.strategy}")
     if cfg.optimizer_states not in (*OPTIMIZER_STATES, "auto"):
@@ -130,8 +118,6 @@ def _validate_pipeline(cfg: TrainConfig) -> None:
         return
     if cfg.pipeline_schedule is not None and cfg.pipeline_schedule not in PIPELINE_SCHEDULES:
         raise one_of("--pipeline-schedule", cfg.pipeline_schedule, PIPELINE_SCHEDULES)
-    if cfg.stages_per_rank is not None and cfg.stages_per_rank < 1:
-        raise BigfitError(f"--stages-per-rank must be at least 1, got {cfg.stages_per_rank}")
     if cfg.nproc == 1:
         raise BigfitError("a pipeline runs one process per stage: use --nproc 2 or more (or device_map, "
                           "which splits the model over the devices of one process)")

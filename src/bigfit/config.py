@@ -7,6 +7,7 @@ bigfit's: settings.py (reading), checks.py (validating) and resolution.py sit ab
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 # What each data-parallel strategy shards across ranks (DeepSpeed's ZeRO stages) and keeps in host RAM.
@@ -47,18 +48,18 @@ class TrainConfig:
     data_cache: str = "auto"  # tokenized data in memory-mapped files a node's ranks share: on, off, a DIR, or auto (on from 64 MB of --data); on: $XDG_CACHE_HOME/bigfit/tokenized
     dataset_num_proc: int | None = None  # processes that tokenize --data into the cache; None: the machine's cores
     output_dir: str = "bigfit-out"  # checkpoints, metrics.jsonl, consolidated model; one run's, locked while it runs
-    overwrite: bool = False  # replace the run already in output_dir: its files only, never files bigfit did not write
+    overwrite: bool = False  # replace the run already in --output-dir: its files only, never files bigfit did not write
     report_to: str = "none"  # dashboards besides metrics.jsonl, comma-separated: tensorboard, wandb, mlflow; none
     max_steps: int = 600  # optimizer steps
     batch_size: int | str = 32  # GLOBAL batch: samples per optimizer step, over all processes and micro-batches
-    # samples per forward/backward on one process; None: batch_size / nproc; auto: the largest predicted
-    # to fit, confirmed by a probe run (with batch_size auto too: the global batch is nproc x that)
+    # samples per forward/backward on one process; None: --batch-size / --nproc; auto: the largest predicted
+    # to fit, confirmed by a probe run (with --batch-size auto too: the global batch is --nproc x that)
     micro_batch_size: int | str | None = None
     seed: int = 0  # weights, data order and dropout
     nproc: int | None = None  # local worker processes; None: one per GPU, or 2 on a CPU-only machine
-    strategy: str = "zero3"  # one of STRATEGIES, or auto: the fastest that the planner predicts to fit
-    device_map: str | None = None  # device_map strategy: MAP.json (docs/device_map.md) or auto: balanced over GPUs, then RAM
-    chunks: int | None = None  # device_map, pipeline: pipeline micro-batches per micro-batch; None: 1, pipeline: one per stage
+    strategy: str = "zero3"  # one of STRATEGIES, SPLIT_STRATEGIES, PIPELINE_STRATEGIES, or auto: the fastest that the planner predicts to fit
+    device_map: str | None = None  # --strategy device_map: MAP.json (docs/device_map.md) or auto: balanced over GPUs, then RAM
+    chunks: int | None = None  # --strategy device_map or pipeline: pipeline micro-batches per micro-batch; None: 1, pipeline: one per stage
     pipeline_schedule: str | None = None  # pipeline: gpipe, 1f1b or interleaved (1F1B, several stages per process); None: 1f1b
     stages_per_rank: int | None = None  # pipeline: stages per process (interleaved: 2 or more); None: 2 if interleaved, else 1
     # parallel degrees (docs/architecture.md, "The plan"): they multiply to the processes; None: 1, except
@@ -73,7 +74,7 @@ class TrainConfig:
     precision: str | None = "fp32"  # fp32, bf16 or fp16 (fp32 master weights either way); auto: bf16 where supported
     reduce_dtype: str = "fp32"  # dtype gradients are reduced in under bf16/fp16
     loss_scale: float = 0.0  # fp16: a static loss scale; 0 for dynamic scaling
-    initial_scale_power: int = 16  # fp16 dynamic scaling starts at 2**this
+    initial_scale_power: int = 16  # fp16 dynamic scaling starts at a scale of 2 to this power
     loss_scale_window: int = 1000  # fp16: steps without overflow before the scale doubles
     hysteresis: int = 2  # fp16: overflows tolerated before the scale halves
     min_loss_scale: float = 1.0  # fp16: the scale never drops below this
@@ -86,13 +87,13 @@ class TrainConfig:
     adam_beta2: float = 0.999  # Adam second-moment decay
     adam_eps: float = 1e-8  # Adam denominator epsilon
     weight_decay: float = 0.0  # weight decay
-    lr_schedule: str = "linear"  # after warm-up: linear (to 0 at max_steps), cosine (to 0), constant
-    warmup_steps: int = 20  # warm-up steps from warmup_min_lr to lr
+    lr_schedule: str = "linear"  # after warm-up: linear (to --min-lr at --max-steps), cosine (to --min-lr), constant
+    warmup_steps: int = 20  # warm-up steps from --warmup-min-lr to --lr
     warmup_type: str = "linear"  # warm-up curve: linear or log (DeepSpeed WarmupLR's default)
     warmup_min_lr: float = 0.0  # learning rate at the start of warm-up
-    min_lr: float = 0.0  # where linear and cosine decay end (DeepSpeed's WarmupDecayLR: its warmup_min_lr)
-    max_grad_norm: float = 1.0  # clip the global gradient norm; 0 disables
-    ddp_bucket_mb: float = 25.0  # gradient all-reduce bucket size (ddp, zero1)
+    min_lr: float = 0.0  # where linear and cosine decay end (DeepSpeed's WarmupDecayLR calls it its minimum learning rate)
+    max_grad_norm: float = 1.0  # clip the global gradient norm to this; 0: no clipping
+    ddp_bucket_mb: float = 25.0  # gradient all-reduce bucket size in MB (ddp, zero1)
     nvme_dir: str | None = None  # zero2-offload-nvme: a directory on a fast local disk; None: OUTPUT/nvme
     delayed_update: bool = False  # zero2-offload: the host optimizer step overlaps the next step (one-step-stale parameters)
     offload_grads: str = "host"  # zero2-offload: where gradients wait for the host step: host (2 more bytes/param of RAM in bf16, 4 in fp32) or device
@@ -103,19 +104,21 @@ class TrainConfig:
     optimizer_states: str = "auto"  # zero2-offload: Adam's moments in host RAM: fp32, bf16 or int8 (with the fp32 master 12, 8, ~6 bytes a parameter); auto: fp32, or what --strategy auto picks
     max_source_len: int = 128  # tokens kept per source / text sample
     max_target_len: int = 128  # tokens kept per target (encoder-decoder models)
-    pack: bool = False  # decoder-only: samples end to end in sequences of max_source_len tokens, attention kept within each
+    pack: bool = False  # decoder-only: samples end to end in sequences of --max-source-len tokens, attention kept within each
     save_every: int = 200  # save a checkpoint every N steps (and always at the end); 0: only at the end
     keep_checkpoints: int = 0  # keep only the newest N complete checkpoints; 0 keeps all
-    eval_every: int = 200  # evaluate every N steps (and at step 0 and at the end); 0: only at the end
+    eval_every: int = 200  # evaluate every N steps and at the end (and at step 0 unless --no-eval-on-start); 0: at the end only
     eval_on_start: bool = True  # evaluate before the first step too (the baseline); --no-eval-on-start: not
-    eval_samples: int = 64  # held-out samples used for evaluation
+    # held-out samples used for evaluation, at most a tenth of the data (a larger number is refused once the data
+    # is read; the default 64 takes a tenth of data under 640 samples); 0: no evaluation
+    eval_samples: int = 64
     max_train_samples: int | None = None  # train on the first N samples only (after the held-out ones); None: all
     num_beams: int = 4  # beam width for generate() during evaluation
     max_new_tokens: int = 32  # generation length limit during evaluation
-    resume: str | None = None  # "latest" (newest complete checkpoint in output_dir) or a checkpoint dir
+    resume: str | None = None  # latest (the newest complete checkpoint in --output-dir; the flag alone means it) or a checkpoint dir
     allow_changed: str | None = None  # --resume: comma-separated settings that may differ from the checkpoint's although they change the math
-    timeout_s: float = 300.0  # collective timeout: a stuck peer fails the job instead of hanging it
-    consolidate: bool = True  # write output_dir/model (Hugging Face format) at the end; with --lora, output_dir/adapter (peft)
+    timeout_s: float = 300.0  # seconds a collective may wait: a stuck peer fails the job instead of hanging it
+    consolidate: bool = True  # write OUTPUT/model (Hugging Face format) at the end; with --lora, OUTPUT/adapter (peft)
     # parameter-efficient fine-tuning (bigfit/lora.py): LoRA adapters through peft, the base frozen
     lora: bool = False  # train LoRA adapters beside the frozen base weights (peft), with any strategy
     lora_r: int = 16  # --lora: the adapters' rank
@@ -135,6 +138,58 @@ class TrainConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+
+@dataclass(frozen=True)
+class Range:
+    """The numbers a setting may hold, from `low` to `high` (each end valid unless `*_open`), and how an
+    error says so: `words` where the numbers alone would not say it best, `note` what an end means."""
+    low: float = -math.inf
+    high: float = math.inf
+    low_open: bool = False
+    high_open: bool = False
+    words: str = ""
+    note: str = ""
+
+    def holds(self, value: float) -> bool:
+        above = value > self.low if self.low_open else value >= self.low
+        return above and (value < self.high if self.high_open else value <= self.high)
+
+    def describe(self) -> str:
+        low, high = _number(self.low), _number(self.high)
+        text = f"more than {low}" if self.low_open else "0 or more" if self.low == 0 else f"at least {low}"
+        if self.high < math.inf:
+            text = f"at least {low} and less than {high}" if self.high_open else f"from {low} to {high}"
+        return (self.words or text) + (f" ({self.note})" if self.note else "")
+
+
+def _number(x: float) -> str:
+    return str(int(x)) if math.isfinite(x) and x == int(x) else f"{x:g}"
+
+
+POSITIVE_INT = Range(1, words="a positive integer")
+AT_LEAST_1, AT_LEAST_0, ABOVE_0 = Range(1), Range(0), Range(0, low_open=True)
+# Every numeric setting's valid values (checks.py refuses the rest in one line before torch loads; torch's
+# optimizers would raise a traceback at the first step). None and "auto" are checked as types, not here;
+# the --lora-* numbers are LoraSettings' (lora.py), checked where --lora is on.
+RANGES = {
+    "dataset_num_proc": AT_LEAST_1, "max_steps": POSITIVE_INT, "batch_size": POSITIVE_INT,
+    "micro_batch_size": AT_LEAST_1, "nproc": AT_LEAST_1, "chunks": POSITIVE_INT, "stages_per_rank": AT_LEAST_1,
+    "seed": Range(0, 2**32 - 1),  # the data order's generator takes seed x 1000003 + epoch as a 64-bit integer
+    **dict.fromkeys(("pp", "tp", "dp_shard", "dp_replicate"), POSITIVE_INT),
+    "loss_scale": Range(0, note="0: dynamic scaling"),
+    "initial_scale_power": Range(0, 127),  # 2**128 is past float32's range: every step would overflow
+    "loss_scale_window": AT_LEAST_1, "hysteresis": AT_LEAST_1, "min_loss_scale": ABOVE_0,
+    "lr": ABOVE_0, "adam_beta1": Range(0, 1, high_open=True), "adam_beta2": Range(0, 1, high_open=True),
+    "adam_eps": ABOVE_0, "weight_decay": AT_LEAST_0, "warmup_steps": AT_LEAST_0, "warmup_min_lr": AT_LEAST_0,
+    "min_lr": AT_LEAST_0, "max_grad_norm": Range(0, note="0: no clipping"), "ddp_bucket_mb": ABOVE_0,
+    "nvme_host_gb": Range(0, note="0: every state in files"), "max_source_len": POSITIVE_INT,
+    "max_target_len": POSITIVE_INT, "save_every": Range(0, note="0: at the end only"),
+    "keep_checkpoints": Range(0, note="0 keeps all"), "eval_every": Range(0, note="0: at the end only"),
+    "eval_samples": Range(0, note="0: no evaluation"), "max_train_samples": AT_LEAST_1, "num_beams": POSITIVE_INT,
+    "max_new_tokens": POSITIVE_INT, "timeout_s": ABOVE_0,
+}
 
 
 def pipeline_defaults(schedule: str | None, stages_per_rank: int | None, chunks: int | None, world_size: int,

@@ -125,9 +125,24 @@ def calibration_path() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "bigfit" / "host.json"
 
 
+# Figures measured in this process that the cache could not keep (calibration._write_cache: a read-only
+# cache directory): they stand in for the file's, so that `bigfit plan --calibrate` plans with them.
+_UNKEPT: dict = {}
+
+
+def keep_unkept(records: dict) -> None:
+    _UNKEPT.update(records)
+
+
+def unkept() -> dict:
+    return dict(_UNKEPT)
+
+
 def _calibrated(device: str) -> dict:
     """The kept record for jobs on `device` ("cuda" or "cpu"), or {}: not calibrated, or a calibration
     file that cannot be read, which is ignored (the defaults stand), never an error."""
+    if isinstance(_UNKEPT.get(device), dict):
+        return _UNKEPT[device]
     try:
         record = json.loads(calibration_path().read_text())[device]
     except (OSError, ValueError, KeyError, TypeError):

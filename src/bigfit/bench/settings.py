@@ -12,7 +12,7 @@ from ..settings import load_config_file
 
 @dataclasses.dataclass(frozen=True)
 class BenchSettings:
-    strategies: str = "auto"  # auto: those the planner predicts to fit here; all: every one that runs here; or a list
+    strategies: str = "auto"  # auto: those the planner predicts to fit here; all: every one that runs here; or a comma-separated list of them
     precisions: str | None = None  # comma-separated (fp32, bf16, fp16); None: bf16 on a GPU that has it, else fp32
     train_samples: int = 512  # samples each method trains on after its warm-up, at its largest micro-batch
     untimed_steps: int = 2  # steps each method runs before the timed ones (kernels, allocator, compilation)

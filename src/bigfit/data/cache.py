@@ -28,7 +28,7 @@ from .arrays import ArrowSamples, blocks, drop_rows, lists_of, pack_columns, wri
 from .digest import examples_digest, file_sha256
 from .files import iter_examples
 from .tables import is_table, looks_like_hub_name, read_table
-from .tokenize import Dataset, check_enough, held_out, ids_of, kind_of, pad_id, sample_of
+from .tokenize import Dataset, check_enough, held_out, ids_of, kind_of, pad_id, sample_of, sample_unit
 
 VERSION = 1  # of the samples' layout: a change here makes new entries
 AUTO_BYTES = 64 * 2**20  # --data-cache auto: data this large and larger goes through the cache
@@ -172,7 +172,7 @@ def _samples(cfg, out, kind: str) -> tuple[dict, list[dict], int]:
     labels = None if kind == "text" else lists_of(out.data.column("labels"))
     if kind == "text":
         ids = blocks(ids, cfg.max_source_len, per_document=cfg.pack)
-    eval_idx = held_out(len(ids.lengths), cfg.eval_samples, cfg.seed)
+    eval_idx = held_out(len(ids.lengths), cfg.eval_samples, cfg.seed, sample_unit(kind, cfg.max_source_len))
     evals = [{"input_ids": ids.row(i), "labels": ids.row(i)} if kind == "text" else out[int(i)] for i in eval_idx]
     ids = drop_rows(ids, eval_idx)
     labels = ids if labels is None else drop_rows(labels, eval_idx)

@@ -14,6 +14,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..config import TrainConfig
 from ..errors import BigfitError
 from .chat import chat_sample
 from .pack import pack as pack_samples
@@ -76,11 +77,24 @@ def sample_of(tok, ex: dict, kind: str, seq2seq: bool, max_source_len: int, max_
     return _pair_sample(tok, ex, seq2seq, max_source_len, max_target_len)
 
 
-def held_out(n: int, eval_samples: int, seed: int) -> list[int]:
-    """The indices of the evaluation samples among `n`, in their evaluation order (the same on every rank)."""
+def held_out(n: int, eval_samples: int, seed: int, unit: str = "samples") -> list[int]:
+    """The indices of the evaluation samples among `n`, in their evaluation order (the same on every rank):
+    at most a tenth of the data, so that training keeps nine tenths. A larger --eval-samples is refused
+    here, where the data's size is first known (before any process trains); the default takes a tenth of
+    data too small for it, as the start-of-run table says. `unit`: what a sample is, for the error."""
+    most = n // 10
+    if eval_samples > most and eval_samples != TrainConfig.eval_samples:
+        fewer = f"--eval-samples {most} or fewer" if most else "--eval-samples 0"
+        raise BigfitError(f"--eval-samples {eval_samples}: the data gives {n} {unit}, of which at most a tenth ({most}) "
+                          f"is held out for evaluation; give {fewer} (0: no evaluation), or more data")
     order = list(range(n))
     random.Random(seed).shuffle(order)
-    return order[:min(eval_samples, n // 10) if eval_samples else 0]
+    return order[:min(eval_samples, most)]
+
+
+def sample_unit(kind: str, max_source_len: int) -> str:
+    """What one sample of `kind` is, as held_out's error says it."""
+    return f"blocks of {max_source_len} tokens" if kind == "text" else "samples"
 
 
 def check_enough(n_train: int, n_eval: int, min_train: int, max_source_len: int, pack: bool) -> None:
@@ -104,7 +118,7 @@ def build_dataset(examples: list[dict], tok, seq2seq: bool, *, max_source_len: i
         samples = _text_blocks(tok, examples, max_source_len, per_document=pack)
     else:
         samples = [sample_of(tok, ex, kind, seq2seq, max_source_len, max_target_len) for ex in examples]
-    eval_idx = held_out(len(samples), eval_samples, seed)
+    eval_idx = held_out(len(samples), eval_samples, seed, sample_unit(kind, max_source_len))
     held = set(eval_idx)
     train = [s for i, s in enumerate(samples) if i not in held]
     packed = len(train) if pack else 0

@@ -83,12 +83,7 @@ def compute_plan(ns):
             raise BigfitError(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(ns, name)}")
     config = load_config(locate(ns.model))  # a bad --model is reported before any measuring
     if ns.calibrate:
-        r = calibrate()
-        adam = ", ".join(f"{'torch fused' if f == 'torch' else f} {v / 1e9:.2f}"
-                         for f, v in r["host_adam"].items())
-        print(f"calibrated: the host issues a forward operator with its backward in {r['host_op_us']:.1f} us "
-              f"on {r['device']} ({r['operators']} operators in {r['step_s'] * 1e3:.1f} ms); its Adam step "
-              f"takes G parameters/s: {adam}; kept in {calibration_path()}")
+        print(_calibrated(calibrate()))
     hw = hardware_from_args(ns)
     fixed = {d: getattr(ns, d) for d in DIMS if getattr(ns, d) is not None}  # the composed plans' degrees
     check_degrees(fixed, hw, *split_counts(config))
@@ -106,6 +101,16 @@ def compute_plan(ns):
         r = p.layout_rejected[0]
         raise BigfitError(f"{' '.join(f'--{flag(d)} {v}' for d, v in fixed.items())}: {r.group} ({r.name}: {r.detail})")
     return p, hw, fixed
+
+
+def _calibrated(r: dict) -> str:
+    """What --calibrate measured, and where it was kept (or why not: this plan uses it all the same)."""
+    adam = ", ".join(f"{'torch fused' if f == 'torch' else f} {v / 1e9:.2f}" for f, v in r["host_adam"].items())
+    kept = (f"not kept: {r['not_kept']}; this plan uses them, later ones can with --host-op-us {r['host_op_us']:.1f}"
+            if r["not_kept"] else f"kept in {calibration_path()}")
+    return (f"calibrated: the host issues a forward operator with its backward in {r['host_op_us']:.1f} us on "
+            f"{r['device']} ({r['operators']} operators in {r['step_s'] * 1e3:.1f} ms); its Adam step takes G "
+            f"parameters/s: {adam}; {kept}")
 
 
 def lora_from_args(ns) -> LoraSettings | None:

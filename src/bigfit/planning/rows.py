@@ -35,8 +35,8 @@ def fit_problem(e: Estimate, hw) -> str | None:
     cap = gpu_cap(hw)
     if e.per_gpu["total"] > cap:
         worst = max(KEYS, key=e.per_gpu.get)
-        return (f"needs {gb(e.per_gpu['total'])} per GPU, {gb(e.per_gpu['total'] - cap)} more than the "
-                f"smallest GPU offers (largest part: {worst} {gb(e.per_gpu[worst])})")
+        return (f"needs {gb(e.per_gpu['total'])} per GPU, {gb(e.per_gpu['total'] - cap)} more than the {gb(cap)} "
+                f"the smallest GPU offers (largest part: {worst} {gb(e.per_gpu[worst])})")
     return host_problem(e, hw)
 
 

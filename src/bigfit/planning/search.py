@@ -208,21 +208,30 @@ def _engine_mode(job: Job) -> str:
 
 
 def _advice(cands: list[Candidate], job: Job, hw) -> str:
+    """Why nothing is recommended, every candidate's reason in it: those that fit the GPU but cannot run
+    for another reason (host RAM, the NVMe, no GPUs, device_map's one node) each with theirs, then how
+    far the most frugal of the rest is over, and what would help."""
+    cap = gpu_cap(hw)
     # device_map's and pipeline's per-GPU figures are their fullest device: not comparable with the smallest GPU
     least = min([c for c in cands if c.estimate.name not in WHOLE] or cands,
                 key=lambda c: c.estimate.per_gpu["total"])
-    short = least.estimate.per_gpu["total"] - gpu_cap(hw)
+    short = least.estimate.per_gpu["total"] - cap
     tips = []
     if not job.checkpointing:
         tips.append("--activation-checkpointing")
-    if (job.micro_batch or 2) > 1:
+    if job.micro(hw.world_size) > 1:
         tips.append("a smaller --micro-batch-size")
     tips += ["more GPUs (ZeRO-3 divides the model states by their number)", "zero3-offload with more host RAM"]
-    unusable = [f"{c.estimate.name} {c.why_not}" for c in cands if c.fits]  # device_map: no split, or several nodes
-    if short <= 0:  # the most frugal fits but cannot run here (e.g. offload on a machine without GPUs)
-        return "no candidate can run here: " + "; ".join(unusable)
-    head = f"nothing else fits ({'; '.join(unusable)})" if unusable else "nothing fits"
-    return f"{head}: the most frugal, {least.estimate.name}, is {_gb(short)} over per GPU; try " + ", ".join(tips)
+    held = [c for c in cands if c.fits or c.estimate.per_gpu["total"] <= cap]  # by the GPU: the reason is elsewhere
+    unusable = "; ".join(f"{c.estimate.name} {c.why_not}" for c in held)
+    if short <= 0:  # the most frugal fits the GPU but cannot run here (e.g. offload on a machine without GPUs)
+        over = sorted((c.estimate for c in cands if c not in held), key=lambda e: e.per_gpu["total"])
+        needs = ", ".join(f"{e.name} {_gb(e.per_gpu['total'])}" for e in over)
+        rest = f"; over the {_gb(cap)} a GPU offers: {needs}; try {', '.join(tips)}" if over else ""
+        return f"no candidate can run here: {unusable}{rest}"
+    head = f"nothing else fits ({unusable})" if unusable else "nothing fits"
+    return (f"{head}: the most frugal, {least.estimate.name}, is {_gb(short)} over per GPU (of the {_gb(cap)} "
+            "each offers); try " + ", ".join(tips))
 
 
 def _parameter_traffic(name: str, prof, hw, job: Job, accum: int) -> float:
