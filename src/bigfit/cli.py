@@ -10,15 +10,16 @@ import dataclasses
 import difflib
 import inspect
 import os
+import re
 import sys
 
+from . import config
 from .checks import validate
-from .config import (OPTIMIZER_STATES, PIPELINE_SCHEDULES, PIPELINE_STRATEGIES, PRECISIONS, SPLIT_STRATEGIES,
-                     STRATEGIES, TrainConfig)
+from .config import OPTIMIZER_STATES, PIPELINE_SCHEDULES, PRECISIONS, TrainConfig
 from .deepspeed_config import load_deepspeed_config
 from .settings import HOW, NOUNS, as_type, field_type, load_config_file, normalise, setting_value
 from .errors import BigfitError
-from .launch import launched_settings, stamp_start
+from .launch import interrupt_in, interrupt_name, launched_settings, stamp_start
 from .planning.flags import add_lora_flags
 
 
@@ -58,13 +59,28 @@ def _number(base: type):
 
 
 def _field_help(cls=TrainConfig) -> dict[str, str]:
-    """The trailing comment of each field of a settings class (config.py's TrainConfig) is its help text."""
-    helps = {}
+    """The help text of each field of a settings class (config.py's TrainConfig): its trailing comment,
+    else the comment lines right above it (a field whose comment needs several lines), as `_shown` words it."""
+    helps, above = {}, []
     for line in inspect.getsource(cls).splitlines():
-        name, _, rest = line.strip().partition(":")
-        if "#" in rest:
-            helps[name] = rest.split("#", 1)[1].strip()
+        field = re.match(r"    (\w+): [^#]*(?:#(.*))?$", line)
+        if line.strip().startswith("#"):
+            above.append(line.strip()[1:].strip())
+            continue
+        if field and not line.startswith("    def "):
+            helps[field[1]] = _shown(field[2].strip() if field[2] else " ".join(above))
+        above = []
     return helps
+
+
+def _shown(comment: str) -> str:
+    """A field's comment as --help says it: config.py's tuples of names (STRATEGIES) as their values, "None"
+    (the field's unset value) as the default it stands for, and % doubled (argparse formats help with it)."""
+    def names(m: re.Match) -> str:
+        value = getattr(config, m[0], None)
+        return ", ".join(value) if isinstance(value, tuple) else m[0]
+
+    return re.sub(r"\bNone:", "default:", re.sub(r"\b[A-Z][A-Z0-9_]+\b", names, comment)).replace("%", "%%")
 
 
 def _train_parser(sub) -> argparse.ArgumentParser:
@@ -113,12 +129,7 @@ def _train_fields(p: argparse.ArgumentParser, skip: tuple[str, ...]) -> None:
         if field_type(f.name)[0] is bool:
             p.add_argument("--" + f.name.replace("_", "-"), dest=f.name, action="store_true", help=helps.get(f.name))
             continue
-        kw = dict(help=helps.get(f.name, ""), type=_flag_type(f))
-        if f.name == "strategy":
-            kw["help"] += f" ({', '.join(STRATEGIES + SPLIT_STRATEGIES + PIPELINE_STRATEGIES)})"
-        if f.name == "precision":
-            kw["help"] += f" ({', '.join(PRECISIONS)})"
-        p.add_argument("--" + f.name.replace("_", "-"), dest=f.name, **kw)
+        p.add_argument("--" + f.name.replace("_", "-"), dest=f.name, help=helps.get(f.name), type=_flag_type(f))
 
 
 def _plan_parser(sub) -> argparse.ArgumentParser:
@@ -142,13 +153,16 @@ def _plan_parser(sub) -> argparse.ArgumentParser:
                    help="host microseconds to issue one forward operator and its backward in eager mode; "
                         "default: this machine's from --calibrate, else the H200 machine's 25")
     p.add_argument("--calibrate", action="store_true",
-                   help="measure this machine's --host-op-us on its GPU (or CPU), keep it in the cache, then plan")
+                   help="measure this machine's --host-op-us on its GPU (or CPU), keep it in the cache "
+                        "($XDG_CACHE_HOME/bigfit; one that cannot be written: for this plan only), then plan")
     p.add_argument("--batch-size", type=_number(int), default=32, help="global batch")
     p.add_argument("--micro-batch-size", type=_number(int), help="default: batch / GPUs")
     p.add_argument("--seq-len", type=_number(int), default=512, help="tokens per sample (source side)")
     p.add_argument("--target-len", type=_number(int), default=0, help="decoder tokens per sample (encoder-decoders)")
-    p.add_argument("--precision", default="bf16", choices=PRECISIONS)
-    p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--precision", default="bf16", choices=PRECISIONS,
+                   help="the training's precision, fp32 master weights either way (default bf16)")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="recompute each block's activations in backward instead of storing them")
     p.add_argument("--compile", action="store_true",
                    help="blocks compiled (bigfit train --compile): fewer kernels to issue")
     p.add_argument("--chunks", type=_number(int), help="device_map: GPipe micro-batches per forward (default 1); "
@@ -176,13 +190,26 @@ def _plan_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    """The command line; a mistake in it exits with one line and status 2 (`_Parser`)."""
+def parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """`bigfit`'s parser and each command's."""
     parser = _Parser(prog="bigfit", description="Train models that do not fit on one device.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser,
                                 metavar="{train,plan,bench,consolidate}")  # what "required" errors name
-    commands = {"train": _train_parser(sub), "plan": _plan_parser(sub), "bench": _bench_parser(sub)}
-    c = commands["consolidate"] = sub.add_parser(
+    return parser, {"train": _train_parser(sub), "plan": _plan_parser(sub), "bench": _bench_parser(sub),
+                    "consolidate": _consolidate_parser(sub)}
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The command line; a mistake in it exits with one line and status 2 (`_Parser`)."""
+    parser, commands = parsers()
+    ns, unknown = parser.parse_known_args(argv)
+    if unknown:
+        parser.error(_unrecognized(unknown, ns.command, commands[ns.command]))
+    return ns
+
+
+def _consolidate_parser(sub) -> argparse.ArgumentParser:
+    c = sub.add_parser(
         "consolidate", help="sharded checkpoint -> one Hugging Face model directory (a --lora one: a peft adapter)",
         description="Write a checkpoint as a Hugging Face model directory (safetensors, config, tokenizer). A "
                     "--lora checkpoint becomes a peft adapter directory (adapter_config.json, "
@@ -197,10 +224,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                                                   "--model is no longer")
     c.add_argument("--overwrite", action="store_true",
                    help="replace a model or adapter directory bigfit wrote there earlier (only its files)")
-    ns, unknown = parser.parse_known_args(argv)
-    if unknown:
-        parser.error(_unrecognized(unknown, ns.command, commands[ns.command]))
-    return ns
+    return c
 
 
 def _unrecognized(args: list[str], command: str, p: argparse.ArgumentParser) -> str:
@@ -271,3 +295,14 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("RANK", "0") == "0":  # under torchrun every rank finds the same mistake
             print(f"error: {e}", file=sys.stderr)
         return 2
+    except BaseException as e:
+        # Ctrl-C, or SIGTERM where stop_on_sigterm makes it one (a one-process job), also as DCP wraps it
+        # (launch.interrupt_in): the context managers on the way here released the output directory's
+        # lock, and a checkpoint being saved is never marked complete. One line and the shell's 128 +
+        # SIGINT, as the launcher of several processes says it; its workers are silent (it speaks for
+        # them). Anything else keeps its traceback.
+        if (interrupt := interrupt_in(e)) is None:
+            raise
+        if "BIGFIT_ERROR_FILE" not in os.environ and os.environ.get("RANK", "0") == "0":
+            print(f"interrupted ({interrupt_name(interrupt)}): stopped", file=sys.stderr)
+        return 130

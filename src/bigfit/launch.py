@@ -19,11 +19,14 @@ import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 from .errors import BigfitError
 
 GRACE_S = 5.0
+STOPPED = 124  # launch_local's status where its `watch` stopped the workers (timeout(1)'s)
+POLL_S = 0.5  # how often a watched launch looks at its workers
 SETTINGS_ENV = "BIGFIT_SETTINGS_FILE"  # the launcher's decided settings, which its workers run
 
 
@@ -74,6 +77,16 @@ def stop_on_sigterm():
 def interrupt_name(e: KeyboardInterrupt) -> str:
     """"SIGTERM" for an interrupt that stop_on_sigterm raised, else "Ctrl-C"."""
     return e.args[0] if e.args else "Ctrl-C"
+
+
+def interrupt_in(exc: BaseException) -> KeyboardInterrupt | None:
+    """The interrupt `exc` is or carries, else None. torch.distributed.checkpoint catches every
+    BaseException in its steps, Ctrl-C's too, and raises a CheckpointException holding each rank's
+    (its `failures`: rank -> (exception, stack)): an interrupt while a checkpoint is saved or loaded
+    would otherwise end as a traceback, or as a message about the checkpoint."""
+    if isinstance(exc, KeyboardInterrupt):
+        return exc
+    return next((f[0] for f in getattr(exc, "failures", {}).values() if isinstance(f[0], KeyboardInterrupt)), None)
 
 
 def _stop(procs: dict[int, subprocess.Popen]) -> None:
@@ -143,15 +156,17 @@ def _threads(nproc: int) -> dict:
 
 
 def launch_local(argv: list[str], nproc: int, log_dir: Path, quiet: bool = False, lock_fd: int | None = None,
-                 settings: dict | None = None) -> int:
+                 settings: dict | None = None, watch: Callable[[], str | None] | None = None) -> int:
     """Run `python -m bigfit <argv>` as `nproc` workers on this machine; returns the exit status
     (the first failed worker's; 128 + the signal's number for one killed by a signal).
     `quiet`: rank 0 writes a log too, and a failure is left to the caller to report (its message in
-    log_dir/error.txt). `lock_fd`: the
+    log_dir/error.txt), an interrupt too (raised again once the workers are stopped). `lock_fd`: the
     output directory's lock (training/lock.py), inherited by every worker so that it stays held while
     any of them lives, even if this launcher is killed. `settings`: the job's settings as this
     launcher decided them (strategy, degrees, batch sizes): the workers read them from a file
-    (SETTINGS_ENV) instead of parsing `argv` again, so they run exactly what was printed."""
+    (SETTINGS_ENV) instead of parsing `argv` again, so they run exactly what was printed. `watch`:
+    asked every POLL_S while the workers run; once it says why (a deadline they passed), they are
+    stopped, that is their report and the status STOPPED."""
     log_dir.mkdir(parents=True, exist_ok=True)
     (log_dir / "error.txt").unlink(missing_ok=True)  # an earlier launch's
     port = free_port()
@@ -173,18 +188,29 @@ def launch_local(argv: list[str], nproc: int, log_dir: Path, quiet: bool = False
                                            pass_fds=() if lock_fd is None else (lock_fd,))
         try:
             with stop_on_sigterm():
-                return _wait_all(procs, err_dir, log_dir, quiet)
+                return _wait_all(procs, err_dir, log_dir, quiet, watch)
         except KeyboardInterrupt as e:
             _stop(procs)
+            if quiet:  # the caller's interrupt too (a probe's worker set): its command says it, once (cli.main)
+                raise
             print(f"interrupted ({interrupt_name(e)}): all workers stopped", file=sys.stderr)
             return 130
 
 
-def _wait_all(procs: dict[int, subprocess.Popen], err_dir: Path, log_dir: Path, quiet: bool) -> int:
+def _wait_all(procs: dict[int, subprocess.Popen], err_dir: Path, log_dir: Path, quiet: bool,
+              watch: Callable[[], str | None] | None = None) -> int:
     """Wait for every worker; at the first that fails, stop the rest and report it (0: all succeeded)."""
     by_pid = {p.pid: r for r, p in procs.items()}
     while by_pid:
-        pid, status = os.wait()
+        got = _next_exit(watch)
+        if isinstance(got, str):
+            _stop(procs)
+            if quiet:
+                (log_dir / "error.txt").write_text(got + "\n")
+            else:
+                print(got, file=sys.stderr)
+            return STOPPED
+        pid, status = got
         rank = by_pid.pop(pid, None)
         if rank is None:
             continue
@@ -202,3 +228,17 @@ def _wait_all(procs: dict[int, subprocess.Popen], err_dir: Path, log_dir: Path, 
                 print(report, file=sys.stderr)
             return code if code > 0 else 128 - code  # killed by a signal: the shell's 128 + its number
     return 0
+
+
+def _next_exit(watch: Callable[[], str | None] | None) -> tuple[int, int] | str:
+    """The next ended child's (pid, wait status); with `watch`, looked for every POLL_S, and its message
+    instead once it has one."""
+    if watch is None:
+        return os.wait()
+    while True:
+        pid, status = os.waitpid(-1, os.WNOHANG)
+        if pid:
+            return pid, status
+        if (said := watch()) is not None:
+            return said
+        time.sleep(POLL_S)

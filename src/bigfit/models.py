@@ -3,22 +3,27 @@
 `--model` may be a hub name, a local directory with weights, or a directory holding only
 config.json (random init). With no `--model`, the embedded default is a tiny T5 built from config:
 unequal encoder/decoder depth and tied embeddings, the shape that breaks naive model parallelism.
-When no tokenizer files come with the model, a byte-level tokenizer (ByT5's, which needs no
-files) is used, so nothing is ever downloaded for the default job or the tests.
+When a model directory holds no tokenizer file at all, a byte-level tokenizer (ByT5's, which needs
+no files) is used, so nothing is ever downloaded for the default job or the tests; tokenizer files
+that are there must load (tokenizer.py). A config.json is checked where it is read: the model must
+build from it on the meta device, or one line names the key that stops it.
 """
 from __future__ import annotations
 
+import contextlib
+import copy
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer, ByT5Tokenizer,
-                          GenerationConfig)
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, GenerationConfig
+from transformers.utils import logging as hf_logging
 
 from .errors import BigfitError
 
-BYTE_VOCAB = 384  # ByT5: 3 specials + 256 bytes + 125 sentinel ids
+BYTE_VOCAB = 384  # ByT5: 3 specials + 256 bytes + 125 sentinel ids (tokenizer.py's byte-level tokenizer)
 
 # The embedded default: about 0.9M parameters, learns the embedded task in a few hundred steps on a CPU.
 DEFAULT_T5 = dict(
@@ -26,7 +31,6 @@ DEFAULT_T5 = dict(
     num_decoder_layers=2, num_heads=4, dropout_rate=0.0, tie_word_embeddings=True,
     feed_forward_proj="relu", decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "spiece.model", "tokenizer.model")
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
 
@@ -61,14 +65,77 @@ def load_config(src: ModelSource):
         cfg = dict(DEFAULT_T5)
         return AutoConfig.for_model(cfg.pop("model_type"), **cfg)
     try:
-        config = AutoConfig.from_pretrained(src.name)
-    except (OSError, ValueError) as e:
-        raise BigfitError(f"--model {src.name!r} could not be loaded: {str(e).splitlines()[0]}") from None
+        config = AutoConfig.from_pretrained(src.name, trust_remote_code=False)  # bigfit runs no model's own code
+    except Exception as e:
+        # OSError / ValueError: no config.json, not JSON, an unknown model_type. transformers 5's typed
+        # config classes raise huggingface_hub's StrictDataclassError for a value of the wrong type
+        # (`"hidden_size": "big"`), no subclass of either: its cause, a TypeError or ValueError, is
+        if isinstance(e, (OSError, ValueError)):  # their messages name the file where it is one
+            raise BigfitError(f"--model {src.name!r} could not be loaded: {str(e).splitlines()[0]}") from None
+        if not isinstance(e.__cause__, (TypeError, ValueError)):
+            raise
+        raise BigfitError(f"--model {src.name!r} could not be loaded: {_config_file(src)}: "
+                          f"{' '.join(str(e).split())}") from None
+    config.__dict__.pop("auto_map", None)  # its code: no later from_config asks to run it (safeload.model_config)
+    _check_builds(src, config)
     if is_seq2seq(config) and getattr(config, "decoder_start_token_id", None) is None:
         # the decoder's first input: without it the first training step fails inside transformers
         raise BigfitError(f"--model {src.name!r}: its config.json has no decoder_start_token_id, which an "
                           "encoder-decoder needs to shift its labels; add it (T5: 0, the pad id)")
     return config
+
+
+def _config_file(src: ModelSource) -> str:
+    return str(Path(src.name).expanduser() / "config.json") if src.kind != "hub" else f"config.json of {src.name!r}"
+
+
+_BUILT: set[str] = set()  # the configs that built in this process
+
+
+def _check_builds(src: ModelSource, config) -> None:
+    """The model builds from `config` on the meta device (shapes only: 0.08 s for an 8B Llama's, 0.2 s
+    for a 70B's, after the model class's import, which training pays anyway), so that a value no type
+    check catches (a negative size, an unknown activation) is one line naming its key before any
+    process starts, not a traceback in one that trains."""
+    built = f"{type(config).__name__}:{config.to_json_string()}"
+    if built in _BUILT:  # load_config runs up to four times in a launcher: a model of 60k modules takes seconds
+        return
+    try:
+        meta_model(copy.deepcopy(config))  # a copy: from_config may write into the config it is given
+        _BUILT.add(built)
+    except Exception as e:
+        key = _culprit(config)
+        what = f"{type(e).__name__}: {' '.join(str(e).split())}"
+        if key is None:
+            raise BigfitError(f"{_config_file(src)}: the model cannot be built from it ({what})") from None
+        raise BigfitError(f"{_config_file(src)}: \"{key}\": {getattr(config, key, None)!r} does not build the "
+                          f"model ({what}); correct it, or remove it for the default") from None
+
+
+def _culprit(config) -> str | None:
+    """The key of `config` that, left at its class's default, lets the model build: found by trying
+    each, so no table of keys and their valid ranges has to follow transformers. Only on the error
+    path; a failing try stops at the first layer that meets the bad value."""
+    values = config.to_diff_dict()
+    with warnings.catch_warnings(), _transformers_quiet():  # the tries' warnings are no news to the user
+        warnings.simplefilter("ignore")
+        for key in values:
+            try:
+                meta_model(type(config).from_dict({k: v for k, v in values.items() if k != key}))
+                return key
+            except Exception:
+                continue
+    return None
+
+
+@contextlib.contextmanager
+def _transformers_quiet():
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
 
 
 def is_seq2seq(config) -> bool:
@@ -81,23 +148,6 @@ def meta_model(config) -> torch.nn.Module:
     auto = AutoModelForSeq2SeqLM if is_seq2seq(config) else AutoModelForCausalLM
     with torch.device("meta"):
         return auto.from_config(config)
-
-
-def load_tokenizer(src: ModelSource, config):
-    """The model's own tokenizer when one ships with it, else the file-free byte-level one."""
-    has_files = src.kind == "hub" or (src.name and any((Path(src.name) / f).exists() for f in TOKENIZER_FILES))
-    if has_files:
-        try:
-            return AutoTokenizer.from_pretrained(src.name)
-        except (OSError, ValueError) as e:
-            if src.kind == "hub":
-                raise BigfitError(f"tokenizer of --model {src.name!r} could not be loaded: {e}") from None
-    tok = ByT5Tokenizer()
-    vocab = getattr(config, "vocab_size", 0)
-    if vocab < len(tok):
-        raise BigfitError(f"--model {src.name!r} ships no tokenizer and its vocab_size {vocab} is smaller than "
-                          f"the byte-level tokenizer's {len(tok)}; add tokenizer files or raise vocab_size")
-    return tok
 
 
 def build_model(src: ModelSource, config, seed: int, on_meta: bool = False) -> torch.nn.Module:
@@ -113,7 +163,7 @@ def build_model(src: ModelSource, config, seed: int, on_meta: bool = False) -> t
             _as_from_pretrained(model, src.name)
     elif src.kind in ("weights", "hub"):
         try:
-            model = auto.from_pretrained(src.name, dtype=torch.float32)
+            model = auto.from_pretrained(src.name, dtype=torch.float32, trust_remote_code=False)
         except (OSError, ValueError) as e:
             raise BigfitError(f"weights of --model {src.name!r} could not be loaded: {e}") from None
     else:

@@ -13,15 +13,17 @@ whole model with from_pretrained and the other ranks receive their parts).
 from __future__ import annotations
 
 import json
+import zipfile
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from ..errors import BigfitError
 from ..models import ModelSource
 
 SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
+BIN, BIN_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
 
 
 def safetensors_dir(src: ModelSource) -> Path | None:
@@ -58,6 +60,68 @@ def weights_fingerprint(src: ModelSource) -> str | None:
     return h.hexdigest()
 
 
+def check_files(src: ModelSource) -> None:
+    """Every weight file the model loads from opens, before any process starts: a safetensors file's
+    header (its JSON and every tensor's offsets against the file's size, which safe_open checks
+    without reading a tensor), a .bin's pickle on the meta device (its tensors mapped, not read), and
+    the index naming the shards. One line naming the file; without this, a .bin (which the rank-0
+    path reads) fails inside the process that trains, as a traceback."""
+    directory = _weights_dir(src)
+    for path in weight_files(directory) if directory else []:
+        if path.suffix == ".safetensors":
+            with _opened(path):
+                pass
+        else:
+            _check_bin(path)
+
+
+def weight_files(directory: Path) -> list[Path]:
+    """The files from_pretrained reads, as it chooses them: safetensors over .bin, an index's shards."""
+    for single, index in ((SINGLE, INDEX), (BIN, BIN_INDEX)):
+        if (directory / index).is_file():
+            return [directory / name for name in sorted(set(_weight_map(directory / index).values()))]
+        if (directory / single).is_file():
+            return [directory / single]
+    return []
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    try:
+        weight_map = json.loads(index.read_bytes())["weight_map"]
+        if isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values()):
+            return weight_map
+    except (ValueError, KeyError, TypeError) as e:  # UnicodeDecodeError (random bytes) is a ValueError
+        raise BigfitError(f"{index} is not a weights index (JSON with a weight_map): {e}") from None
+    raise BigfitError(f"{index} is not a weights index: its weight_map is no mapping of tensor names to files")
+
+
+def _opened(path: Path):
+    """safe_open, or one line naming the file: random bytes, a file cut short, a header whose offsets
+    lie (safetensors' own errors name no file)."""
+    if not path.is_file():
+        raise BigfitError(f"{path} is missing (named by {path.parent / INDEX})")
+    try:
+        return safe_open(str(path), framework="pt", device="cpu")
+    except SafetensorError as e:
+        raise BigfitError(f"{path} is not a readable safetensors file ({e}); download or save it again") from None
+
+
+def _check_bin(path: Path) -> None:
+    if not path.is_file():
+        raise BigfitError(f"{path} is missing (named by {path.parent / BIN_INDEX})")
+    try:
+        # weights_only: a pickle from a model directory runs no code; a zip (torch.save's format since
+        # 1.6) is mapped, so only its pickle is read; an older file is read whole, as loading would
+        torch.load(path, map_location="meta", weights_only=True, mmap=zipfile.is_zipfile(path))
+    except Exception as e:  # the unpickler and the zip reader raise a dozen types for a corrupt file
+        text = str(e)
+        if "WeightsUnpickler error:" in text:  # torch's advice to unpickle it unsafely comes first: the reason follows
+            text = text.split("WeightsUnpickler error:", 1)[1]
+        reason = next((line.strip() for line in text.splitlines() if line.strip()), "").split(". ")[0]
+        raise BigfitError(f"{path} is not a readable PyTorch checkpoint ({type(e).__name__}: {reason}); download or "
+                          "save it again") from None
+
+
 def _weights_dir(src: ModelSource) -> Path | None:
     if src.kind == "weights":
         directory = Path(src.name).expanduser()
@@ -83,10 +147,7 @@ class Checkpoint:
         self.directory, self._handles = Path(directory), {}
         index = self.directory / INDEX
         if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (ValueError, KeyError) as e:
-                raise BigfitError(f"{index} is not a safetensors index (no weight_map): {e}") from None
+            weight_map = _weight_map(index)
         else:
             weight_map = {key: SINGLE for key in self._open(self.directory / SINGLE).keys()}
         self.path_of = {key: self.directory / name for key, name in weight_map.items()}
@@ -94,9 +155,7 @@ class Checkpoint:
 
     def _open(self, path: Path):
         if path not in self._handles:
-            if not path.is_file():
-                raise BigfitError(f"{path} is missing (named by {self.directory / INDEX})")
-            self._handles[path] = safe_open(str(path), framework="pt", device="cpu")
+            self._handles[path] = _opened(path)
         return self._handles[path]
 
     def keys(self) -> set[str]:

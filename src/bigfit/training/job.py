@@ -20,8 +20,10 @@ from ..data import cache
 from ..data.arrays import first, longest
 from ..data.chat import require_template
 from ..data.digest import examples_digest
+from ..loading.files import check_files
 from ..lora import LoraSettings, check_targets
-from ..models import ModelSource, build_model, is_seq2seq, load_config, load_tokenizer, locate
+from ..models import ModelSource, build_model, is_seq2seq, load_config, locate
+from ..tokenizer import describe_tokenizer, load_tokenizer
 from . import ckptdir
 
 EMBEDDED_TRAIN_SAMPLES = 4000
@@ -46,6 +48,7 @@ def prepare(cfg: TrainConfig, world_size: int) -> Job:
     cfg = resolve(cfg, world_size)
     source = locate(cfg.model)
     model_config = load_config(source)
+    check_files(source)  # the weight files open (headers only): the rank-0 path reads them in a training process
     tokenizer = load_tokenizer(source, model_config)
     if cfg.chat_template:  # the user's template over the tokenizer's own (or its lack of one)
         tokenizer.chat_template = read_text(cfg.chat_template, f"--chat-template {cfg.chat_template!r}",
@@ -117,7 +120,8 @@ def _read_dataset(cfg: TrainConfig, tokenizer, seq2seq: bool) -> tuple[Dataset, 
         if "messages" in examples[0]:
             require_template(tokenizer, cfg.model)
     else:
-        examples = digits_task(EMBEDDED_TRAIN_SAMPLES + cfg.eval_samples, seed=1234)
+        # enough that the hold-out (a tenth at most: tokenize.held_out) is the --eval-samples asked for
+        examples = digits_task(max(EMBEDDED_TRAIN_SAMPLES + cfg.eval_samples, 10 * cfg.eval_samples), seed=1234)
     return build_dataset(examples, tokenizer, seq2seq, max_source_len=cfg.max_source_len,
                          max_target_len=cfg.max_target_len, eval_samples=cfg.eval_samples,
                          seed=cfg.seed, min_train=cfg.batch_size, pack=cfg.pack), digest
@@ -131,7 +135,8 @@ def describe(job: Job, n_params: int, device, notes: list[str], trained: int | N
     data = c.data or "embedded task: number words -> digits"
     return [
         ("model", f"{model} [{job.source.kind}], {n_params / 1e6:.2f}M parameters"),
-        ("data", f"{data}: {_train_samples(job)} / {len(job.dataset.eval)} eval samples"),
+        ("tokenizer", describe_tokenizer(job.source, job.tokenizer)),
+        ("data", f"{data}: {_train_samples(job)} / {len(job.dataset.eval)} eval samples" + _capped(job)),
         ("plan", f"{job.plan.describe()}; precision {c.precision}, on {x['world_size']} x {device.type}"
                  + "".join(f"; {n}" for n in notes)),
         ("batch", f"global {c.batch_size} = {x['data_parallel']} data-parallel x {x['grad_accum']} accumulation "
@@ -140,8 +145,8 @@ def describe(job: Job, n_params: int, device, notes: list[str], trained: int | N
                      f"{c.lr_schedule} after), weight decay {c.weight_decay:g}, clip {c.max_grad_norm:g}, seed {c.seed}"),
         *([("lora", f"r {c.lora_r}, alpha {c.lora_alpha:g}, dropout {c.lora_dropout:g} on {c.lora_targets}: "
                     f"{trained / 1e6:.2f}M trained ({trained / n_params:.2%}), the base frozen")] if job.lora else []),
-        ("eval", f"every {c.eval_every or 'end'}: loss" + _eval_extras(job)),
-        ("checkpoints", (f"every {c.save_every or 'end'} steps in {Path(c.output_dir) / 'checkpoints'}" if c.checkpoints
+        ("eval", f"{_eval_when(job)}: loss" + _eval_extras(job) if job.dataset.eval else "none (no held-out samples)"),
+        ("checkpoints", (f"{_every(c.save_every)}, in {Path(c.output_dir) / 'checkpoints'}" if c.checkpoints
                          else "none (--no-checkpoints): nothing to resume from, no model directory")
                         + (f"; resuming from {job.resume_from}" if job.resume_from else "")),
     ]
@@ -155,6 +160,26 @@ def _shared(job: Job) -> str:
     if p.tp > 1:
         parts.append(f"{p.tp} tensor-parallel ranks compute each sample together")
     return f" ({'; '.join(parts)})" if parts else ""
+
+
+def _every(steps: int) -> str:
+    """When the loop does a thing done every `steps` steps and at the end (0: at the end only)."""
+    return f"every {steps} steps and at the end" if steps else "at the end only"
+
+
+def _eval_when(job: Job) -> str:
+    """When the loop evaluates: at step 0 (the baseline, unless --no-eval-on-start or resumed past it),
+    every --eval-every steps, and at the last step."""
+    c = job.cfg
+    if not (c.eval_on_start and not job.resume_from):
+        return _every(c.eval_every)
+    return f"at step 0, every {c.eval_every} steps and at the end" if c.eval_every else "at step 0 and at the end"
+
+
+def _capped(job: Job) -> str:
+    """A word where the hold-out is less than --eval-samples: the default's, capped at a tenth of small data."""
+    held, asked = len(job.dataset.eval), job.cfg.eval_samples
+    return f" (--eval-samples {asked}: at most a tenth of the data is held out)" if held < asked else ""
 
 
 def _eval_extras(job: Job) -> str:
