@@ -17,8 +17,6 @@ import warnings
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..errors import BigfitError
@@ -26,6 +24,7 @@ from ..loading import Checkpoint, Weights, loads_per_rank
 from ..loading.files import safetensors_dir, weights_fingerprint
 from ..lora import LoraSettings, inject, is_adapter
 from ..models import build_model, locate
+from . import safeload
 from .ckptdir import frozen_of
 
 MERGE_WITH_PEFT = ("consolidate without --merge and merge the adapter with peft: "
@@ -34,7 +33,7 @@ MERGE_WITH_PEFT = ("consolidate without --merge and merge the adapter with peft:
 
 def tensor_meta(ckpt: Path) -> dict[str, TensorStorageMetadata]:
     """The model's tensors in the checkpoint (names without the "model." prefix): shapes and dtypes."""
-    return {k[len("model."):]: v for k, v in FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata.items()
+    return {k[len("model."):]: v for k, v in safeload.metadata(ckpt).state_dict_metadata.items()
             if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
 
 
@@ -58,7 +57,7 @@ class Held:
         if tensors:
             with warnings.catch_warnings():  # "no process group: loading in one process" is the point here
                 warnings.simplefilter("ignore", UserWarning)
-                dcp.load({f"model.{n}": t for n, t in tensors.items()}, checkpoint_id=str(self.ckpt), no_dist=True)
+                safeload.load({f"model.{n}": t for n, t in tensors.items()}, self.ckpt, no_dist=True)
         rest = [n for n in names if n not in self.meta]
         return {**tensors, **(self.base.read(rest) if rest else {})}
 

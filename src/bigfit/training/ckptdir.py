@@ -30,14 +30,18 @@ def steps(root: Path) -> list[Path]:
 
 
 def damage(path: Path) -> str | None:
-    """What is wrong with checkpoint `path` (its marker, or a file its manifest lists), or None."""
+    """What is wrong with checkpoint `path` (its marker, or a file its manifest lists), or None. A
+    checkpoint whose marker holds no manifest is refused too: every form of marker is verified."""
     marker = path / MARKER
     if not marker.is_file():
         return f"it has no {MARKER} marker"
     body = manifest.unseal(marker.read_text(errors="replace"))
-    if body is None:
+    if body is not None and "files" not in body:  # the older form, {"step": 2, "world_size": 1}
+        return (f"its {MARKER} marker holds no manifest of its files (an older bigfit's, or not bigfit's), so "
+                "nothing in it can be verified and it is not read")
+    if body is None or not manifest.well_formed(body["files"]):
         return f"its {MARKER} marker is damaged"
-    return manifest.first_problem(path, body.get("files", {}))
+    return manifest.first_problem(path, body["files"], MARKER)
 
 
 def verify(path: Path, retry: str) -> None:

@@ -3,7 +3,8 @@ COMPLETE marker, so that a truncated shard, a flipped byte or a missing file is 
 anything is loaded (DCP itself would fail deep inside a load with a traceback that names neither
 the checkpoint nor the file).
 
-CRC-32 rather than a cryptographic hash: it only has to catch damage, not an adversary, and zlib's
+CRC-32 rather than a cryptographic hash: it only has to catch damage, not an adversary (who re-seals
+a crafted file's marker: safeload.py reads every file as data, which is the defence), and zlib's
 runs at 2.8 GB/s on one core of the CPU machine against sha256's 1.3 (2026-12-01, 256 MiB buffer).
 zlib releases the GIL on large buffers, so every 256 MiB piece of a file gets its own CRC and the
 pieces are checksummed on several threads at once; at save time every rank checksums the files
@@ -69,7 +70,8 @@ def seal(body: dict) -> str:
 
 def unseal(text: str) -> dict | None:
     """The marker's body, or None when it is not one `seal` wrote intact. Markers of checkpoints
-    written before manifests existed have no crc32 and no file list: they are taken as they are."""
+    written before manifests existed have no crc32 and no file list: they are returned as they are,
+    and refused by ckptdir.damage (nothing in such a checkpoint can be verified)."""
     try:
         body = json.loads(text)
     except ValueError:
@@ -82,8 +84,23 @@ def unseal(text: str) -> dict | None:
     return body if zlib.crc32(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()) == crc else None
 
 
-def first_problem(directory: Path, files: dict[str, list]) -> str | None:
-    """What is wrong with the files `files` lists (missing, another size, other bytes), or None."""
+def well_formed(files) -> bool:
+    """`files` is a manifest `seal` could have written: {a name inside the checkpoint: [size, [CRC-32
+    of each piece]]}, so that checking it reads nothing outside the checkpoint."""
+    def name_ok(n) -> bool:
+        return isinstance(n, str) and bool(n) and not Path(n).is_absolute() and ".." not in Path(n).parts
+
+    def entry_ok(v) -> bool:
+        return (isinstance(v, list) and len(v) == 2 and isinstance(v[0], int) and isinstance(v[1], list)
+                and all(isinstance(c, int) for c in v[1]))
+    return isinstance(files, dict) and all(name_ok(n) and entry_ok(v) for n, v in files.items())
+
+
+def first_problem(directory: Path, files: dict[str, list], marker: str) -> str | None:
+    """What is wrong with the files `files` lists (missing, another size, other bytes), or with a
+    file of `directory` it does not list (added since), or None."""
+    if extra := sorted(set(file_list(directory, marker)) - set(files)):
+        return f"{extra[0]} is not in its manifest (added after the checkpoint was written)"
     for name, (size, _) in files.items():
         p = directory / name
         if not p.is_file():
