@@ -127,6 +127,21 @@ def test_bench_never_replaces_a_directory_it_did_not_write(tmp_path, capsys):
     assert (mine / "notes.txt").read_text() == "mine"
 
 
+def test_bench_overwrite_removes_its_own_files_only(tmp_path, capsys):
+    from bigfit.bench.command import _claim
+
+    out, elsewhere = tmp_path / "b", tmp_path / "elsewhere"
+    (out / "rows" / "single-fp32").mkdir(parents=True)
+    elsewhere.mkdir()
+    (elsewhere / "keep.txt").write_text("mine")
+    (out / "rows" / "single-fp32" / "link").symlink_to(elsewhere)
+    for name in ("bench.json", "bench.md", "notes.txt"):
+        (out / name).write_text(name)
+    assert _claim(out, overwrite=True) == out
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"] and (elsewhere / "keep.txt").read_text() == "mine"
+    assert "kept notes.txt" in capsys.readouterr().out
+
+
 def test_a_real_bench_finds_the_exact_largest_micro_batch_and_keeps_a_crashed_method_as_a_row(tmp_path, capsys,
                                                                                             monkeypatch):
     """`bigfit bench` in this process (its rows are processes of their own, which inherit the fault)."""

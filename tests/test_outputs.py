@@ -239,15 +239,20 @@ def test_no_checkpoints_trains_without_room_for_one_and_writes_none(tmp_path, mo
 
 
 def test_a_model_marker_never_reaches_outside_its_directory(tmp_path):
-    """--overwrite removes what bigfit-model.json lists: an edited marker cannot name another file."""
-    from bigfit.training.rundir import model_files
+    """--overwrite removes what bigfit-model.json lists: an edited marker cannot name another file, even
+    with that file's true size and checksums."""
+    from bigfit.training.manifest import describe
+    from bigfit.training.records import MODEL_MARKER, model_record, split
 
     (tmp_path / "victim.txt").write_text("mine")
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text("{}")
-    (model / "bigfit-model.json").write_text(json.dumps({"files": ["../victim.txt", "/etc/hosts", "config.json"]}))
-    assert model_files(model) == [model / "config.json", model / "bigfit-model.json"]
+    victim = describe(tmp_path, ["victim.txt"])["victim.txt"]
+    files = {**describe(model, ["config.json"]), "../victim.txt": victim, str(tmp_path / "victim.txt"): victim}
+    (model / MODEL_MARKER).write_text(json.dumps({"files": files}))
+    assert sorted(split(model, model_record(model), MODEL_MARKER, exact=True)[0]) == [model / "bigfit-model.json",
+                                                                                       model / "config.json"]
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes anywhere: the read-only mount above covers it")

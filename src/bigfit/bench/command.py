@@ -27,6 +27,7 @@ from . import report
 from .rows import collect
 from .settings import BenchSettings
 
+BENCH_FILES = ("bench.json", "bench.md", "bench.csv", "bench.png")  # report.py's, beside the rows/ folder
 ONE_GPU_SAME = ("ddp", "zero1")  # on one process these are the plain model: single's row already
 
 
@@ -66,9 +67,23 @@ def _claim(out: Path, overwrite: bool) -> Path:
         if not (overwrite and (out / "bench.json").is_file()):
             why = "--overwrite replaces it" if (out / "bench.json").is_file() else "it is not a bench directory"
             raise BigfitError(f"--output-dir {out} is not empty ({why}); give a new --output-dir")
-        shutil.rmtree(out)
+        _remove_bench(out)
     out.mkdir(parents=True, exist_ok=True)
     return out
+
+
+def _remove_bench(out: Path) -> None:
+    """The bench's own files in `out` (its reports and its rows/ folder, a link there removed as a link);
+    the user's other files stay, and are named."""
+    for name in BENCH_FILES:
+        (out / name).unlink(missing_ok=True)
+    rows = out / "rows"
+    if rows.is_symlink():
+        rows.unlink()
+    elif rows.is_dir():
+        shutil.rmtree(rows)  # made whole by the bench: a row's process and its runs (rmtree removes links as links)
+    if kept := sorted(p.name for p in out.iterdir()):
+        print(f"--overwrite: kept {', '.join(kept)} in {out} (not the bench's files)")
 
 
 def _rows(bench: BenchSettings, base: TrainConfig) -> list[tuple[str, str]]:

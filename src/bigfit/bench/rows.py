@@ -10,10 +10,12 @@ cut short keeps what it measured; `collect` reads that, metrics.jsonl and eval.j
 flat record."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import json
 import math
+import os
 import shutil
 import statistics
 import sys
@@ -48,13 +50,32 @@ def run(spec: dict) -> int:
         found.update(predicted_micro=pred.size, predicted_micro_gb=round(pred.need / 1e9, 2),
                      predicted_train_s=round(pred.step_s * spec["samples"] / (pred.size * nproc), 3))
         _write(row, found)
-        cfg = choose_micro_batch(["train"], cfg, nproc, speaks=True, pred=pred)  # not planned twice
+        with _bench_owned(cfg):  # ROW/probe is the bench's: its workers claim nothing there
+            cfg = choose_micro_batch(["train"], cfg, nproc, speaks=True, pred=pred)  # not planned twice
         code = _train(row, cfg, nproc, spec, load(path(cfg.output_dir)), found)
     except BigfitError as e:
         found["error"] = str(e)
         code = 2
     _write(row, {**found, "exit": code})
     return code
+
+
+@contextlib.contextmanager
+def _bench_owned(cfg):
+    """The probe's output directory as one its launcher claimed (training/ownership.py CLAIMED): it lies
+    in the bench's own --output-dir, which the bench claimed, and `bigfit train` claims its directory
+    before its probe writes there, so a worker's claim would find the probe's logs in the way."""
+    from ..training.ownership import CLAIMED, output_path
+
+    before = os.environ.get(CLAIMED)
+    os.environ[CLAIMED] = str(output_path(cfg))
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(CLAIMED, None)
+        else:
+            os.environ[CLAIMED] = before
 
 
 def _train(row: Path, cfg, nproc: int, spec: dict, search, found: dict) -> int:

@@ -23,6 +23,7 @@ from ..parallel.plan import ALIASES
 from ..planning import auto as planner
 from .ckptdir import resolve_resume
 from .job import prepare, with_data_lengths
+from .overwrite import given_files
 from .ownership import claim
 
 
@@ -69,11 +70,14 @@ def train_command(argv: list[str], cfg: TrainConfig) -> int:
     check_gpus(nproc)
     job = prepare(_checkable(cfg, nproc), nproc)  # every check that needs no process, before any process starts
     _check_split(job, nproc)
-    with claim(job) as lock:  # the output directory is this run's from here on, or one line says why not
+    # the output directory is this run's from here on, or one line says why not
+    with claim(job, given=given_files(argv)) as lock:
         if "auto" in (cfg.batch_size, cfg.micro_batch_size):
             cfg = _auto_batch(cfg, argv, nproc)  # probe jobs, under this claim
         if nproc == 1:
-            _train(cfg)
+            # `kill`, `timeout`, a scheduler's stop: as Ctrl-C, one line (cli.main), as for several processes
+            with launch.stop_on_sigterm():
+                _train(cfg)
             return 0
         return launch.launch_local(argv, nproc, Path(cfg.output_dir) / "logs", lock_fd=lock.fd if lock else None,
                                    settings=cfg.to_dict())
@@ -82,8 +86,12 @@ def train_command(argv: list[str], cfg: TrainConfig) -> int:
 def _train(cfg: TrainConfig) -> None:
     """Train in this process, the one of a one-process job or a worker."""
     from .loop import train  # imported here: a launcher starts its workers without the training stack
+    from .metrics import stop_live
 
-    train(cfg)
+    try:
+        train(cfg)
+    finally:
+        stop_live()  # an interrupt or an error leaves the loop before it closes its live bar
 
 
 def _worker(cfg: TrainConfig, argv: list[str]) -> int:

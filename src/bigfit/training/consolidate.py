@@ -9,8 +9,10 @@ embedding and lm_head, GPT-2's wte and head) are written once, under the name th
 parameter list gives first; transformers ties them again on load.
 
 Nothing the user owns is deleted: the checkpoint is verified first (its manifest), the directory
-is written beside its destination and renamed into place, and it carries bigfit-model.json, the
-list of files bigfit wrote, which is all that a later `--overwrite` replaces.
+is written beside its destination and renamed into place, and it carries bigfit-model.json, each
+file bigfit wrote with its size and CRC-32: a later `--overwrite` replaces those of them that still
+match it (records.py), moves every other file into the new directory, and replaces a symbolic link
+given as the destination by the directory, leaving what the link pointed to as it was.
 """
 from __future__ import annotations
 
@@ -24,24 +26,25 @@ import torch
 from safetensors.torch import save_file
 
 from ..errors import BigfitError
+from . import safeload
 from .adapter import A, LoraCheckpoint
 from .basesource import Held, RebuiltBase
 from .ckptdir import NAME, frozen_of, trainer_state, verify
-from .rundir import MODEL_MARKER, check_location, model_files
+from .records import MODEL_MARKER, model_marker, model_named, model_record, split
+from .rundir import check_location, check_outside
 
 ASSETS_EXCLUDE = {"trainer.json", "COMPLETE", ".metadata"}
 MODEL_ONLY = {"config.json", "generation_config.json"}  # in an adapter directory they would pose as a model
 
 
 def consolidate(ckpt: str | Path, out: str | Path, max_shard_bytes: int = 2 << 30, overwrite: bool = False,
-                legacy: bool = False, merge: bool = False, base: str | None = None) -> Path:
+                merge: bool = False, base: str | None = None) -> Path:
     """Write checkpoint `ckpt` as a Hugging Face model directory `out`; a `--lora` checkpoint as a
     peft adapter directory, or with `merge` as a model with its adapters folded into the base
     weights (made again from the run's --model, or from `base` where that moved). `out` appears
     whole or not at all (written as a hidden sibling, then renamed); an existing `out` must be
-    empty, or a directory bigfit wrote with `overwrite` given (`legacy`: or one written before model
-    directories had a marker), and then only the files bigfit wrote there are replaced: others are
-    kept."""
+    empty, or be replaced with `overwrite` given, and then only the files bigfit wrote there (its
+    marker lists them, and they still match it) are removed: others are kept in the new directory."""
     given, ckpt, out = Path(out), Path(ckpt), Path(os.path.abspath(Path(out).expanduser()))
     if not (ckpt.is_dir() and NAME.match(ckpt.name)):
         raise BigfitError(f"{str(ckpt)!r} is not a complete bigfit checkpoint (a step-N directory with a "
@@ -52,7 +55,7 @@ def consolidate(ckpt: str | Path, out: str | Path, max_shard_bytes: int = 2 << 3
     verify(ckpt, "consolidate that one: bigfit consolidate {} OUT")
     lora, held = _lora(ckpt, merge, base)
     adapter = lora is not None and not merge
-    replaced = _target(out, overwrite, legacy, "adapter" if adapter else "model")
+    replaced = _target(out, overwrite, "adapter" if adapter else "model")
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)  # a crashed consolidation of this pid's
     try:
@@ -70,16 +73,20 @@ def consolidate(ckpt: str | Path, out: str | Path, max_shard_bytes: int = 2 << 3
 
 
 def _config(ckpt: Path):
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(ckpt)
+    return safeload.model_config(ckpt)  # transformers' own classes: no code from the checkpoint
 
 
 def _meta_model(ckpt: Path) -> torch.nn.Module:
     """The checkpoint's base model on the meta device (its config.json; no weights)."""
     from ..models import meta_model
 
-    return meta_model(_config(ckpt))
+    config = _config(ckpt)
+    try:
+        return meta_model(config)
+    except ValueError as e:  # a config class transformers has, but no language model of it
+        raise BigfitError(f"checkpoint {str(ckpt)!r}: its config.json describes a {config.model_type!r} model, "
+                          "which transformers has no causal or seq2seq language model of "
+                          f"({str(e).splitlines()[0]})") from None
 
 
 def _lora(ckpt: Path, merge: bool, base: str | None) -> tuple[LoraCheckpoint | None, Held]:
@@ -122,23 +129,33 @@ def _plan_shards(sizes: dict[str, int], names: list[str], max_bytes: int) -> lis
     return shards + ([cur] if cur else [])
 
 
-def _target(out: Path, overwrite: bool, legacy: bool, kind: str = "model") -> list[Path] | None:
-    """None: `out` is new; else the files in it that the new directory replaces (none: it is empty)."""
+def _target(out: Path, overwrite: bool, kind: str = "model") -> list[Path] | None:
+    """None: `out` is new; else what the new directory replaces: the files bigfit wrote in it (none:
+    it is empty, or holds only others, which are kept), or `out` itself where it is a link."""
     check_location(out, f"consolidate: the {kind} directory")
     if out == Path.cwd() or out in Path.cwd().parents:
         raise BigfitError(f"consolidate: {str(out)!r} is the current directory (or holds it); give a new directory, "
                           f"e.g. ./{kind}")
+    check_outside(out, f"consolidate: the {kind} directory", itself=False)
+    if out.is_symlink():
+        if not overwrite:
+            raise BigfitError(f"consolidate: {str(out)!r} is a symbolic link (to {os.readlink(out)!r}); replace the "
+                              "link with --overwrite (what it points to is kept as it is), or give a directory")
+        return [out]
     if not out.exists():
         return None
-    entries = list(out.iterdir())
-    files = model_files(out, legacy)
-    if entries and files is None:
+    entries = sorted(out.iterdir())
+    record = model_record(out)
+    if entries and not overwrite and record is None:
         raise BigfitError(f"consolidate: {str(out)!r} holds files bigfit did not write (e.g. {entries[0].name!r}); "
                           "give a new or empty directory")
-    if files and not overwrite:
+    if entries and not overwrite:
         raise BigfitError(f"consolidate: {str(out)!r} holds a model or adapter bigfit wrote earlier; replace it "
                           "with --overwrite (only the files bigfit wrote: others are kept), or give a new directory")
-    return files or []
+    ours, kept = split(out, record, MODEL_MARKER, exact=True)
+    if clash := [p.name for p in kept if p.parent == out and model_named(p.name)]:  # before the model is written
+        raise BigfitError(_clash(out, clash[0]))
+    return ours
 
 
 def _write(ckpt: Path, tmp: Path, held: Held, max_shard_bytes: int, lora: LoraCheckpoint | None) -> None:
@@ -183,20 +200,23 @@ def _finish(ckpt: Path, tmp: Path, kind: str) -> None:
                 and not (kind == "adapter" and f.name in MODEL_ONLY)):
             shutil.copy2(f, tmp / f.name)
     written = sorted(p.name for p in tmp.iterdir())
-    (tmp / MODEL_MARKER).write_text(json.dumps({"files": written, "kind": kind, "checkpoint": str(ckpt.absolute()),
-                                                "written": time.time()}, indent=1))
+    (tmp / MODEL_MARKER).write_text(model_marker(tmp, written, kind=kind, checkpoint=str(ckpt.absolute()),
+                                                 written=time.time()))
 
 
 def _install(tmp: Path, out: Path, replaced: list[Path] | None) -> None:
     """Put `tmp` in `out`'s place. Files of an existing `out` that are not `replaced` move into the
-    new directory first; the old one, left with only replaced files, is removed after the swap."""
+    new directory first (a link among them moves as a link); the old one, left with only replaced
+    files, is removed after the swap. A link `out` is removed as a link."""
+    if replaced is not None and out.is_symlink():
+        out.unlink()  # the link only: what it points to stays as it was
+        replaced = None
     if replaced is None or not any(out.iterdir()):
         os.replace(tmp, out)  # onto nothing, or onto an empty directory: one rename
         return
     kept = [p for p in out.iterdir() if p not in replaced]
     if clash := [p.name for p in kept if (tmp / p.name).exists()]:
-        raise BigfitError(f"consolidate: {str(out)!r} holds {clash[0]!r}, which bigfit did not write there but the "
-                          "new model has a file of that name; move it away first")
+        raise BigfitError(_clash(out, clash[0]))
     old, moved = out.parent / f".{out.name}.old-{os.getpid()}", []
     try:
         for p in kept:
@@ -207,7 +227,14 @@ def _install(tmp: Path, out: Path, replaced: list[Path] | None) -> None:
     except BaseException:  # Ctrl-C too: put everything back where it was before the caller removes tmp
         _put_back(tmp, out, old, moved)
         raise
-    shutil.rmtree(old)
+    for p in replaced:
+        (old / p.name).unlink(missing_ok=True)
+    old.rmdir()
+
+
+def _clash(out: Path, name: str) -> str:
+    return (f"consolidate: {str(out)!r} holds {name!r}, which no record of bigfit's matches (bigfit did not write it "
+            "there, or it changed since) where the new model has a file of that name; move it away first")
 
 
 def _put_back(tmp: Path, out: Path, old: Path, moved: list[Path]) -> None:

@@ -41,7 +41,7 @@ class RunLock:
     def acquire(self) -> RunLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         while self.fd is None:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = self._open()
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as e:
@@ -65,9 +65,19 @@ class RunLock:
         os.pwrite(self.fd, json.dumps(info).encode(), 0)
         return self
 
+    def _open(self) -> int:
+        """The lock file, never through a link: one there would have bigfit write into what it points to."""
+        try:
+            return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except OSError as e:
+            if e.errno != errno.ELOOP:
+                raise
+            raise BigfitError(f"--output-dir {str(self.path.parent)!r}: {NAME} is a symbolic link (to "
+                              f"{os.readlink(self.path)!r}), where bigfit keeps its lock file; remove the link") from None
+
     def _same_file(self, fd: int) -> bool:
         try:
-            return os.stat(self.path).st_ino == os.fstat(fd).st_ino
+            return os.lstat(self.path).st_ino == os.fstat(fd).st_ino
         except FileNotFoundError:
             return False
 

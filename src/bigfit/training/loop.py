@@ -191,9 +191,9 @@ def _train(job: Job, rt: Runtime, clock: StartClock) -> dict:
             # this run's own model directory (the claim made sure): replaced, files bigfit did not write kept;
             # a LoRA run's is its adapter (bigfit consolidate --merge makes the merged model)
             if job.lora:
-                summary["adapter_dir"] = consolidate(last_ckpt, out_dir / "adapter", overwrite=True, legacy=True)
+                summary["adapter_dir"] = consolidate(last_ckpt, out_dir / "adapter", overwrite=True)
             else:
-                summary["model_dir"] = consolidate(last_ckpt, out_dir / "model", overwrite=True, legacy=True)
+                summary["model_dir"] = consolidate(last_ckpt, out_dir / "model", overwrite=True)
         _print_summary(summary)
     return summary
 

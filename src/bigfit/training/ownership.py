@@ -6,8 +6,9 @@ the NVMe directory), the disk space one checkpoint needs, then takes the directo
 decides what the directory's contents allow:
 - empty, or holding only a start that failed before its first step: a new run;
 - holding a run: refused, unless --resume (the checkpoint is verified against its manifest and
-  its settings compared with this run's, resume.py) or --overwrite (that run's files are removed,
-  nothing else, rundir.py);
+  its settings compared with this run's, resume.py) or --overwrite (the files bigfit's records say
+  that run wrote are removed, nothing else, and nothing an input of this run lies in: overwrite.py);
+- a kept file where the run would write (its model directory's config.json, say) is refused too;
 and records the run's identity in run.json (runinfo.py). Workers started by the claimer see BIGFIT_OUTPUT_CLAIMED
 and check nothing again.
 """
@@ -21,7 +22,7 @@ from ..distributed import Runtime, broadcast_object
 from ..errors import BigfitError
 from ..lora import adapter_parameters
 from ..models import build_model, count_parameters
-from . import ckptdir, resume, rundir, runinfo
+from . import ckptdir, overwrite, resume, rundir, runinfo
 from .lock import RunLock
 
 CLAIMED = "BIGFIT_OUTPUT_CLAIMED"  # the output directory a parent process claimed for this job
@@ -33,15 +34,16 @@ def output_path(cfg) -> Path:
 
 
 @contextlib.contextmanager
-def claim(job, rt: Runtime | None = None, speak=print):
+def claim(job, rt: Runtime | None = None, speak=print, given: dict[str, str] | None = None):
     """Own `job`'s output directory for the duration (see the module's docstring); yields the lock
     (None where a parent holds it) so that a launcher can hand it to its workers. `rt`: the job's
-    ranks (rank 0 claims, the others learn how it went); None: this process alone."""
+    ranks (rank 0 claims, the others learn how it went); None: this process alone. `given`: input
+    files the settings keep no trace of ({"--config": path}: overwrite.given_files)."""
     out = output_path(job.cfg)
     if os.environ.get(CLAIMED) == str(out):
         yield None
         return
-    lock = _claim_on_rank0(job, out, rt, speak)
+    lock = _claim_on_rank0(job, out, rt, speak, given or {})
     before, os.environ[CLAIMED] = os.environ.get(CLAIMED), str(out)
     try:
         yield lock
@@ -54,14 +56,14 @@ def claim(job, rt: Runtime | None = None, speak=print):
             lock.release()
 
 
-def _claim_on_rank0(job, out: Path, rt: Runtime | None, speak) -> RunLock | None:
+def _claim_on_rank0(job, out: Path, rt: Runtime | None, speak, given: dict[str, str]) -> RunLock | None:
     """Rank 0 (or the one process) claims; every rank then raises what it raised, so that no rank
     waits for rank 0 forever: the user's mistake as one line everywhere, a crash as itself on rank 0
     and as a RuntimeError naming it elsewhere."""
     lock, outcome, crash = None, None, None  # outcome: (the user's mistake?, message)
     if rt is None or rt.is_main:
         try:
-            lock = _own(job, out, speak)
+            lock = _own(job, out, speak, given)
         except BigfitError as e:
             outcome = (True, str(e))
         except Exception as e:
@@ -75,11 +77,12 @@ def _claim_on_rank0(job, out: Path, rt: Runtime | None, speak) -> RunLock | None
     return lock
 
 
-def _own(job, out: Path, speak) -> RunLock:
+def _own(job, out: Path, speak, given: dict[str, str]) -> RunLock:
     cfg = job.cfg
     if cfg.allow_changed and not cfg.resume:
         raise BigfitError("--allow-changed belongs to --resume (settings that may differ from the checkpoint's)")
     rundir.check_location(out, "--output-dir")
+    rundir.check_outside(out, "--output-dir")
     if cfg.strategy == "zero2-offload-nvme" and cfg.nvme_dir:
         rundir.check_location(Path(cfg.nvme_dir).expanduser(), "--nvme-dir")
     notes = _check_space(job, out)
@@ -89,7 +92,7 @@ def _own(job, out: Path, speak) -> RunLock:
         ident = runinfo.identity(job)
         contents = rundir.inspect(out)
         saved = _verified_state(job, out)
-        notes += _settle(job, out, contents, ident, saved)
+        notes += _settle(job, out, contents, ident, saved, given)
         runinfo.write(out, contents.run, ident, job, saved)
     except BaseException:
         lock.release()
@@ -114,21 +117,22 @@ def _verified_state(job, out: Path) -> dict:
     return ckptdir.trainer_state(ckpt)
 
 
-def _settle(job, out: Path, contents: rundir.Contents, ident: dict, saved: dict) -> list[str]:
+def _settle(job, out: Path, contents: rundir.Contents, ident: dict, saved: dict, given: dict[str, str]) -> list[str]:
     """What the directory's contents allow this run; the lines to say (removals, resume notes)."""
     cfg = job.cfg
     if job.resume_from is not None:
-        return _check_resume(job, out, contents, ident, saved)
-    if not contents.holds_run:
-        return []
-    if not cfg.overwrite:
+        return _check_resume(job, out, contents, ident, saved, given)
+    if contents.holds_run and not cfg.overwrite:
         raise BigfitError(f"--output-dir {str(out)!r} holds {contents.describe()}; continue it with --resume, "
                           "replace it with --overwrite (removes that run's files only), or choose another --output-dir")
-    rundir.remove_run(contents)
-    return [f"removed {contents.describe()} from {out} (--overwrite)"]
+    if contents.holds_run:
+        return [overwrite.replace(job, out, given)]
+    overwrite.check_way(job, contents, new_run=True)
+    return []
 
 
-def _check_resume(job, out: Path, contents: rundir.Contents, ident: dict, saved: dict) -> list[str]:
+def _check_resume(job, out: Path, contents: rundir.Contents, ident: dict, saved: dict,
+                  given: dict[str, str]) -> list[str]:
     cfg, ckpt = job.cfg, job.resume_from
     inside = out in ckpt.resolve().parents
     ours = saved.get("run_id") is not None and saved.get("run_id") == (contents.run or {}).get("run_id")
@@ -149,8 +153,8 @@ def _check_resume(job, out: Path, contents: rundir.Contents, ident: dict, saved:
                           f"{'; '.join(refused)}; give the checkpoint's values, or continue anyway with "
                           f"--allow-changed {','.join(k.split(' ')[0] for k in refused)}")
     if replace:  # only once every check passed: a refused resume removes nothing
-        rundir.remove_run(contents)
-        notes.append(f"removed {contents.describe()} from {out} (--overwrite)")
+        return notes + [overwrite.replace(job, out, given)]
+    overwrite.check_way(job, contents, new_run=not (inside or ours))  # its own run's files are its own to write
     return notes
 
 

@@ -1,7 +1,9 @@
 """A run's identity, recorded in OUTPUT/run.json by the claim (ownership.py) and in every checkpoint's
 trainer.json by the loop: a run id (kept by every resumed start), the model's architecture, the data
 file's sha256 (the examples' for a dataset directory or a hub name), a LoRA base's weight files'
-fingerprint, bigfit's version, and each start's host, pid, process count and settings."""
+fingerprint, bigfit's version, and each start's host, pid, process count and settings. run.json also
+records the paths the run writes besides its checkpoints and model (rundir.RUN_PATHS): the record
+by which `--overwrite` removes its logs."""
 from __future__ import annotations
 
 import json
@@ -13,7 +15,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from ..data.digest import file_sha256
-from .rundir import RUN_FILE
+from .rundir import RUN_FILE, RUN_PATHS
 
 # Model config keys that say nothing about the architecture (or differ between transformers versions)
 VOLATILE = {"_name_or_path", "transformers_version", "use_cache", "architectures", "torch_dtype", "dtype"}
@@ -44,8 +46,10 @@ def write(out: Path, old: dict | None, ident: dict, job, saved: dict) -> None:
     start = {"time": time.time(), "host": socket.gethostname(), "pid": os.getpid(),
              "world_size": job.cfg.extra["world_size"], "resumed_from": str(job.resume_from or "") or None,
              "config": job.cfg.to_dict()}
-    body = {"run_id": run_id, "bigfit_version": _version(), "identity": ident, "starts": run.get("starts", []) + [start]}
+    body = {"run_id": run_id, "bigfit_version": _version(), "identity": ident, "paths": list(RUN_PATHS),
+            "starts": run.get("starts", []) + [start]}
     tmp = out / (RUN_FILE + ".tmp")
+    tmp.unlink(missing_ok=True)  # a link left there: writing through it would write into what it points to
     tmp.write_text(json.dumps(body, indent=1))
     os.replace(tmp, out / RUN_FILE)
 
