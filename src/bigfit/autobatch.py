@@ -6,10 +6,14 @@ and bisects between the largest that ran and the smallest that failed (planning/
 workers build the model once and try the sizes one after another; one process recovers from an
 out-of-memory error in place, while with several ranks an OOM ends the worker set (OOM_EXIT) and
 this launcher starts another from the outcomes recorded so far (probefile.py). The probe's
-processes exit before the real job starts, so its OOMs never reach the job's process group."""
+processes exit before the real job starts, so its OOMs never reach the job's process group.
+Every wait is bounded: the workers end a step, their recovery and their exit by deadlines of their
+own (training/probewatch.py), and this launcher stops a set that overstays them. The search ends in
+a confirmed size or in one line."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import signal
 import time
@@ -17,23 +21,27 @@ from pathlib import Path
 
 import torch
 
+from . import probefile, waits
 from .config import SPLIT_STRATEGIES, TrainConfig
 from .distributed import launched_by_torchrun_env
 from .errors import BigfitError
-from .launch import launch_local
+from .launch import STOPPED, launch_local
 from .planning.auto import auto_micro_batch
 from .planning.estimate import CACHE_SLACK
 from .planning.sizes import Prediction, ProbeSearch, outcome_text
-from .probefile import OOM_EXIT, RETRY_EXIT, load, out_of_memory, path, save
+from .probefile import OOM_EXIT, RETRY_EXIT, STUCK_EXIT, load, path, save
 
 # a worker killed by SIGKILL (launch.py: 128 + 9): on a machine without GPUs, where the micro-batch
 # fills host RAM, that is the kernel's OOM killer, not a CUDA out-of-memory error
 KILLED = 128 + signal.SIGKILL
+# how long past the deadline its workers set themselves (training/probewatch.py) a worker set may run
+# before this launcher stops it: their own deadline ends them first, unless nothing in them can run
+GRACE_S = 30.0
 
 
 def exit_status(e: BaseException) -> int:
-    """A failed worker's exit status: OOM_EXIT for out-of-memory, 1 otherwise."""
-    return OOM_EXIT if out_of_memory(e) else 1
+    """A failed worker's exit status: OOM_EXIT for out-of-memory (itself or as a cause), 1 otherwise."""
+    return probefile.exit_status(e)
 
 
 def choose_micro_batch(argv: list[str], cfg: TrainConfig, world: int, speaks: bool,
@@ -89,7 +97,7 @@ def _decided(cfg: TrainConfig, world: int, micro: int) -> TrainConfig:
 
 def _probe(argv: list[str], cfg: TrainConfig, world: int, pred: Prediction) -> ProbeSearch:
     """Probe worker sets until the search is over; each runs sizes until it ends or one of its
-    ranks runs out of memory (then that size, the search's next, failed)."""
+    ranks runs out of memory (then that size, the search's next, failed), or a deadline passes."""
     where = path(cfg.output_dir)
     search = ProbeSearch(pred.size, pred.sizes)
     save(where, search)
@@ -98,28 +106,64 @@ def _probe(argv: list[str], cfg: TrainConfig, world: int, pred: Prediction) -> P
     low = pred.sizes[0]
     settings = dataclasses.replace(cfg, micro_batch_size=low, batch_size=_batch(cfg, world, low), probe_only=True)
     while search.next() is not None:
-        code = launch_local(argv, world, where.parent, quiet=True, settings=settings.to_dict())
+        probefile.promise(where, None)  # the workers promise again once they have built the model
+        probefile.take_note(where)
+        code = launch_local(argv, world, where.parent, quiet=True, settings=settings.to_dict(),
+                            watch=functools.partial(_overstayed, where))
         if code == KILLED and not torch.cuda.is_available():  # the kernel's OOM killer: the CPU's "out of memory"
             code = OOM_EXIT
         seen, sets, search = len(search.outcomes), search.worker_sets, load(where)
         _show(search.outcomes[seen:])
-        if code == OOM_EXIT and search.worker_sets == sets:  # it never reached a probe step
-            raise BigfitError(f"the micro-batch probe ran out of memory before its first step, building the model "
-                              f"with {cfg.strategy}{_device_words(where.parent)}; logs in {where.parent}")
-        if code == OOM_EXIT:
-            failed = search.next()
-            search.outcomes.append([failed, False, None])
-            save(where, search)
-            print(f"probe micro-batch {failed}: out of memory on a rank"
-                  + ("; new probe processes go on" if search.next() is not None else ""))
-        elif code == RETRY_EXIT:  # a fresh set's first step never ends it so: this cannot repeat forever
-            print(f"probe micro-batch {search.next()}: in new probe processes (the last ones could not go on "
-                  "after an out-of-memory error)")
-        elif code != 0:
-            report = where.parent / "error.txt"
-            why = report.read_text().strip() if report.is_file() else f"exit status {code}"
-            raise BigfitError(f"the micro-batch probe failed ({why}); logs in {where.parent}")
+        search = _after(code, search, sets, seen, cfg, where)
     return search
+
+
+def _after(code: int, search: ProbeSearch, sets: int, seen: int, cfg: TrainConfig, where: Path) -> ProbeSearch:
+    """The search after a worker set ended with `code`: an outcome added for a size that failed, or
+    one line where the probe cannot go on."""
+    note, logs = probefile.take_note(where), where.parent
+    if code == STOPPED:  # this launcher's deadline: the workers overstayed their own; as theirs would have ended them
+        oom = any(not ok and not peak for _, ok, peak in search.outcomes[seen:])  # in the same processes
+        note, code = _first_line(logs), RETRY_EXIT if oom else STUCK_EXIT
+    if search.next() is None:  # whatever kept the processes: the search was over
+        if note or code != 0:
+            print(f"probe: {note or f'its processes ended with status {code}'}; the search was over: the job goes on")
+        return search
+    if code == OOM_EXIT and search.worker_sets == sets:  # it never reached a probe step
+        raise BigfitError(f"the micro-batch probe ran out of memory before its first step, building the model "
+                          f"with {cfg.strategy}{_device_words(logs)}; logs in {logs}")
+    if code == OOM_EXIT:
+        failed = search.next()
+        search.outcomes.append([failed, False, None])
+        save(where, search)
+        print(f"probe micro-batch {failed}: out of memory on a rank"
+              + ("; new probe processes go on" if search.next() is not None else ""))
+    elif code == RETRY_EXIT:  # a fresh set's first step never ends it so: this cannot repeat forever
+        print(f"probe micro-batch {search.next()}: in new probe processes "
+              f"({note or 'the last ones could not go on after an out-of-memory error'})")
+    elif code == STUCK_EXIT:
+        raise BigfitError(f"the micro-batch probe at micro-batch {search.next()}: "
+                          f"{note or 'its step did not end by its deadline'}; logs in {logs}")
+    elif code != 0:
+        why = _first_line(logs) or f"exit status {code}"
+        raise BigfitError(f"the micro-batch probe failed ({why}); logs in {logs}")
+    return search
+
+
+def _overstayed(where: Path) -> str | None:
+    """Why a worker set is stopped: it passed the time rank 0 promised by GRACE_S (None: not yet)."""
+    until, grace = probefile.promised(where), waits.limit(GRACE_S)
+    if until is None or time.time() < until + grace:
+        return None
+    return (f"its processes passed the deadline they had set themselves by {grace:g} s without ending (logs "
+            f"in {where.parent}), and were stopped")
+
+
+def _first_line(logs: Path) -> str:
+    """The first line of a worker set's report (its traceback stays in the file: one line here)."""
+    report = logs / "error.txt"
+    lines = report.read_text().strip().splitlines() if report.is_file() else []
+    return lines[0] if lines else ""
 
 
 def _device_words(logs: Path) -> str:

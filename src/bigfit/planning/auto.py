@@ -261,7 +261,9 @@ def auto_micro_batch(cfg, world: int) -> Prediction:
     sizes = _micro_sizes(cfg, world)
     auto = cfg.batch_size == "auto"
     config = load_config(locate(cfg.model))
-    hw = _with_map_budgets(_this_machine(world, cfg.strategy), cfg)
+    # the NVMe tier's disk, as `--strategy auto` rated it: without it no size of zero2-offload-nvme fits
+    nvme_dir = (cfg.nvme_dir or os.path.join(cfg.output_dir, "nvme")) if cfg.strategy == "zero2-offload-nvme" else None
+    hw = _with_map_budgets(_this_machine(world, cfg.strategy, nvme_dir=nvme_dir), cfg)
     rated = _largest_micro((config, hw, _job(cfg, config, 1, None)), cfg.strategy, sizes,
                            lambda m: {"batch_size": m * world if auto else cfg.batch_size, "micro_batch": m})
     if rated is None:

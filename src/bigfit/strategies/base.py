@@ -81,6 +81,9 @@ class Engine(Protocol):
     # a step that ran out of memory can be dropped (`recover_from_oom`) and the next one run in this
     # process (micro-batch auto's probe, training/probe.py); else its probe restarts the processes
     recovers_from_oom: bool
+    # the optimizer step goes on after `update` returns, under the next forward, until `flush` (the
+    # offload engine's host step): micro-batch auto's probe runs two steps a size to meet both at once
+    updates_in_background: bool
     # False: checkpoints hold the trainable parameters and the optimizer only (a LoRA run: its frozen
     # base is made again from its source on every start, so it need not be saved)
     frozen_in_checkpoints: bool
@@ -140,6 +143,7 @@ class Applied:
     counts: bool = True
     sequence_multiple: int = 1
     recovers_from_oom: bool = True
+    updates_in_background: bool = False
     norm_ranks: int = 0  # > 0: ranks whose gradients mix DTensors and plain tensors (tensor parallel)
     frozen_in_checkpoints: bool = True  # False: checkpoints hold the trainable parameters only (a LoRA run)
     optimizer: torch.optim.Optimizer | None = None

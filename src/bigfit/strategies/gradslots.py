@@ -11,6 +11,8 @@ PCIe moves a bucket's gradients about 4x faster than the host optimizer consumes
 so only the first bucket's copy is waited for."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from .buckets import Bucket
@@ -27,17 +29,18 @@ class GradientSlots:
         self.pending = {}
 
     @torch.no_grad()
-    def take(self, order: list[Bucket], i: int) -> torch.Tensor:
+    def take(self, order: list[Bucket], i: int, landing: Callable[[Bucket], None]) -> torch.Tensor:
         """Bucket order[i]'s gradients in host RAM. Also starts the copies of the next buckets whose
         gradients are ready, into the slots the buckets before i have finished with (bucket j uses
-        slot j mod count, and every bucket before i has been stepped)."""
+        slot j mod count, and every bucket before i has been stepped). `landing(b)` waits for b's
+        gradients to be reduced (hoststep.py: it ends the host step of an abandoned step instead)."""
         for j in range(i, min(i + len(self.slots), len(order))):
             b = order[j]
             if b.index in self.pending:
                 continue
             if j > i and not b.state["reduced"].is_set():
                 break  # not reduced yet (eager mode steps during backward): copied when its turn comes
-            b.state["reduced"].wait()
+            landing(b)
             b.state["reduced"].clear()
             self.pending[b.index] = self.io.fetch(b.state, self.slots[j % len(self.slots)])
         return self.pending.pop(order[i].index)

@@ -5,7 +5,9 @@ gradient by `grad_scale`), and copies the bucket's master weights up (transfer.p
 forward's blocks can start while the buckets behind them still update. In delayed mode each
 bucket's copy up waits for the next backward to finish that bucket's gradients (`_upload_stale`,
 from its hook) or for `flush`. An error on the thread is kept and re-raised on the training thread,
-which would otherwise wait forever."""
+which would otherwise wait forever. Every wait is noted (waits.py), so a deadline can say what it
+was for, and a step abandoned after an out-of-memory error stops the thread where it waits for
+gradients that will never come (`_stopping`, offload.py `abandon_step`)."""
 from __future__ import annotations
 
 import contextlib
@@ -14,13 +16,20 @@ import time
 
 import torch
 
+from .. import faults, waits
 from . import cpu_adam, statefmt
 from .buckets import Bucket, unpack
+
+EXIT_JOIN_S = 60.0  # the longest the interpreter's exit waits for a host step (join_at_exit)
+
+
+class _Abandoned(Exception):
+    """The step this host step belongs to was abandoned: its gradients never come."""
 
 
 class HostSteps:
     """Mixed into OffloadEngine, whose state it uses: buckets, inners, masters, io, slots, store,
-    param_groups, dtype, state_format, kernel, trace, _worker, _error."""
+    param_groups, dtype, state_format, kernel, trace, _worker, _error, _stopping, _phase."""
 
     def _start_host_step(self, grad_scale: float, order: list[Bucket], upload: bool) -> None:
         self._join()
@@ -32,7 +41,8 @@ class HostSteps:
             b.state["stale"] = not upload  # delayed: updated masters that the device does not have yet
             if upload:
                 b.state["issued"].clear()
-        self._worker = threading.Thread(target=self._host_steps, args=(order, upload), daemon=True)
+        self._worker = threading.Thread(target=self._host_steps, args=(order, upload), daemon=True,
+                                        name="the offload engine's host step")
         self._worker.start()
 
     @torch.no_grad()
@@ -45,19 +55,23 @@ class HostSteps:
             for i, b in enumerate(order):
                 with self._span("wait-gradients", b):
                     if self.slots:
-                        grad = self.slots.take(order, i)
+                        grad = self.slots.take(order, i, self._landing)
                     else:
                         grad = self.grad_buffers[b.index]
-                        b.state["reduced"].wait()
+                        self._landing(b)
                         b.state["reduced"].clear()
-                    self.io.wait_landed(b.state)
+                    with waits.waiting(f"the device's copies of {self._named(b)}"):
+                        self.io.wait_landed(b.state)
                 if self.slots:  # in host RAM now: the next backward may reduce this bucket again
                     b.state["free"].set()
                     freed.add(b.index)
                 if self.store and i + 1 < len(order):
                     self.store.prefetch(order[i + 1].index)  # the disk reads ahead while this bucket updates
                 with self._span("cpu-adam", b):
+                    faults.at("hoststep")
                     self._adam(b, grad)
+                    if self.store and self.store.holds(b.index):  # its states written to their mapped files
+                        faults.at("nvme-write")
                 b.state["stepped"].set()
                 if b.index not in freed:
                     b.state["free"].set()
@@ -67,6 +81,8 @@ class HostSteps:
                         self._upload(b)
                     b.state["issued"].set()
                 done = i + 1
+        except _Abandoned:
+            pass
         except BaseException as e:  # re-raised on the training thread, which would otherwise wait forever
             self._error = e
         finally:
@@ -78,6 +94,15 @@ class HostSteps:
                     b.state["free"].set()
                 b.state["issued"].set()
                 b.state["stepped"].set()  # waiters find the error (`_raise`) instead of waiting forever
+
+    def _landing(self, b: Bucket) -> None:
+        """Wait until bucket b's gradients are reduced, unless its step is abandoned meanwhile."""
+        waits.wait(b.state["reduced"], f"the gradients of {self._named(b)}")
+        if self._stopping:
+            raise _Abandoned
+
+    def _named(self, b: Bucket) -> str:
+        return f"bucket {b.index + 1} of {len(self.buckets)}"
 
     def _adam(self, b: Bucket, grad: torch.Tensor) -> None:
         inner, master = self.inners[b.index], self.masters[b.index]
@@ -94,11 +119,14 @@ class HostSteps:
     @contextlib.contextmanager
     def _span(self, what: str, b: Bucket | None = None):
         start = time.perf_counter()
+        if threading.current_thread() is self._worker:  # where the host step is, for a deadline's message
+            self._phase = f"{what}, {self._named(b)}"
         yield
         if self.trace is not None:
             self.trace.append((what, b.index if b else -1, start, time.perf_counter()))
 
     def _upload(self, b: Bucket) -> None:
+        faults.at("upload")
         with self.io.uploading(b.state):
             gathered = self.io.gather(self.masters[b.index], self.dtype)
             for s in b.slots:
@@ -109,7 +137,7 @@ class HostSteps:
         """Delayed mode: copy these buckets' finished updates up, once the host step has made them,
         after the device's work so far (which may still read the parameters they replace)."""
         for b in buckets:
-            b.state["stepped"].wait()
+            waits.wait(b.state["stepped"], f"the host step's update of {self._named(b)}")
             self._raise()
         self.io.after_current_work()
         for b in buckets:
@@ -122,9 +150,12 @@ class HostSteps:
         self._join()
         self._upload_stale([b for b in reversed(self.buckets) if b.state["stale"]])  # the next host step's order
 
-    def _join(self) -> None:
+    def _join(self, timeout: float | None = None) -> None:
+        """The host step ended (a RuntimeError saying where it is if not within `timeout` s); its error raised."""
         if self._worker is not None:
-            self._worker.join()
+            if not waits.join(self._worker, lambda: f"the offload engine's host step (at {self._phase})", timeout):
+                raise RuntimeError(f"the offload engine's host step did not end within {timeout:g} s: it is at "
+                                   f"{self._phase}")
             self._worker = None
         self._raise()
 
@@ -135,6 +166,12 @@ class HostSteps:
 
 
 def join_at_exit(ref) -> None:
+    """At the interpreter's exit: a host step still under way ends first (a daemon thread still inside
+    torch then aborts the process), but within EXIT_JOIN_S: one that waits for what never comes (a
+    step that failed) must not keep the process alive for good."""
     engine = ref()
     if engine is not None and engine._worker is not None:
-        engine._worker.join()
+        what = lambda: f"the offload engine's host step (at {engine._phase}) before exiting"  # noqa: E731
+        if not waits.join(engine._worker, what, waits.limit(EXIT_JOIN_S)):
+            print(f"exiting without the offload engine's host step, still at {engine._phase} after "
+                  f"{waits.limit(EXIT_JOIN_S):g} s", flush=True)

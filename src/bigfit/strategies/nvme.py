@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from .. import faults
 from ..errors import BigfitError
 
 
@@ -66,7 +67,10 @@ class NVMeStore:
 
     def prefetch(self, bucket: int) -> None:
         """Start reading a bucket's files into the page cache; returns at once."""
-        if bucket not in self.files or not hasattr(os, "posix_fadvise"):
+        if bucket not in self.files:
+            return
+        faults.at("nvme-read")
+        if not hasattr(os, "posix_fadvise"):
             return
         for path in self.files[bucket]:
             fd = os.open(path, os.O_RDONLY)

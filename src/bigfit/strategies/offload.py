@@ -44,6 +44,7 @@ import weakref
 
 import torch
 
+from .. import waits
 from ..models import block_lists
 from . import cpu_adam, statefmt
 from .base import grad_hook, syncing
@@ -54,6 +55,9 @@ from .hoststep import HostSteps, join_at_exit
 from .nvme import NVMeStore
 from .placement import materialise, owners, place_frozen, waiting_modules
 from .transfer import Transfers
+
+
+RECOVERY_S = 120.0  # abandon_step's wait for a host step to end: longer than any one bucket's step and copies
 
 
 class OffloadEngine(HostSteps, EngineStates):
@@ -98,6 +102,7 @@ class OffloadEngine(HostSteps, EngineStates):
         self._hooks += [m.register_forward_pre_hook(functools.partial(self._await_hook, bs))
                         for m, bs in waiting_modules(model, prefixes, self._of)]
         self.sync, self._worker, self._error, self._eager_started = True, None, None, False
+        self._stopping, self._phase = False, "its start"  # hoststep.py: an abandoned step; where the thread is
         # a daemon host thread still inside torch when the interpreter exits aborts the process
         # ("terminate called without an active exception"): a process that ends without flush() waits
         atexit.register(join_at_exit, weakref.ref(self))
@@ -158,7 +163,8 @@ class OffloadEngine(HostSteps, EngineStates):
             st["acc"] = flat
             return
         st["acc"] = None
-        st["free"].wait()  # the host step of the previous update has read this bucket's host gradients
+        # the host step of the previous update has read this bucket's host gradients
+        waits.wait(st["free"], f"the host step to read the gradients of {self._named(b)} of the step before")
         st["free"].clear()
         if st["stale"]:  # delayed: this backward is done with the parameters; the previous update goes up
             self._upload_stale([b])
@@ -219,24 +225,43 @@ class OffloadEngine(HostSteps, EngineStates):
         for b in buckets:
             if not b.state["issued"].is_set():
                 with self._span("forward-waits", b):
-                    b.state["issued"].wait()
+                    waits.wait(b.state["issued"], lambda b=b: f"the host step's update of {self._named(b)} (it is "
+                                                              f"at {self._phase})")
             self._raise()
             self.io.wait_arrived(b.state)
 
     def abandon_step(self) -> None:
-        """After a forward or backward that failed (an out-of-memory error, before `clip_and_step`):
-        the gradients it left in buckets dropped and every bucket free again, as if it never ran.
-        Not where a host step may run during backward (eager, delayed): that thread would wait for
-        buckets that never land."""
-        assert not (self.eager or self.delayed), "a host step may be under way"
+        """After a step that failed (an out-of-memory error in its forward, backward, host step or copies:
+        micro-batch auto's probe, at lr 0): the host step under way ended first, then the gradients the
+        step left in buckets dropped and every bucket free again. A host step still stepping buckets
+        (its thread runs on under the next forward) clearing gradients under it waited forever for
+        them, and the process's exit with it (tests/test_probe_faults.py; the likely cause of a probe
+        that never exited, gpt-neo-1.3B's shape on a 16 GB cap); one
+        that waits for buckets a failed backward never sent (eager mode steps during backward) stops
+        there. Buckets it already stepped stay stepped. A RuntimeError where it does not end within RECOVERY_S (or
+        BIGFIT_WAIT_S): the engine cannot go on, the probe then does in new processes."""
+        self._stopping = True
+        for b in self.buckets:
+            b.state["reduced"].set()  # wakes a host step waiting for gradients: it stops (`_landing`)
+        try:
+            self._join(waits.limit(RECOVERY_S))
+        except RuntimeError:
+            if self._worker is not None:  # still under way: not an error it met, which is dropped with its step
+                raise
+        finally:
+            self._stopping = False
         if self.io.cuda:
-            torch.cuda.synchronize()  # the reductions and copies the failed backward queued
+            with waits.waiting("the device to finish the copies the failed step queued"):
+                torch.cuda.synchronize()
         for b in self.buckets:
             b.state.update(ready=0, acc=None, sq=None, dev_grad=None)
             b.state["reduced"].clear()
             b.state["free"].set()
             for s in b.slots:
                 s.param.grad = None
+        if self.slots:
+            self.slots.reset()
+        self._eager_started = False
 
     def flush(self) -> None:
         """Land every update on the device: before evaluation, checkpoints and the end."""

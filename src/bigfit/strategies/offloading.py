@@ -25,13 +25,13 @@ class OffloadApplied(Applied):
     engine, not a torch optimizer, holds the states and steps them."""
     engine: OffloadEngine | None = None
     stages: Applied | None = None  # pipeline stages that run each micro-batch; None: the model whole
+    updates_in_background: bool = True  # the host step and its copies up run on under the next forward
 
     def __post_init__(self):
-        # a failed step's buckets can be freed (`abandon_step`) unless a host step runs during backward
-        # (eager, delayed: its thread waits for buckets that never land) or pipeline stages hold its
-        # gradients (their schedule's state): those restart the probe's processes
-        e = self.engine
-        self.recovers_from_oom = e is not None and not (e.eager or e.delayed) and self.stages is None
+        # a failed step is abandoned in place (`abandon_step`: its host step ended or stopped, its
+        # buckets freed) in every mode, unless pipeline stages hold its gradients (their schedule's
+        # state): those restart the probe's processes
+        self.recovers_from_oom = self.engine is not None and self.stages is None
 
     def recover_from_oom(self) -> None:
         self.engine.abandon_step()  # the states exist from `attach` on, whole: nothing half made

@@ -15,6 +15,9 @@ loop see an ordinary torch optimizer. Why each read and write is safe:
   its gradients depend on, so that event also orders the update after that read. The next
   forward's all-gathers read them after `finish_backward` has joined the host thread.
 A unit whose parameters did not all get a gradient (unused ones) is left to the ordinary step.
+After a step that failed (micro-batch auto's probe: an out-of-memory error in backward or in a unit's
+step), the thread, which waits for units the failed backward never finished, is stopped and every
+count made again (`StreamedFSDPApplied.recover_from_oom`).
 """
 from __future__ import annotations
 
@@ -24,8 +27,11 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import faults, waits
 from .base import grad_hook, syncing
 from .sharding import FSDPApplied, _units
+
+RECOVERY_S = 120.0  # `stop`'s wait for the thread to end: longer than any one unit's step
 
 
 class StreamedSteps:
@@ -68,17 +74,20 @@ class StreamedSteps:
     def _start(self) -> None:
         self._stepped = []
         self._queue = queue.SimpleQueue()
-        self._worker = threading.Thread(target=self._steps, args=(self._queue,), daemon=True)
+        self._worker = threading.Thread(target=self._steps, args=(self._queue,), daemon=True,
+                                        name="zero3-offload's streamed host step")
         self._worker.start()
 
     @torch.no_grad()
     def _steps(self, todo: queue.SimpleQueue) -> None:
         hyper = {k: v for k, v in self.optimizer.param_groups[0].items() if k != "params"}  # lr set before backward
         try:
-            while (item := todo.get()) is not None:
+            while (item := _next(todo)) is not None:
                 i, done = item
                 if done is not None:
-                    done.synchronize()
+                    with waits.waiting(f"the copy down of unit {i}'s gradients"):
+                        done.synchronize()
+                faults.at("streamed")
                 inner = self.inners[i]
                 inner.state = self.optimizer.state  # loading a checkpoint replaces the dict: read it now
                 inner.param_groups[0].update(hyper)
@@ -88,16 +97,29 @@ class StreamedSteps:
             self._error = e
 
     # -- after backward (the training thread) -----------------------------------------------------
-    def join(self) -> None:
-        """Every streamed step done: before the gradient norm, the job's step and the next forward."""
+    def join(self, timeout: float | None = None) -> None:
+        """Every streamed step done: before the gradient norm, the job's step and the next forward. A
+        RuntimeError where the thread has not ended within `timeout` s."""
         if self._worker is not None:
             self._queue.put(None)
-            self._worker.join()
+            if not waits.join(self._worker, "zero3-offload's streamed host step", timeout):
+                raise RuntimeError(f"zero3-offload's streamed host step did not end within {timeout:g} s: "
+                                   f"{waits.now()}")
             self._worker = None
         self._left = [len(ps) for ps in self.units]
         if self._error is not None:
             error, self._error = self._error, None
             raise RuntimeError("the streamed host step of zero3-offload failed") from error
+
+    def stop(self) -> None:
+        """After a step that failed: the thread ended (its queue's end comes after what it holds), the
+        error it met and the units it stepped forgotten (at the probe's lr 0 they changed nothing)."""
+        try:
+            self.join(waits.limit(RECOVERY_S))
+        except RuntimeError:
+            if self._worker is not None:  # still under way: the engine cannot go on
+                raise
+        self._stepped = []
 
     def _before_step(self, optimizer, args, kwargs) -> None:
         """The job's step then updates only what was not streamed: the gradients that the host
@@ -108,6 +130,11 @@ class StreamedSteps:
             if p.grad is grad:
                 p.grad = None
         self._stepped = []
+
+
+def _next(todo: queue.SimpleQueue):
+    with waits.waiting("the next unit whose gradients backward finishes"):
+        return todo.get()
 
 
 def _trainable_by_unit(model: torch.nn.Module) -> list[list[torch.nn.Parameter]]:
@@ -130,6 +157,11 @@ class StreamedFSDPApplied(FSDPApplied):
 
     def finish_backward(self) -> None:
         self.steps.join()  # the gradient norm follows: nothing may still be reading or writing
+
+    def recover_from_oom(self) -> None:
+        self.steps.stop()
+        with self.steps.syncing(False):  # FSDP2's end-of-backward hands the units it reduces on: no step for them
+            super().recover_from_oom()
 
     def attach_optimizer(self, cls, **kw) -> None:
         super().attach_optimizer(cls, **kw)

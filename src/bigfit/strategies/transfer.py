@@ -12,6 +12,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from .. import faults
 from ..parallel.mesh import data_ranks, new_data_group
 from .pinned import host_zeros
 
@@ -71,6 +72,7 @@ class Transfers:
         into state["landed"]; the (start, length) spans in `skip` are left out of the norm (copies
         counted on another rank). `host` None: the values stay on the device as state["dev_grad"]
         (gradslots.py), "landed" marking their reduction."""
+        faults.at("reduce")
         with self._on(self.down):
             if self.world > 1:
                 out = torch.empty(flat.shape[1], dtype=flat.dtype, device=self.device)
@@ -109,6 +111,7 @@ class Transfers:
     def fetch(self, state: dict, slot: torch.Tensor) -> torch.Tensor:
         """A bucket's device gradients (state["dev_grad"]) into the front of a pinned slot, on a
         stream of their own; the copy's completion becomes state["fetched"]."""
+        faults.at("fetch")
         grad = state.pop("dev_grad")
         view = slot[:grad.numel()]
         if not self.cuda:
@@ -146,6 +149,7 @@ class Transfers:
 
     def gather(self, master: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """This rank's updated fp32 values up, cast, and all-gathered: (world, S) in `dtype`."""
+        faults.at("gather")
         local = master.to(self.device, non_blocking=True).to(dtype)
         if self.world == 1:
             return local.view(1, -1)

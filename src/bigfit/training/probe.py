@@ -1,55 +1,77 @@
 """micro-batch auto's probe worker: the model and engine are built once (loop.py) and candidate
 micro-batches are tried in sequence in the same processes, each with one full step (forward,
-backward, the optimizer step) on this rank's share of the longest samples at lr 0.
+backward, the optimizer step) on this rank's share of the longest samples at lr 0; two where the
+optimizer's update runs on under the next forward (the offload engine's host step: the two overlap
+in training), and the update landed before the size counts as run.
 
-One process catches an out-of-memory error, frees what the failed step held and goes on. With
-several ranks the others are inside a collective of the failed step, so the error ends the worker
-set (OOM_EXIT) and the launcher starts another from the outcomes agreed so far (probefile.py).
-Nothing of a probe reaches the real job: its processes exit before the job starts."""
+One process catches an out-of-memory error wherever the step met it (an engine's thread hands its
+own on, probefile.py `out_of_memory`), frees what the failed step held and goes on. With several
+ranks the others are inside a collective of the failed step, so the error ends the worker set
+(OOM_EXIT) and the launcher starts another from the outcomes agreed so far (probefile.py). Every
+step, recovery and exit has a deadline (probewatch.py). Nothing of a probe reaches the real job:
+its processes exit before the job starts."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
-import os
-import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
-from .. import faults, probefile
+from .. import faults, probefile, waits
 from ..data.arrays import longest_first
 from ..distributed import Runtime, all_reduce_sum, barrier
+from ..models import block_lists
 from ..planning.sizes import ProbeSearch, outcome_text
 from ..strategies import Engine
+from . import probewatch
 from .job import Job
 from .metrics import allocator_flushes
+from .probewatch import deadline as _deadline
 from .step import train_step
-
-# After an in-process OOM an engine may be left half-way through the failed step (the offload engine
-# waits for a gradient bucket the failed backward claimed): a step taking longer than this many times
-# the slowest seen, or STUCK_MIN_S, ends the process, and a fresh worker set tries that size again
-STUCK_FACTOR, STUCK_MIN_S = 10.0, 60.0
 
 
 def probe(job: Job, engine: Engine, rt: Runtime) -> dict:
-    """Run the search in probefile.path(OUTPUT) until it is over; returns its outcomes."""
-    cfg, ds = job.cfg, job.dataset
-    where = probefile.path(cfg.output_dir)
-    search = probefile.load(where).within(len(ds.train) // rt.data.world_size)
+    """Run the search in probefile.path(OUTPUT) until it is over; returns its outcomes. However it
+    ends, the process then exits within probewatch.EXIT_S."""
+    where = probefile.path(job.cfg.output_dir)
+    search = probefile.load(where).within(len(job.dataset.train) // rt.data.world_size)
     search.worker_sets += 1
     _agreed_save(where, search, rt)
-    longest = longest_first(ds.train)
     faults.maybe_die("probe", 0, rt)  # BIGFIT_FAULT=probe:0:0:raise: a probe that fails, not by OOM
-    stepped, failed, slowest = False, False, 0.0
+    try:
+        _search(job, engine, rt, where, search)
+    except SystemExit as e:
+        probewatch.exit_within(where, e.code, "they gave up on a size")
+        raise
+    except BaseException as e:
+        probewatch.exit_within(where, probefile.exit_status(e), f"{type(e).__name__} ended their search", e)
+        raise
+    if rt.is_main:
+        probefile.promise(where, waits.limit(probewatch.EXIT_S))
+    probewatch.exit_within(where, 0, "their search ended")
+    return {"probes": search.outcomes}
+
+
+def _search(job: Job, engine: Engine, rt: Runtime, where: Path, search: ProbeSearch) -> None:
+    longest = longest_first(job.dataset.train)
+    clock, stepped = probewatch.StepClock(), False
     while (micro := search.next()) is not None:
-        t0 = time.perf_counter()
-        with _deadline(max(STUCK_MIN_S, STUCK_FACTOR * slowest) if failed else None):
-            ran, peak, full = _attempt(job, engine, rt, longest, micro, twice=not stepped)
-        slowest = max(slowest, time.perf_counter() - t0)
-        if not ran and engine.recovers_from_oom:  # its states may be half made: dropped, so step twice again
-            engine.recover_from_oom()
-        stepped, failed = ran or (stepped and not engine.recovers_from_oom), failed or not ran
+        t0, seconds = time.perf_counter(), clock.deadline()
+        if rt.is_main:
+            probefile.promise(where, seconds)
+        expire = functools.partial(probewatch.stuck, where, micro, seconds, clock.failed, rt.rank)
+        with _deadline(seconds, expire):
+            # two steps: the optimizer states do not exist during a process's first backward (the second
+            # meets them, as every training step does), and an update that runs on meets the next forward
+            ran, peak, full = _attempt(job, engine, rt, longest, micro,
+                                       steps=2 if not stepped or engine.updates_in_background else 1)
+            went_on = ran or _recovered(engine, micro, where)
+        clock.slowest, clock.failed = max(clock.slowest, time.perf_counter() - t0), clock.failed or not ran
+        stepped = ran  # a recovered engine dropped its optimizer states: the next size steps twice again
         if full:
             _free(engine)  # the next size starts from an empty cache
         search.outcomes.append([micro, ran and not full, _largest(peak, rt) if ran else None])
@@ -57,24 +79,35 @@ def probe(job: Job, engine: Engine, rt: Runtime) -> dict:
         if rt.is_main:
             print(f"probe micro-batch {micro}: {outcome_text(search.outcomes[-1:])} in {time.perf_counter() - t0:.1f} s",
                   flush=True)
-        if not ran and not engine.recovers_from_oom and search.next() is not None:
+        if not went_on and search.next() is not None:
             raise SystemExit(probefile.RETRY_EXIT)  # the next size in new processes, at once
-    return {"probes": search.outcomes}
+
+
+def _recovered(engine: Engine, micro: int, where: Path) -> bool:
+    """Whether the engine could drop the failed step and go on in this process."""
+    if not engine.recovers_from_oom:
+        return False
+    try:
+        engine.recover_from_oom()
+    except RuntimeError as e:  # it could not end the failed step (the error says what it waited for)
+        print(f"probe micro-batch {micro}: {e}", flush=True)
+        probefile.note(where, f"the last ones could not recover in place from an out-of-memory error: {e}")
+        return False
+    return True
 
 
 def _attempt(job: Job, engine: Engine, rt: Runtime, longest: Sequence[dict], micro: int,
-             twice: bool) -> tuple[bool, int | None, bool]:
+             steps: int) -> tuple[bool, int | None, bool]:
     """(ran, peak bytes, whether it ran only by flushing the allocator's cache on some rank: every rank
-    takes the same next size) of one step at `micro` (two where the first flushed: the blocks another
-    size left cached are not this size's).
-    `twice`: no step has run in this process yet, so the optimizer states do not exist during the
-    first one's backward; the second meets them, as every training step does. A fixed batch that
+    takes the same next size) of `steps` steps at `micro` and their update landed (a third where a
+    single step flushed: the blocks another size left cached are not this size's). A fixed batch that
     accumulates runs two micro-batches, the second's backward beside the first's gradients, as in
     training."""
     data, cfg = rt.data, job.cfg
     mine = longest[data.rank * micro:(data.rank + 1) * micro]
     accumulated = [mine] * min(2, max(1, cfg.batch_size // data.world_size // micro))
-    hook = faults.inject_oom(engine.module, micro)
+    hooks = [faults.inject_oom(engine.module, micro),
+             *faults.inject_points(engine.module, [b for _, blocks in block_lists(engine.module) for b in blocks])]
     devices = _devices(engine, rt)
     _reset_peak(devices)
     full = False
@@ -88,11 +121,16 @@ def _attempt(job: Job, engine: Engine, rt: Runtime, longest: Sequence[dict], mic
         return _flushes(devices) - before + faults.injected_flushes(micro, rt.rank)
 
     try:
-        for _ in range(2 if twice else 1):
-            flushes = step()
+        with faults.probing(micro):
+            for _ in range(steps):
+                flushes = step()
+            engine.flush()  # the update lands inside this size's step: an OOM in its host step or copies is this size's
         full = _any(flushes, rt)
-        if full and not twice:  # the blocks another size left cached may need one flush: a settled step
-            full = _any(step(), rt)
+        if full and steps == 1:  # the blocks another size left cached may need one flush: a settled step
+            with faults.probing(micro):
+                flushes = step()
+                engine.flush()
+            full = _any(flushes, rt)
         ran = True
     except RuntimeError as e:  # torch's OutOfMemoryError is one
         # several ranks: the others wait inside this step's collectives, so this worker set ends (autobatch.py)
@@ -100,8 +138,9 @@ def _attempt(job: Job, engine: Engine, rt: Runtime, longest: Sequence[dict], mic
             raise
         ran = False  # leaving the except drops the error and its frames, which held the step's activations
     finally:
-        if hook is not None:
-            hook.remove()
+        for hook in hooks:
+            if hook is not None:
+                hook.remove()
     if not ran:
         _free(engine)
     return ran, _peak(devices), full
@@ -129,21 +168,6 @@ def _free(engine: Engine) -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-
-
-@contextlib.contextmanager
-def _deadline(seconds: float | None, expire=lambda: os._exit(probefile.RETRY_EXIT)):
-    """Run the body, ending the process if it takes longer than `seconds` (None: no limit)."""
-    if seconds is None:
-        yield
-        return
-    timer = threading.Timer(seconds, expire)
-    timer.daemon = True
-    timer.start()
-    try:
-        yield
-    finally:
-        timer.cancel()
 
 
 def _devices(engine: Engine, rt: Runtime) -> list[torch.device]:
