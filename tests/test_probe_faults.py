@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from bigfit import faults, probefile
+from bigfit.errors import BigfitError
 from bigfit.planning.sizes import ProbeSearch, outcome_text
 from conftest import read_jsonl
 from tiny import Stack, write_pairs
@@ -240,6 +241,8 @@ def test_an_oom_an_engines_thread_hands_on_counts_as_out_of_memory_and_its_conte
             raise KeyError("raised while handling it")  # noqa: B904 (its context, not its cause)
     except KeyError as e:
         assert not probefile.out_of_memory(e) and probefile.exit_status(e) == 1
+    # a worker's user mistake (a full disk on rank 1, say) ends the launch with 2, as one process does
+    assert probefile.exit_status(BigfitError("no room")) == 2
 
 
 def test_a_fault_point_fires_inside_a_probe_step_above_its_size_only(monkeypatch):

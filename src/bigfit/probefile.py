@@ -12,6 +12,7 @@ import os
 import time
 from pathlib import Path
 
+from .errors import BigfitError
 from .planning.sizes import ProbeSearch
 
 OOM_EXIT = 3  # a worker's exit status for out-of-memory
@@ -42,8 +43,9 @@ def out_of_memory(e: BaseException | None) -> bool:
 
 
 def exit_status(e: BaseException) -> int:
-    """A failed worker's exit status: OOM_EXIT for out-of-memory, 1 otherwise."""
-    return OOM_EXIT if out_of_memory(e) else 1
+    """A failed worker's exit status: 2 for a user's mistake (as one process exits, cli.py), OOM_EXIT for
+    out-of-memory, 1 otherwise."""
+    return 2 if isinstance(e, BigfitError) else OOM_EXIT if out_of_memory(e) else 1
 
 
 def path(output_dir: str) -> Path:
