@@ -9,7 +9,7 @@ export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 LIMIT_S=${LIMIT_S:-180} bash benchmarks/probe_cases.sh > $OUT/cases.txt 2>&1
 NEO="--model /tmp/pc/gpt-neo-1.3b --data /tmp/pc/texts.jsonl --max-source-len 1024 --strategy zero2-offload
   --batch-size auto --precision bf16 --max-steps 2 --no-eval-on-start --eval-every 0 --eval-samples 4 --no-checkpoints"
-for fault in ${FAULTS:-oom-at:gather:1 hang-at:hoststep:0}; do
+for fault in ${FAULTS-oom-at:gather:1 hang-at:hoststep:0}; do  # FAULTS= : none
   t0=$(date +%s); echo "== BIGFIT_FAULT=$fault BIGFIT_WAIT_S=30" >> $OUT/inject.log
   BIGFIT_GPU_MEMORY=16GB BIGFIT_FAULT=$fault BIGFIT_WAIT_S=30 timeout 150 python3 -m bigfit train $NEO \
     --output-dir /tmp/o-inject-${fault%%:*} >> $OUT/inject.log 2>&1
