@@ -40,7 +40,8 @@ GRACE_S = 30.0
 
 
 def exit_status(e: BaseException) -> int:
-    """A failed worker's exit status: OOM_EXIT for out-of-memory (itself or as a cause), 1 otherwise."""
+    """A failed worker's exit status: 2 for a user's mistake, OOM_EXIT for out-of-memory (itself or as a
+    cause), 1 otherwise (probefile.py)."""
     return probefile.exit_status(e)
 
 
