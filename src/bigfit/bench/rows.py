@@ -10,12 +10,10 @@ cut short keeps what it measured; `collect` reads that, metrics.jsonl and eval.j
 flat record."""
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import gc
 import json
 import math
-import os
 import shutil
 import statistics
 import sys
@@ -60,22 +58,13 @@ def run(spec: dict) -> int:
     return code
 
 
-@contextlib.contextmanager
 def _bench_owned(cfg):
-    """The probe's output directory as one its launcher claimed (training/ownership.py CLAIMED): it lies
-    in the bench's own --output-dir, which the bench claimed, and `bigfit train` claims its directory
-    before its probe writes there, so a worker's claim would find the probe's logs in the way."""
-    from ..training.ownership import CLAIMED, output_path
+    """The probe's output directory as one its launcher claimed: it lies in the bench's own --output-dir,
+    which the bench claimed, and `bigfit train` claims its directory before its probe writes there, so a
+    worker's claim would find the probe's logs in the way."""
+    from ..training.ownership import claimed, output_path
 
-    before = os.environ.get(CLAIMED)
-    os.environ[CLAIMED] = str(output_path(cfg))
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(CLAIMED, None)
-        else:
-            os.environ[CLAIMED] = before
+    return claimed(output_path(cfg))
 
 
 def _train(row: Path, cfg, nproc: int, spec: dict, search, found: dict) -> int:

@@ -44,16 +44,25 @@ def claim(job, rt: Runtime | None = None, speak=print, given: dict[str, str] | N
         yield None
         return
     lock = _claim_on_rank0(job, out, rt, speak, given or {})
+    try:
+        with claimed(out):
+            yield lock
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+@contextlib.contextmanager
+def claimed(out: Path):
+    """Inside, `out` is claimed for this process and the workers it starts (CLAIMED): they check nothing again."""
     before, os.environ[CLAIMED] = os.environ.get(CLAIMED), str(out)
     try:
-        yield lock
+        yield
     finally:
         if before is None:
             os.environ.pop(CLAIMED, None)
         else:
             os.environ[CLAIMED] = before
-        if lock is not None:
-            lock.release()
 
 
 def _claim_on_rank0(job, out: Path, rt: Runtime | None, speak, given: dict[str, str]) -> RunLock | None:
