@@ -49,7 +49,7 @@ def run_one(strategy: str, size: str, mbs: int, seq: int, steps: int, warmup: in
     from bigfit.parallel import plan_for
     from bigfit.parallel.apply import apply
     from bigfit.parallel.mesh import with_mesh
-    from bigfit.resolution import plan_of, resolve
+    from bigfit.resolution import resolve
     from bigfit.strategies import build_optimizer
     from bigfit.training.step import train_step
 
@@ -71,15 +71,16 @@ def run_one(strategy: str, size: str, mbs: int, seq: int, steps: int, warmup: in
     rt = init_runtime(group_for_one=plan_for(strategy, 1).engine == "fsdp")
     pipe = dict(pipeline_schedule=variant, chunks=chunks) if strategy == "pipeline" else {}
     data = 1 if strategy == "pipeline" else rt.world_size  # pipeline stages all read the same batch
-    cfg = resolve(TrainConfig(strategy=strategy, precision="bf16", batch_size=mbs * accum * data,
+    job = resolve(TrainConfig(strategy=strategy, precision="bf16", batch_size=mbs * accum * data,
                               micro_batch_size=mbs, lr=1e-4, delayed_update="delayed" in variants,
                               activation_checkpointing=ckpt, max_grad_norm=clip, **pipe, **tier), rt.world_size)
+    cfg = job.cfg
     torch.manual_seed(0)
     with torch.device("cpu" if strategy == "zero3-offload" else rt.device):
         model = LlamaForCausalLM(mc)
     n = sum(p.numel() for p in model.parameters())
     flops_per_token = 6 * (n - vocab * h) + 12 * layers * h * seq
-    plan = plan_of(cfg)
+    plan = job.plan
     rt = with_mesh(rt, plan)
     engine = apply(model, plan, cfg, rt)
     build_optimizer(engine, cfg)

@@ -223,3 +223,13 @@ def run_ranks(fn, world_size: int, *args, timeout_s: float = 240.0, fresh: bool 
     else:
         _kept[world_size] = ranks
     return [results[r] for r in range(world_size)]
+
+
+def train(cfg):
+    """`bigfit train`'s loop on this rank with settings `cfg`, as a rank of a torchrun job runs it: the
+    job resolved here, for this process's world."""
+    from bigfit.distributed import world_size
+    from bigfit.resolution import resolve
+    from bigfit.training.loop import train as run
+
+    return run(resolve(cfg, world_size()))

@@ -306,7 +306,7 @@ def test_a_planned_device_map_is_balanced_once_for_the_prediction_and_the_job_ru
     from bigfit.config import TrainConfig
     from bigfit.device_map.strategy import _resolve, _this_device
     from bigfit.models import load_config, locate, meta_model
-    from bigfit.training.job import with_data_lengths
+    from bigfit.training.job import data_lengths
 
     budgets = tmp_path / "budgets.json"
     budgets.write_text(json.dumps({"auto": {"cpu": "8MB", "cpu:1": "100MB"}}))
@@ -320,9 +320,9 @@ def test_a_planned_device_map_is_balanced_once_for_the_prediction_and_the_job_ru
     model = meta_model(load_config(locate(str(model_dirs["t5"]))))
 
     def balanced(micro: int) -> dict:  # for the data's longest samples, as the command plans
-        cfg = with_data_lengths(TrainConfig(model=str(model_dirs["t5"]), data=str(pairs_file), strategy="device_map",
-                                            device_map=str(budgets), micro_batch_size=micro, batch_size=micro))
-        return _resolve(model, cfg, _this_device()).to_json()
+        cfg = TrainConfig(model=str(model_dirs["t5"]), data=str(pairs_file), strategy="device_map",
+                          device_map=str(budgets), micro_batch_size=micro, batch_size=micro)
+        return _resolve(model, cfg, _this_device(), data_lengths(cfg)).to_json()
 
     assert json.loads(pinned.read_text()) == balanced(predicted) != balanced(1)
     assert "encoder 0-1 -> cpu:1" in printed  # the job's description: the pinned map, blocks off the main device

@@ -87,8 +87,8 @@ def _stub_bench(monkeypatch, run_row) -> None:
     """bench_command over three stub rows (ddp, zero2, zero3 in fp32) that `run_row` measures."""
     from bigfit.bench import command
 
-    monkeypatch.setattr(command, "_rows", lambda bench, base: [("ddp", "fp32"), ("zero2", "fp32"), ("zero3", "fp32")])
-    monkeypatch.setattr(command, "_auto_pick", lambda base, names: ("ddp", "planned"))
+    monkeypatch.setattr(command, "_rows", lambda bench, base, lengths: [("ddp", "fp32"), ("zero2", "fp32"), ("zero3", "fp32")])
+    monkeypatch.setattr(command, "_auto_pick", lambda base, names, lengths: ("ddp", "planned"))
     monkeypatch.setattr(command, "_host_figure", lambda: {"host_op_us": 20.0})
     monkeypatch.setattr(command, "_run_row", run_row)
 
@@ -204,10 +204,11 @@ def test_after_an_out_of_memory_in_training_the_row_tries_smaller_sizes_the_prob
 
 def test_max_train_samples_keeps_the_first_samples_after_the_held_out_ones(tmp_path):
     from bigfit.config import TrainConfig
+    from bigfit.resolution import resolve
     from bigfit.training.job import prepare
 
     def dataset(**kw):
-        return prepare(TrainConfig(output_dir=str(tmp_path), batch_size=8, eval_samples=16, **kw), 1).dataset
+        return prepare(resolve(TrainConfig(output_dir=str(tmp_path), batch_size=8, eval_samples=16, **kw), 1)).dataset
 
     whole, first = dataset(), dataset(max_train_samples=40)
     assert len(first.train) == 40 and first.train == whole.train[:40] and first.eval == whole.eval

@@ -42,26 +42,28 @@ def _config(model_dirs, data, family: str, kind: str, pack: bool, cache: str):
 @pytest.mark.parametrize("family,kind,pack", CASES)
 def test_the_cache_holds_the_samples_made_in_memory(model_dirs, data, tmp_path, family, kind, pack):
     from bigfit.data.arrays import ArrowSamples
+    from bigfit.resolution import resolve
     from bigfit.training.job import prepare
 
-    plain = prepare(_config(model_dirs, data, family, kind, pack, "off"), 1).dataset
-    mapped = prepare(_config(model_dirs, data, family, kind, pack, str(tmp_path)), 1).dataset
+    plain = prepare(resolve(_config(model_dirs, data, family, kind, pack, "off"), 1)).dataset
+    mapped = prepare(resolve(_config(model_dirs, data, family, kind, pack, str(tmp_path)), 1)).dataset
     assert isinstance(mapped.train, ArrowSamples) and not isinstance(plain.train, ArrowSamples)
     keys = ("input_ids", "labels", "parts") if pack else ("input_ids", "labels")
     assert len(mapped.train) == len(plain.train) > 8
     assert [{k: s[k] for k in keys} for s in plain.train] == list(mapped.train)
     assert mapped.eval == plain.eval and mapped.eval  # with the pairs' strings, for BLEU
     assert (mapped.packed, mapped.pad_id) == (plain.packed, plain.pad_id)
-    again = prepare(_config(model_dirs, data, family, kind, pack, str(tmp_path)), 1).dataset
+    again = prepare(resolve(_config(model_dirs, data, family, kind, pack, str(tmp_path)), 1)).dataset
     assert again.cached == mapped.cached and len(list(tmp_path.glob("*/meta.json"))) == 1  # mapped, not rebuilt
 
 
 def _prepare_on_rank(cfg):
     import os
 
+    from bigfit.resolution import resolve
     from bigfit.training.job import prepare
 
-    job = prepare(cfg, 2)
+    job = prepare(resolve(cfg, 2))
     meta = json.loads((Path(job.dataset.cached) / "meta.json").read_text())
     return os.getpid(), meta["built_by"], job.dataset.train[3], len(job.dataset.train)
 
@@ -105,11 +107,12 @@ def test_auto_takes_the_cache_from_its_size_and_on_needs_datasets(model_dirs, da
 def test_a_mistake_in_the_data_is_its_one_line_and_leaves_no_entry(model_dirs, tmp_path):
     from bigfit.config import TrainConfig
     from bigfit.errors import BigfitError
+    from bigfit.resolution import resolve
     from bigfit.training.job import prepare
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"source": "one", "target": "1"}\n' * 2 + '{"source": "two", "target": \n')
     cfg = TrainConfig(model=str(model_dirs["t5"]), data=str(bad), batch_size=1, data_cache=str(tmp_path / "cache"))
     with pytest.raises(BigfitError, match=r"bad.jsonl' line 3 is not valid JSON"):
-        prepare(cfg, 1)
+        prepare(resolve(cfg, 1))
     assert [p.name for p in (tmp_path / "cache").iterdir()] == [next((tmp_path / "cache").glob("*.lock")).name]

@@ -114,11 +114,12 @@ def test_eval_samples_past_a_tenth_of_the_data_is_refused_where_it_is_read(model
 def _table(tmp_path, n: int, **kw) -> dict[str, str]:
     import torch
 
+    from bigfit.resolution import resolve
     from bigfit.training.job import describe, prepare
 
     cfg = TrainConfig(data=str(_data(tmp_path, n)), output_dir=str(tmp_path / "o"), strategy="single", nproc=1,
                       batch_size=4, **kw)
-    return dict(describe(prepare(cfg, 1), 1, torch.device("cpu"), []))
+    return dict(describe(prepare(resolve(cfg, 1)), 1, torch.device("cpu"), []))
 
 
 def test_the_start_of_run_table_says_when_evaluation_and_checkpoints_run(tmp_path):

@@ -72,7 +72,7 @@ def reference(name: str, precision: str) -> str:
 
 
 def run_layouts(model_dirs, data, root, world: int) -> None:
-    from bigfit.training.loop import train
+    from dist import train
 
     for family, name, precision in CASES:
         if LAYOUTS[name][3] == world:
@@ -93,7 +93,7 @@ def resume_job(model_dir, data, root, leg: str, strategy: str, degrees: dict, be
 
 
 def run_references(model_dirs, data, root) -> None:
-    from bigfit.training.loop import train
+    from dist import train
 
     with torch_threads(threads_per_rank(2)):
         for family, name, precision in sorted(set(CASES)):
@@ -107,7 +107,7 @@ def run_references(model_dirs, data, root) -> None:
 
 @pytest.fixture(scope="module")
 def runs(model_dirs, pairs_file, tmp_path_factory):
-    from bigfit.training.loop import train
+    from dist import train
 
     root = tmp_path_factory.mktemp("layouts")
     run_ranks(run_layouts, 2, model_dirs, pairs_file, root, 2,
@@ -141,7 +141,7 @@ def test_resume_across_plans_gives_the_uninterrupted_losses(runs):
 
 
 def test_checkpoints_record_the_plan(runs):
-    """The checkpoint's trainer.json holds the plan the run ran (config.extra.plan)."""
+    """The checkpoint's trainer.json holds the plan the run ran."""
     trainer = json.loads(next((runs / "t5-fp32-pp-tp" / "checkpoints").glob("step-*/trainer.json")).read_text())
-    plan = trainer["config"]["extra"]["plan"]
+    plan = trainer["plan"]
     assert (plan["pp"], plan["tp"], plan["dp_shard"], plan["dp_replicate"]) == (2, 2, 1, 1)

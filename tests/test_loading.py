@@ -167,13 +167,14 @@ def load_on_ranks(dirs: dict, strategy: str, tp: int | None, world: int = 2):
     from bigfit.models import build_model
     from bigfit.parallel.apply import apply
     from bigfit.parallel.mesh import with_mesh
+    from bigfit.resolution import resolve
     from bigfit.training.job import prepare
 
     out = {}
     for family, path in dirs.items():
         cfg = TrainConfig(model=str(path), strategy=strategy, tp=tp, batch_size=4, eval_samples=0,
                           output_dir=str(path / "out"))
-        job = prepare(cfg, world)
+        job = prepare(resolve(cfg, world))
         rt = with_mesh(init_runtime(), job.plan)
         assert loads_per_rank(job.source)
         read, original = [0], files.Checkpoint.read
@@ -276,11 +277,12 @@ def gathered_init(model_dirs: dict, strategy: str):
     from bigfit.models import build_model
     from bigfit.parallel.apply import apply
     from bigfit.parallel.mesh import with_mesh
+    from bigfit.resolution import resolve
     from bigfit.training.job import prepare
 
     out = {}
     for family, path in model_dirs.items():
-        job = prepare(TrainConfig(model=str(path), strategy=strategy, batch_size=4, eval_samples=0), 2)
+        job = prepare(resolve(TrainConfig(model=str(path), strategy=strategy, batch_size=4, eval_samples=0), 2))
         rt = with_mesh(init_runtime(), job.plan)
         engine = apply(build_model(job.source, job.model_config, 0, on_meta=True), job.plan, job.cfg, rt)
         full = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()

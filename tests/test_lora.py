@@ -40,7 +40,7 @@ def job(model_dir, data, out, strategy: str, **kw):
 
 
 def run(model_dirs, data, root, strategies) -> None:
-    from bigfit.training.loop import train
+    from dist import train
 
     for strategy in strategies:
         for family in FAMILIES:
@@ -181,13 +181,14 @@ def test_the_disk_check_counts_the_adapters_peft_adds(model_dirs, family, target
 def test_the_disk_check_refuses_a_full_checkpoint_where_a_lora_one_fits(model_dirs, pairs_file, tmp_path, monkeypatch):
     from bigfit.errors import BigfitError
     from bigfit.training import ownership, rundir
+    from bigfit.resolution import resolve
     from bigfit.training.job import prepare
 
     monkeypatch.setattr(rundir, "free_bytes", lambda path: 100_000)  # the tiny Llama: 518 kB in full, 49 kB of adapters
     out = tmp_path / "out"
-    assert ownership._check_space(prepare(job(model_dirs["llama"], pairs_file, out, "single"), 1), out) == []
-    full = prepare(job(model_dirs["llama"], pairs_file, out, "single", lora=False, lora_r=16, lora_alpha=32.0,
-                       lora_dropout=0.05), 1)  # the defaults: --lora-* values without --lora are refused
+    assert ownership._check_space(prepare(resolve(job(model_dirs["llama"], pairs_file, out, "single"), 1)), out) == []
+    full = prepare(resolve(job(model_dirs["llama"], pairs_file, out, "single", lora=False, lora_r=16, lora_alpha=32.0,
+                               lora_dropout=0.05), 1))  # the defaults: --lora-* values without --lora are refused
     with pytest.raises(BigfitError, match="one checkpoint of this model takes"):
         ownership._check_space(full, out)
 
@@ -208,7 +209,7 @@ def test_bad_lora_settings_are_one_line_before_any_work(model_dirs, tmp_path, ca
 
 
 def _train_one(cfg) -> None:
-    from bigfit.training.loop import train
+    from dist import train
 
     train(cfg)
 
@@ -247,14 +248,15 @@ def test_a_frozen_base_under_autocast_is_stored_in_bf16_and_trains_as_the_fsdp2_
     from bigfit.distributed import init_runtime
     from bigfit.lora import LoraSettings, inject
     from bigfit.parallel.apply import apply
-    from bigfit.resolution import plan_of, resolve
-    from bigfit.training.loop import train
+    from bigfit.resolution import resolve
+    from dist import train
     from tiny import twin_models
 
     model, _ = twin_models("llama")
-    cfg = resolve(job(model_dirs["llama"], pairs_file, tmp_path / "x", "single", precision="bf16"), 1)
+    resolved = resolve(job(model_dirs["llama"], pairs_file, tmp_path / "x", "single", precision="bf16"), 1)
+    cfg = resolved.cfg
     inject(model, LoraSettings.from_config(cfg))
-    engine = apply(model, plan_of(cfg), cfg, init_runtime())
+    engine = apply(model, resolved.plan, cfg, init_runtime())
     dtypes = {n: p.dtype for n, p in engine.module.named_parameters()}
     assert all(d == (torch.float32 if ".lora_" in n else torch.bfloat16) for n, d in dtypes.items())
     runs = {s: tmp_path / s for s in ("single", "zero3")}
@@ -266,7 +268,7 @@ def test_a_frozen_base_under_autocast_is_stored_in_bf16_and_trains_as_the_fsdp2_
 
 def test_a_lora_run_ends_with_its_adapter_directory_and_overwrite_replaces_it(model_dirs, pairs_file, tmp_path):
     from bigfit.training import rundir
-    from bigfit.training.loop import train
+    from dist import train
 
     out = tmp_path / "out"
     cfg = job(model_dirs["gpt2"], pairs_file, out, "single", max_steps=2, consolidate=True)

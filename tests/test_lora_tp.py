@@ -15,7 +15,7 @@ LAYOUTS = {"tp2": ("ddp", 2, FAMILIES), "fsdp-tp": ("zero3", 4, ("llama",))}
 
 
 def _run(model_dirs, data, root, layout: str) -> None:
-    from bigfit.training.loop import train
+    from dist import train
 
     strategy, _, families = LAYOUTS[layout]
     for family in families:
@@ -24,7 +24,7 @@ def _run(model_dirs, data, root, layout: str) -> None:
 
 @pytest.fixture(scope="module")
 def runs(model_dirs, pairs_file, tmp_path_factory):
-    from bigfit.training.loop import train
+    from dist import train
 
     root = tmp_path_factory.mktemp("lora-tp")
 

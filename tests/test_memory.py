@@ -19,13 +19,14 @@ def measure(model_dir, data, nvme_root):
     from bigfit.parallel.apply import apply
     from bigfit.parallel.mesh import with_mesh
     from bigfit.strategies import build_optimizer
+    from bigfit.resolution import resolve
     from bigfit.training.job import prepare
 
     out = {}
     for strategy in STRATEGIES:
         cfg = TrainConfig(model=str(model_dir), data=str(data), strategy=strategy, batch_size=4, eval_samples=0,
                           nvme_dir=str(nvme_root))
-        job = prepare(cfg, 2)
+        job = prepare(resolve(cfg, 2))
         rt = with_mesh(init_runtime(), job.plan)
         model = build_model(job.source, job.model_config, seed=0, on_meta=rt.rank > 0)  # as the loop does
         n = count_parameters(model)

@@ -196,7 +196,7 @@ def test_sigterm_to_a_one_process_run_is_one_line(model_dirs, pairs_file, tmp_pa
     def unhandled(signum, frame):
         raise Unhandled("SIGTERM reached the default handler's place")
 
-    monkeypatch.setattr(command, "_train", lambda cfg: os.kill(os.getpid(), signal.SIGTERM))
+    monkeypatch.setattr(command, "_train", lambda job, ready=None: os.kill(os.getpid(), signal.SIGTERM))
     before = signal.signal(signal.SIGTERM, unhandled)
     try:
         status = main(_train_args(model_dirs["t5"], pairs_file, tmp_path / "out"))

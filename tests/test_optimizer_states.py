@@ -153,7 +153,7 @@ CASES = [(f, "zero2-offload", "int8") for f in FAMILIES] + [("llama", "zero2-off
 
 
 def run_all(model_dirs, data, root, cases, suffix: str = "") -> None:
-    from bigfit.training.loop import train
+    from dist import train
 
     for family, strategy, states in cases:
         train(job(model_dirs[family], data, root / f"{family}-{strategy}-{states}{suffix}", strategy, states))
@@ -203,7 +203,7 @@ def test_int8_resumes_exactly_at_one_process_and_converts_to_another_format(runs
     """The 2-rank int8 checkpoint at step 2: one process resumes it (codes and scales resharded by
     rows) to the 2-rank run's losses; as bf16 states it is converted, said, and trains on; resumed
     with `--optimizer-states auto` it stays int8."""
-    from bigfit.training.loop import train
+    from dist import train
 
     whole = [r["loss"] for r in read_jsonl(runs / "llama-zero2-offload-int8" / "metrics.jsonl")]
     step2 = runs / "llama-zero2-offload-int8" / "checkpoints" / "step-00000002"
@@ -226,7 +226,7 @@ def test_int8_resumes_exactly_at_one_process_and_converts_to_another_format(runs
 
 def test_a_strategy_with_fp32_states_refuses_an_int8_checkpoint_in_one_line(runs, model_dirs, pairs_file):
     from bigfit.errors import BigfitError
-    from bigfit.training.loop import train
+    from dist import train
 
     step2 = runs / "llama-zero2-offload-int8" / "checkpoints" / "step-00000002"
     with pytest.raises(BigfitError, match="its optimizer states are 8-bit .* resume with --strategy zero2-offload"):
@@ -275,18 +275,19 @@ def test_auto_takes_the_most_exact_format_that_fits_the_ram_and_says_why():
 def test_strategy_auto_hands_the_format_it_rated_to_the_run(model_dirs, monkeypatch):
     """The launcher's decision carries the format (the workers never see "auto"); a named strategy
     keeps fp32; a compact format with a strategy that keeps fp32 states is one line."""
+    from bigfit.checks import validate
     from bigfit.config import TrainConfig
     from bigfit.errors import BigfitError
     from bigfit.planning import auto as planner
     from bigfit.resolution import resolve
     from bigfit.training import command
 
-    monkeypatch.setattr(planner, "auto_plan", lambda cfg, world, one: ("zero2-offload", {"dp_shard": 1}, "planned"))
-    monkeypatch.setattr(planner, "optimizer_states", lambda cfg, world, name: "int8")
-    cfg = command._auto_strategy(TrainConfig(model=str(model_dirs["llama"]), strategy="auto", nproc=1))
+    monkeypatch.setattr(planner, "auto_plan", lambda cfg, world, one, lengths: ("zero2-offload", {"dp_shard": 1}, "planned"))
+    monkeypatch.setattr(planner, "optimizer_states", lambda cfg, world, name, lengths: "int8")
+    cfg = command._auto_strategy(TrainConfig(model=str(model_dirs["llama"]), strategy="auto", nproc=1), None)
     assert (cfg.strategy, cfg.optimizer_states) == ("zero2-offload", "int8")
-    assert resolve(TrainConfig(strategy="zero2-offload", batch_size=4), 1).optimizer_states == "fp32"
+    assert resolve(TrainConfig(strategy="zero2-offload", batch_size=4), 1).cfg.optimizer_states == "fp32"
     with pytest.raises(BigfitError, match="--optimizer-states int8 belongs to --strategy zero2-offload"):
-        resolve(TrainConfig(strategy="zero3", optimizer_states="int8", batch_size=4), 1)
+        validate(TrainConfig(strategy="zero3", optimizer_states="int8", batch_size=4))
     with pytest.raises(BigfitError, match="--optimizer-states 'fp8' is not valid; choose one of: fp32, bf16, int8, auto"):
-        resolve(TrainConfig(strategy="zero2-offload", optimizer_states="fp8", batch_size=4), 1)
+        validate(TrainConfig(strategy="zero2-offload", optimizer_states="fp8", batch_size=4))

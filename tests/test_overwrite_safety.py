@@ -47,11 +47,12 @@ def train_args(args: list[str], out: Path, *extra) -> list[str]:
 def claim_lines(argv: list[str]) -> list[str]:
     """What the claim of `bigfit ARGV` says, run in this process without the training after it."""
     from bigfit.cli import config_from_args, parse_args
+    from bigfit.resolution import resolve
     from bigfit.training.job import prepare
     from bigfit.training.ownership import claim
 
     lines = []
-    with claim(prepare(config_from_args(parse_args(argv)), 1), speak=lines.append):
+    with claim(prepare(resolve(config_from_args(parse_args(argv)), 1)), speak=lines.append):
         pass
     return lines
 

@@ -78,14 +78,14 @@ def _packed_job(model_dir, data, out, strategy: str, degrees: dict):
 
 
 def _run_cases(model_dirs, data, root):
-    from bigfit.training.loop import train
+    from dist import train
 
     for family, strategy, degrees in CASES:
         train(_packed_job(model_dirs[family], data, root / f"{family}-{strategy}-{len(degrees)}", strategy, degrees))
 
 
 def _run_references(model_dirs, data, root):
-    from bigfit.training.loop import train
+    from dist import train
 
     with torch_threads(threads_per_rank(2)):
         for family in sorted({c[0] for c in CASES}):
@@ -107,10 +107,11 @@ def test_packed_training_on_two_ranks_matches_one_process(packed_runs, family, s
 
 def test_pairs_fill_their_sequences_and_keep_every_token(model_dirs, pairs_file):
     from bigfit.config import TrainConfig
+    from bigfit.resolution import resolve
     from bigfit.training.job import prepare
 
     cfg = TrainConfig(model=str(model_dirs["llama"]), data=str(pairs_file), max_source_len=64, batch_size=8)
-    plain, packed = prepare(cfg, 1).dataset, prepare(dataclasses.replace(cfg, pack=True), 1).dataset
+    plain, packed = prepare(resolve(cfg, 1)).dataset, prepare(resolve(dataclasses.replace(cfg, pack=True), 1)).dataset
     assert packed.packed == len(plain.train) and len(packed.train) < len(plain.train) / 2
     for this, after in zip(packed.train, packed.train[1:]):  # none could take the next sample
         assert len(this["input_ids"]) == sum(this["parts"]) <= 64 < sum(this["parts"]) + after["parts"][0]

@@ -62,7 +62,7 @@ def job(model_dir, data, out, strategy: str, precision: str):
 
 
 def run_all(model_dirs, data, root, strategies, precisions, suffix=""):
-    from bigfit.training.loop import train
+    from dist import train
 
     for precision in precisions:
         for strategy in strategies:

@@ -82,7 +82,7 @@ def pipeline_jobs(dirs, data, root) -> list:
 
 
 def train_all(jobs) -> None:
-    from bigfit.training.loop import train
+    from dist import train
 
     for cfg in jobs:
         train(cfg)

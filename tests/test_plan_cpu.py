@@ -120,14 +120,15 @@ def test_the_planner_rates_the_datas_longest_samples_within_the_limits(model_dir
     from bigfit.models import load_config, locate
     from bigfit.planning.auto import _job
     from bigfit.planning.job import planned_lengths
-    from bigfit.training.job import with_data_lengths
+    from bigfit.training.job import data_lengths
 
-    embedded = with_data_lengths(TrainConfig(batch_size="auto"))  # "auto": the batch is checked later
-    assert embedded.extra["data_lengths"] == [29, 10] and planned_lengths(embedded) == (29, 10)
-    assert planned_lengths(dataclasses.replace(embedded, max_source_len=16)) == (16, 10)  # a limit still caps
+    embedded = TrainConfig(batch_size="auto")  # "auto": the batch is checked later
+    lengths = data_lengths(embedded)
+    assert lengths == (29, 10) and planned_lengths(embedded, lengths) == (29, 10)
+    assert planned_lengths(dataclasses.replace(embedded, max_source_len=16), lengths) == (16, 10)  # a limit still caps
     assert planned_lengths(TrainConfig()) == (128, 128)  # the data not read: the limits
-    cfg = with_data_lengths(TrainConfig(model=str(model_dirs["llama"]), data=str(pairs_file), max_source_len=64))
-    source, _ = planned_lengths(cfg)
+    cfg = TrainConfig(model=str(model_dirs["llama"]), data=str(pairs_file), max_source_len=64)
+    source, _ = planned_lengths(cfg, data_lengths(cfg))
     assert 0 < source < 64  # a decoder's sample is its source and target together, shorter than the limit
     assert _job(cfg, load_config(locate(cfg.model)), 4, 2).target_len == 0  # a decoder-only job has no target
 

@@ -49,7 +49,7 @@ def measure_single(family: str, batch: int, seq: int) -> dict:
     from bigfit.parallel.mesh import with_mesh
     from bigfit.planning.estimate import memory
     from bigfit.planning.profile import profile_model
-    from bigfit.resolution import plan_of, resolve
+    from bigfit.resolution import resolve
     from bigfit.strategies import build_optimizer
     from bigfit.training.calibrate import _peak, _start
     from bigfit.training.step import train_step
@@ -65,8 +65,8 @@ def measure_single(family: str, batch: int, seq: int) -> dict:
     samples = [{"input_ids": x, "labels": x} for x in ids.tolist()]
     base = _start(False)
     model = inject(AutoModelForCausalLM.from_config(config), LORA)  # the adapters in place, the base frozen
-    cfg = resolve(TrainConfig(strategy="single", batch_size=batch, precision="fp32"), 1)
-    plan = plan_of(cfg)
+    job = resolve(TrainConfig(strategy="single", batch_size=batch, precision="fp32"), 1)
+    cfg, plan = job.cfg, job.plan
     engine = apply(model, plan, cfg, with_mesh(rt, plan))
     build_optimizer(engine, cfg)  # AdamW over the trainable parameters only (strategies/base.py)
     for _ in range(2):
@@ -230,18 +230,12 @@ def test_predicted_peaks_match_the_h200_lora_runs():
 
 
 def _plan_ns(argv):
-    """`bigfit plan` arguments through its parser, with the LoRA flags (cli.py may add them itself)."""
+    """`bigfit plan` arguments through its parser (the LoRA flags among the job's settings)."""
     import argparse
 
     from bigfit.cli import _plan_parser
-    from bigfit.planning.flags import add_lora_flags
 
-    p = _plan_parser(argparse.ArgumentParser().add_subparsers())
-    try:
-        add_lora_flags(p)
-    except argparse.ArgumentError:  # cli.py's parser has them already
-        pass
-    return p.parse_args(argv)
+    return _plan_parser(argparse.ArgumentParser().add_subparsers()).parse_args(argv)
 
 
 def test_plan_command_lora_flags(model_dirs, capsys):

@@ -169,7 +169,7 @@ def test_strategy_auto_choosing_device_map_trains_with_the_auto_map(monkeypatch,
     asked, specs, read_spec = [], [], strategy.read_spec
     monkeypatch.setattr(strategy, "read_spec", lambda cfg: specs.append(cfg.device_map) or read_spec(cfg))
 
-    def recommend(cfg, world, one_process=True):
+    def recommend(cfg, world, one_process=True, lengths=None):
         asked.append(one_process)
         if not one_process:
             raise BigfitError("stop: --nproc fixes the processes")
@@ -363,20 +363,19 @@ def test_strategy_auto_choosing_pipeline_launches_its_resolved_layout(monkeypatc
     import bigfit.launch as launch
     import bigfit.planning.auto as auto
     from bigfit.cli import main
-    from bigfit.config import TrainConfig
-    from bigfit.resolution import resolve
+    from bigfit.resolution import read
     from bigfit.device_map.auto import profile_for
     from bigfit.planning.search import Job
     from bigfit.planning.stages import pipeline_row
     from tiny import tiny_config
 
     launched = []
-    monkeypatch.setattr(auto, "auto_plan", lambda cfg, world, one_process=True: ("pipeline", {"pp": 2}, "stubbed"))
+    monkeypatch.setattr(auto, "auto_plan", lambda cfg, world, one_process=True, lengths=None: ("pipeline", {"pp": 2}, "stubbed"))
     monkeypatch.setattr(launch, "launch_local", lambda argv, nproc, logs, **kw: launched.append((kw, nproc)) or 0)
     assert main(["train", "--strategy", "auto", "--nproc", "2", "--model", str(model_dirs["llama"]), "--data",
                  str(pairs_file), "--batch-size", "4", "--max-source-len", "32", "--output-dir", str(tmp_path)]) == 0
     (kw, nproc), = launched
-    cfg = resolve(TrainConfig(**kw["settings"]), nproc)  # as each worker does, from the launcher's file
+    cfg = read(kw["job"]).cfg  # as each worker does: the launcher's job
     job = Job(batch_size=4, seq_len=32, precision="fp32")
     planned = pipeline_row(profile_for(tiny_config("llama"), job), Hardware(gpu_bytes=(80 * GB,) * 2), job).section
     assert (cfg.strategy, nproc, cfg.pipeline_schedule, cfg.chunks) == ("pipeline", 2, planned["schedule"],

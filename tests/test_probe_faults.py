@@ -32,13 +32,13 @@ def _train(model_dir, data, out, *flags):
                  "--eval-samples", "0", "--save-every", "0", "--no-consolidate", "--output-dir", str(out), *flags])
 
 
-def _in_process(argv, world, logs, quiet=False, settings=None, watch=None) -> int:
+def _in_process(argv, world, logs, quiet=False, job=None, watch=None) -> int:
     """autobatch's launch_local for one process: the probe worker in this process, its exit status."""
-    from bigfit.config import TrainConfig
+    from bigfit.resolution import read
     from bigfit.training.loop import train
 
     try:
-        train(TrainConfig(**settings))
+        train(read(job))
     except SystemExit as e:
         return e.code
     except Exception as e:

@@ -42,20 +42,21 @@ def test_the_4bit_base_is_the_seeded_init_rounded_and_only_adapters_train_and_ch
     from bigfit.lora import LoraSettings, inject
     from bigfit.models import build_model, load_config, locate
     from bigfit.parallel.apply import apply
-    from bigfit.resolution import plan_of, resolve
+    from bigfit.resolution import resolve
     from bigfit.strategies import build_optimizer
     from bigfit.training.step import train_step
     from test_lora import seeded_base
 
     with mock.patch("torch.cuda.is_available", return_value=True):  # the command's check, passed by hand
-        cfg = resolve(settings(model_dirs["llama"]), 1)
+        job = resolve(settings(model_dirs["llama"]), 1)
+    cfg = job.cfg
     src = locate(cfg.model)
     model = build_model(src, load_config(src), 0, on_meta=True)
     inject(model, LoraSettings.from_config(cfg))
     rt = init_runtime()
     with warnings.catch_warnings(), mock.patch("torch.cuda.is_available", return_value=True):  # bitsandbytes' store
         warnings.simplefilter("ignore")
-        engine = apply(model, plan_of(cfg), cfg, rt)
+        engine = apply(model, job.plan, cfg, rt)
     build_optimizer(engine, cfg)
     assert any("14 base layers in 4 bits" in n and n.endswith("bitsandbytes)") for n in engine.notes)  # 2 blocks x (4 attention + 3 MLP)
     init = seeded_base(model_dirs["llama"])

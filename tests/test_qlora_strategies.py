@@ -68,7 +68,7 @@ def job(model_dir, data, out, strategy: str, **kw):
 
 
 def run(models, data, root, strategies) -> None:
-    from bigfit.training.loop import train
+    from dist import train
 
     for strategy in strategies:
         train(job(models / "llama", data, root / strategy, strategy, save_every=2 if strategy == "zero3" else 0))
@@ -145,15 +145,16 @@ def _sharded_base(model_dir, data, out):
     from bigfit.models import build_model, load_config, locate
     from bigfit.parallel.apply import apply
     from bigfit.parallel.mesh import with_mesh
-    from bigfit.resolution import plan_of, resolve
+    from bigfit.resolution import resolve
 
-    cfg = resolve(job(model_dir, data, out, "zero3"), 2)
+    resolved = resolve(job(model_dir, data, out, "zero3"), 2)
+    cfg, plan = resolved.cfg, resolved.plan
     src = locate(cfg.model)
     model = build_model(src, load_config(src), 0, on_meta=True)
     inject(model, LoraSettings.from_config(cfg))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        engine = apply(model, plan_of(cfg), cfg, with_mesh(init_runtime(), plan_of(cfg)))
+        engine = apply(model, plan, cfg, with_mesh(init_runtime(), plan))
     w = model.model.layers[0].self_attn.q_proj.base_layer.weight
     local = w.to_local()
     note = next(n for n in engine.notes if n.startswith("QLoRA"))

@@ -20,7 +20,7 @@ def _engines() -> int:
 
 
 def test_the_offload_engines_go_with_their_run(model_dirs, pairs_file, tmp_path):
-    from bigfit.training.loop import train
+    from dist import train
 
     before = _engines()
     for strategy in ("zero2-offload", "zero2-offload+noclip", "zero3-offload"):
@@ -35,7 +35,7 @@ def _runs_twice(model_dirs, data, root) -> list[tuple[int, int]]:
 
     import torch.distributed as dist
 
-    from bigfit.training.loop import train
+    from dist import train
 
     def counts() -> tuple[int, int]:
         return len(os.listdir(f"/proc/{os.getpid()}/task")), len(dist.distributed_c10d._world.pg_map)

@@ -72,13 +72,15 @@ def test_every_dashboard_gets_the_numbers_metrics_jsonl_holds(model_dirs, pairs_
 
 
 def _planned_peak(model_dirs, pairs_file) -> float:
-    """The planner's peak for _train's run (on this machine: the CPU as the run's device)."""
+    """The planner's peak for _train's run (on this machine: the CPU as the run's device), at its data's
+    longest sample, as the run rates it."""
     from bigfit.config import TrainConfig
     from bigfit.planning.auto import predicted_peak_gb
     from bigfit.resolution import resolve
+    from bigfit.training.job import data_lengths
 
-    cfg = resolve(TrainConfig(model=str(model_dirs["t5"]), data=str(pairs_file), strategy="single", batch_size=4), 1)
-    return predicted_peak_gb(cfg, 1)
+    cfg = resolve(TrainConfig(model=str(model_dirs["t5"]), data=str(pairs_file), strategy="single", batch_size=4), 1).cfg
+    return predicted_peak_gb(cfg, 1, data_lengths(cfg))
 
 
 def _wandb_history(path) -> list[dict]:

@@ -20,7 +20,7 @@ def small(model_dir, data, out, **kw):
 
 
 def test_fp16_overflow_steps_are_skipped_counted_and_logged(model_dirs, pairs_file, tmp_path, capsys):
-    from bigfit.training.loop import train
+    from dist import train
 
     # 2**120 overflows fp16 gradients on every step; the scale may not go lower, so every step is skipped
     cfg = small(model_dirs["llama"], pairs_file, tmp_path, precision="fp16", initial_scale_power=120,
@@ -37,7 +37,7 @@ def test_fp16_overflow_steps_are_skipped_counted_and_logged(model_dirs, pairs_fi
 
 @pytest.mark.parametrize("strategy", ["single", "zero2-offload"])  # autocast; the offload engine's own skip
 def test_fp16_dynamic_scale_backs_off_then_trains(model_dirs, pairs_file, tmp_path, strategy):
-    from bigfit.training.loop import train
+    from dist import train
 
     train(small(model_dirs["gpt2"], pairs_file, tmp_path, precision="fp16", initial_scale_power=24, hysteresis=1,
                 max_steps=30, strategy=strategy))
@@ -49,7 +49,7 @@ def test_fp16_dynamic_scale_backs_off_then_trains(model_dirs, pairs_file, tmp_pa
 
 
 def test_fp16_on_t5_warns_before_training(model_dirs, pairs_file, tmp_path, capsys):
-    from bigfit.training.loop import train
+    from dist import train
 
     train(small(model_dirs["t5"], pairs_file, tmp_path, precision="fp16", max_steps=1))
     assert "t5 models are usually pretrained in bf16" in " ".join(capsys.readouterr().out.split())
@@ -85,7 +85,7 @@ def test_auto_values_in_files_and_flags(tmp_path):
     cfg = config_from_args(parse_args(["train", "--precision", "auto"]))
     from bigfit.resolution import resolve
 
-    resolved = resolve(cfg, 2)
+    resolved = resolve(cfg, 2).cfg
     assert resolved.micro_batch_size == 16 and resolved.precision == "fp32"  # no bf16-capable GPU here
     with pytest.raises(BigfitError, match="planned before the job is resolved"):
         resolve(config_from_args(parse_args(["train", "--micro-batch-size", "auto"])), 2)
@@ -124,7 +124,7 @@ def test_micro_batch_auto_steps_down_after_out_of_memory(model_dirs, pairs_file,
 
 
 def test_keep_checkpoints_rotates_the_oldest(model_dirs, pairs_file, tmp_path):
-    from bigfit.training.loop import train
+    from dist import train
 
     train(small(model_dirs["llama"], pairs_file, tmp_path, max_steps=6, save_every=2, keep_checkpoints=2))
     names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
@@ -212,7 +212,7 @@ def test_offload_engine_leaves_frozen_parameters_alone():
 
 
 def test_delayed_update_trains_through_the_loop(model_dirs, pairs_file, tmp_path):
-    from bigfit.training.loop import train
+    from dist import train
 
     train(small(model_dirs["llama"], pairs_file, tmp_path, strategy="zero2-offload", delayed_update=True,
                 max_steps=6, save_every=3))

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from bigfit.config import TrainConfig
+from bigfit.checks import validate
 from bigfit.resolution import resolve
 from bigfit.settings import load_config_file
 from bigfit.data import Batcher, collate, read_examples
@@ -47,9 +48,9 @@ def test_collate_pads_right_to_the_longest_rounded_up():
 
 
 def test_resolve_splits_global_batch():
-    cfg = resolve(TrainConfig(batch_size=32, micro_batch_size=4), world_size=2)
-    assert (cfg.extra["per_rank_batch"], cfg.extra["grad_accum"], cfg.micro_batch_size) == (16, 4, 4)
-    assert resolve(TrainConfig(batch_size=32), world_size=4).micro_batch_size == 8
+    job = resolve(TrainConfig(batch_size=32, micro_batch_size=4), world_size=2)
+    assert (job.batching.per_rank, job.batching.grad_accum, job.cfg.micro_batch_size) == (16, 4, 4)
+    assert resolve(TrainConfig(batch_size=32), world_size=4).cfg.micro_batch_size == 8
 
 
 @pytest.mark.parametrize("kw,world,needle", [
@@ -63,6 +64,7 @@ def test_resolve_splits_global_batch():
 ])
 def test_resolve_errors_name_the_value(kw, world, needle):
     with pytest.raises(BigfitError, match=needle.replace("(", r"\(")):
+        validate(TrainConfig(**kw))  # the settings' gate, then the job's
         resolve(TrainConfig(**kw), world)
 
 

@@ -1,20 +1,19 @@
 """bigfit from Python (a notebook, a script), without a subprocess of one's own: `train` and `plan` take
-the settings the command line takes, by their names (TrainConfig's fields for training, `bigfit plan
---help`'s flags for planning), run the same code the commands run, and return data.
+the settings the command line takes, by the names of the one settings schema (settings.py: a job's
+settings are TrainConfig's fields for both; `bigfit plan` adds the machine it rates), run the same code
+the commands run, and return data.
 
     import bigfit
     result = bigfit.train(model="google-t5/t5-small", data="pairs.jsonl", strategy="auto", max_steps=2000)
     result["metrics"]["loss"], result["model_dir"]
-    bigfit.plan(model="./my-llama", gpus="24GB,8GB", batch_size=8, seq_len=2048)["recommended"]
+    bigfit.plan(model="./my-llama", gpus="24GB,8GB", batch_size=8, max_source_len=2048)["recommended"]
 
 Several processes are started as `bigfit train` starts them: new Python processes (never forks), so
 a notebook that has touched CUDA already starts its workers cleanly.
 """
 from __future__ import annotations
 
-import contextlib
 import difflib
-import io
 import json
 from pathlib import Path
 
@@ -37,7 +36,7 @@ def train(config: TrainConfig | None = None, /, *, tokenizer=None, **settings) -
     if config is not None and settings:
         raise BigfitError("bigfit.train() takes a TrainConfig or settings by name, not both")
     if config is None:
-        check_keys(settings, "bigfit.train()")
+        check_keys(settings, "bigfit.train()")  # the settings schema's names: a plan-only one is said to be so
         settings = {k.replace("-", "_"): v for k, v in settings.items()}
         objects = {k: None for k in ("model", "data") if not isinstance(settings.get(k), (str, type(None)))}
         validate(TrainConfig(**{**settings, **objects}))  # every other setting's mistake before an object is written
@@ -59,30 +58,28 @@ def train(config: TrainConfig | None = None, /, *, tokenizer=None, **settings) -
 run = train  # the same call, by the name it first had
 
 
-def plan(**flags) -> dict:
-    """`bigfit plan`'s plan as data (what `bigfit plan --json` prints): flags by name, as on the
-    command line (model="google-t5/t5-3b", gpus="8x16GB", batch_size=32, activation_checkpointing=True)."""
-    from .cli import parse_args
-    from .planning.command import compute_plan
+def plan(**settings) -> dict:
+    """`bigfit plan`'s plan as data (what `bigfit plan --json` prints): its settings by name, as on the
+    command line and in bigfit.train (model="google-t5/t5-3b", gpus="8x16GB", batch_size=32,
+    activation_checkpointing=True); None or False: not given. Checked against the settings schema
+    (settings.py) as the command line checks them, one BigfitError line for a mistake."""
+    from .planning.command import compute_plan, plan_json, plan_settings
+    from .planning.flags import ALIASES
+    from .settings import refusal, schema, setting_value
 
-    known = sorted(k for k in vars(parse_args(["plan"])) if k != "command")
-    if bad := [k for k in flags if k not in known]:  # exact names: argparse would take a prefix of one
-        close = {k: difflib.get_close_matches(k, known, 1) for k in bad}
-        raise BigfitError("bigfit.plan(): unknown flag(s) " + ", ".join(
-            repr(k) + (f" (did you mean {close[k][0]}?)" if close[k] else "") for k in bad) + f"; valid: {', '.join(known)}")
-    argv = ["plan"]
-    for name, value in flags.items():
-        if value is False or value is None:
-            continue
-        argv += [f"--{name.replace('_', '-')}"] + ([] if value is True else [str(value)])
-    said = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(said):
-            ns = parse_args(argv)
-    except SystemExit:  # argparse's line: a value of the wrong kind
-        raise BigfitError(f"bigfit.plan(): {said.getvalue().strip().splitlines()[-1]}") from None
-    p, _, _ = compute_plan(ns)
-    return json.loads(json.dumps(p.to_json()))  # lists and dicts alone, as --json prints it
+    known = sorted([*schema("plan"), *ALIASES])
+    if bad := [k for k in settings if k not in known]:
+        raise BigfitError("bigfit.plan(): " + (refusal(bad[0], "plan") or "unknown flag(s) " + ", ".join(
+            repr(k) + (f" (did you mean {close[0]}?)" if (close := difflib.get_close_matches(k, known, 1)) else "")
+            for k in bad) + f"; valid: {', '.join(known)}"))
+    given = {k: v for k, v in settings.items() if v is not None and v is not False}
+    for k, v in given.items():
+        try:
+            setting_value(ALIASES.get(k, k), v, in_file=False)
+        except ValueError as e:  # the command line's words: argument --batch-size: 'many' is not an integer
+            raise BigfitError(f"bigfit.plan(): argument --{k.replace('_', '-')}: {e}") from None
+    p, _, _, rated = compute_plan(*plan_settings(given)[:2])
+    return json.loads(json.dumps(plan_json(p, rated)))  # lists and dicts alone, as --json prints it
 
 
 def _paths(settings: dict, tokenizer) -> dict:

@@ -30,6 +30,7 @@ from .planning.auto import auto_micro_batch
 from .planning.estimate import CACHE_SLACK
 from .planning.sizes import Prediction, ProbeSearch, outcome_text
 from .probefile import OOM_EXIT, RETRY_EXIT, STUCK_EXIT, load, path, save
+from .resolution import DataRef, resolve, write
 
 # a worker killed by SIGKILL (launch.py: 128 + 9): on a machine without GPUs, where the micro-batch
 # fills host RAM, that is the kernel's OOM killer, not a CUDA out-of-memory error
@@ -46,13 +47,16 @@ def exit_status(e: BaseException) -> int:
 
 
 def choose_micro_batch(argv: list[str], cfg: TrainConfig, world: int, speaks: bool,
-                       pred: Prediction | None = None) -> TrainConfig:
+                       pred: Prediction | None = None, lengths: tuple[int, int] | None = None,
+                       data: DataRef | None = None) -> TrainConfig:
     """cfg with its micro-batch and global batch decided: the prediction (`pred`, else made here)
     confirmed and pushed as far as probes allow; under torchrun, whose processes are the job's, the
     prediction alone. A device map balanced by the planner is balanced once, for the prediction
-    (OUTPUT/logs/probe/device_map.json): the probe confirms sizes for the map the job then runs."""
-    pred = pred or auto_micro_batch(cfg, world)
-    cfg = _pinned_map(cfg, pred.size, speaks)
+    (OUTPUT/logs/probe/device_map.json): the probe confirms sizes for the map the job then runs.
+    `lengths`: the data's longest sample, as the planner rates it; `data`: the tokenized data the
+    probe's workers map (training/job.py handed_over)."""
+    pred = pred or auto_micro_batch(cfg, world, lengths)
+    cfg = _pinned_map(cfg, pred.size, speaks, lengths)
     said = (f"predicted {pred.size} ({_gb(pred.need)} of {_gb(pred.budget)}, {CACHE_SLACK:.0%} of it left to the "
             f"allocator's cache)")
     if launched_by_torchrun_env():
@@ -60,7 +64,7 @@ def choose_micro_batch(argv: list[str], cfg: TrainConfig, world: int, speaks: bo
             print(f"micro-batch auto -> {pred.size}: {said}; not probed under torchrun (its processes are the job's)")
         return _decided(cfg, world, pred.size)
     start = time.perf_counter()
-    search = _probe(argv, cfg, world, pred)
+    search = _probe(argv, cfg, world, pred, data)
     took = time.perf_counter() - start
     best = search.best()
     if search.start < pred.size:  # the workers keep to sizes the longest samples can fill
@@ -78,12 +82,12 @@ def choose_micro_batch(argv: list[str], cfg: TrainConfig, world: int, speaks: bo
     return _decided(cfg, world, best)
 
 
-def _pinned_map(cfg: TrainConfig, micro: int, speaks: bool) -> TrainConfig:
+def _pinned_map(cfg: TrainConfig, micro: int, speaks: bool, lengths: tuple[int, int] | None) -> TrainConfig:
     if cfg.strategy not in SPLIT_STRATEGIES:
         return cfg
     from .device_map.strategy import pin_auto_map  # here: a launcher imports this module, not the training stack
 
-    pinned = pin_auto_map(cfg, micro, path(cfg.output_dir).parent / "device_map.json")
+    pinned = pin_auto_map(cfg, micro, path(cfg.output_dir).parent / "device_map.json", lengths)
     if pinned is None:  # the user's map
         return cfg
     if speaks:
@@ -96,7 +100,7 @@ def _decided(cfg: TrainConfig, world: int, micro: int) -> TrainConfig:
     return dataclasses.replace(cfg, micro_batch_size=micro, batch_size=_batch(cfg, world, micro))
 
 
-def _probe(argv: list[str], cfg: TrainConfig, world: int, pred: Prediction) -> ProbeSearch:
+def _probe(argv: list[str], cfg: TrainConfig, world: int, pred: Prediction, data: DataRef | None) -> ProbeSearch:
     """Probe worker sets until the search is over; each runs sizes until it ends or one of its
     ranks runs out of memory (then that size, the search's next, failed), or a deadline passes."""
     where = path(cfg.output_dir)
@@ -106,10 +110,11 @@ def _probe(argv: list[str], cfg: TrainConfig, world: int, pred: Prediction) -> P
     # accumulation steps, a global batch the data fills)
     low = pred.sizes[0]
     settings = dataclasses.replace(cfg, micro_batch_size=low, batch_size=_batch(cfg, world, low), probe_only=True)
+    job = write(resolve(settings, world).with_data(data or DataRef()), where.parent / "job.json")
     while search.next() is not None:
         probefile.promise(where, None)  # the workers promise again once they have built the model
         probefile.take_note(where)
-        code = launch_local(argv, world, where.parent, quiet=True, settings=settings.to_dict(),
+        code = launch_local(argv, world, where.parent, quiet=True, job=job,
                             watch=functools.partial(_overstayed, where))
         if code == KILLED and not torch.cuda.is_available():  # the kernel's OOM killer: the CPU's "out of memory"
             code = OOM_EXIT

@@ -39,13 +39,8 @@ def validate(cfg: TrainConfig) -> None:
     _validate_offload(cfg)
     _validate_compile(cfg)
     _validate_lora(cfg)
-    if cfg.strategy in ("single", *SPLIT_STRATEGIES) and (cfg.nproc or 1) > 1:
-        raise BigfitError(f"strategy {cfg.strategy!r} runs one process (which drives every device), but --nproc is "
-                          f"{cfg.nproc}; use --nproc 1, or ddp / zero3 for several processes")
     if cfg.strategy != "device_map" and cfg.device_map is not None:
         raise BigfitError(f"--device-map belongs to --strategy device_map, not {cfg.strategy}")
-    if cfg.strategy not in ("device_map", "pipeline") and cfg.chunks not in (None, 1) and (cfg.pp or 1) == 1:
-        raise BigfitError(f"--chunks belongs to --strategy device_map or a pipeline (--pp), not {cfg.strategy}")
     _validate_pipeline(cfg)
 
 
@@ -109,18 +104,12 @@ def _pipelined(cfg: TrainConfig) -> bool:
 
 
 def _validate_pipeline(cfg: TrainConfig) -> None:
-    given = [f"--{n.replace('_', '-')}" for n in ("pipeline_schedule", "stages_per_rank")
-             if getattr(cfg, n) is not None]
-    if not _pipelined(cfg):
-        if given:
-            raise BigfitError(f"{', '.join(given)} belong(s) to a pipeline (--strategy pipeline or --pp 2 or more), "
-                              f"not {cfg.strategy}")
-        return
+    """The pipeline's own values; which layouts take a pipeline's flags, and how many processes a
+    pipeline needs, are the plan's rules (parallel/plan.py), checked once where the job is resolved."""
     if cfg.pipeline_schedule is not None and cfg.pipeline_schedule not in PIPELINE_SCHEDULES:
         raise one_of("--pipeline-schedule", cfg.pipeline_schedule, PIPELINE_SCHEDULES)
-    if cfg.nproc == 1:
-        raise BigfitError("a pipeline runs one process per stage: use --nproc 2 or more (or device_map, "
-                          "which splits the model over the devices of one process)")
+    if not _pipelined(cfg):
+        return
     if "auto" in (cfg.batch_size, cfg.micro_batch_size):
         raise BigfitError("a pipeline does not size its batches by probing yet (the probe runs data-parallel "
                           "shares): give --batch-size and --micro-batch-size as numbers")

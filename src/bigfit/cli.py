@@ -1,26 +1,26 @@
 """The `bigfit` command: `bigfit train`, `bigfit plan`, `bigfit bench` and `bigfit consolidate`.
 
-Settings come from the TrainConfig defaults, then a --config file, then flags actually given on
-the command line, in that order. User mistakes exit with status 2 and one line, no traceback.
+The flags of the first three are generated from the settings schema (settings.py): one flag per
+declared setting a command takes, its type, default and help the field's. Settings come from the
+defaults, then a --config file, then flags actually given on the command line, in that order. User
+mistakes exit with status 2 and one line, no traceback.
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import difflib
-import inspect
 import os
-import re
 import sys
 
-from . import config
+from .bench.settings import BenchSettings
 from .checks import validate
-from .config import OPTIMIZER_STATES, PIPELINE_SCHEDULES, PRECISIONS, TrainConfig
+from .config import BENCH_DECIDES, CHOICES, FLAG_ALONE, TrainConfig
 from .deepspeed_config import load_deepspeed_config
-from .settings import HOW, NOUNS, as_type, field_type, load_config_file, normalise, setting_value
+from .settings import (COMMANDS, INTERNAL, field_help, field_type, load_config_file, normalise, refusal, schema,
+                       setting_value)
 from .errors import BigfitError
-from .launch import interrupt_in, interrupt_name, launched_settings, stamp_start
-from .planning.flags import add_lora_flags
+from .launch import interrupt_in, interrupt_name, launched_job, stamp_start
+from .planning.flags import ALIASES
 
 
 class _Parser(argparse.ArgumentParser):
@@ -33,160 +33,75 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2)
 
 
-def _flag_type(f: dataclasses.Field):
-    """The converter of a field's flag: its annotated type, "auto" where the field takes it, exactly as
+def _flag_type(name: str):
+    """The converter of a setting's flag: its annotated type, "auto" where the field takes it, exactly as
     a config file's value (settings.setting_value); a bad value is argparse's one line naming the flag."""
     def convert(text: str):
         try:
-            return setting_value(f.name, text, in_file=False)
+            return setting_value(name, text, in_file=False)
         except ValueError as e:
             raise argparse.ArgumentTypeError(str(e)) from None
 
-    convert.__name__ = field_type(f.name)[0].__name__  # what argparse calls the type, should it ever say
+    convert.__name__ = field_type(name)[0].__name__  # what argparse calls the type, should it ever say
     return convert
 
 
-def _number(base: type):
-    """The converter of a `bigfit plan` flag that takes an int or a float."""
-    def convert(text: str):
-        try:
-            return as_type(base, text)
-        except (ValueError, OverflowError):
-            raise argparse.ArgumentTypeError(f"{text!r} is not {NOUNS[base]} ({HOW[base]})") from None
-
-    convert.__name__ = base.__name__
-    return convert
+_field_help = field_help  # each field's --help text, from its comment (settings.py)
 
 
-def _field_help(cls=TrainConfig) -> dict[str, str]:
-    """The help text of each field of a settings class (config.py's TrainConfig): its trailing comment,
-    else the comment lines right above it (a field whose comment needs several lines), as `_shown` words it."""
-    helps, above = {}, []
-    for line in inspect.getsource(cls).splitlines():
-        field = re.match(r"    (\w+): [^#]*(?:#(.*))?$", line)
-        if line.strip().startswith("#"):
-            above.append(line.strip()[1:].strip())
+def _add_settings(p: argparse.ArgumentParser, command: str) -> None:
+    """A flag for each setting `command` takes (settings.schema), its help the field's comment and, where
+    not every command takes it, which do. A bool is a switch: --NAME, or --no-NAME where it is on by
+    default; `bigfit plan`'s choice settings offer their values (train and bench check them in checks.py)."""
+    for s in schema(command).values():
+        only = f" ({' and '.join(s.commands)} only)" if len(s.commands) < len(COMMANDS) else ""
+        kw = {"dest": s.name, "help": argparse.SUPPRESS if s.name in INTERNAL else s.help + only}
+        if field_type(s.name)[0] is bool:
+            on = s.default is True
+            p.add_argument("--no-" + s.flag[2:] if on else s.flag, action="store_false" if on else "store_true", **kw)
             continue
-        if field and not line.startswith("    def "):
-            helps[field[1]] = _shown(field[2].strip() if field[2] else " ".join(above))
-        above = []
-    return helps
-
-
-def _shown(comment: str) -> str:
-    """A field's comment as --help says it: config.py's tuples of names (STRATEGIES) as their values, "None"
-    (the field's unset value) as the default it stands for, and % doubled (argparse formats help with it)."""
-    def names(m: re.Match) -> str:
-        value = getattr(config, m[0], None)
-        return ", ".join(value) if isinstance(value, tuple) else m[0]
-
-    return re.sub(r"\bNone:", "default:", re.sub(r"\b[A-Z][A-Z0-9_]+\b", names, comment)).replace("%", "%%")
+        if s.name in FLAG_ALONE:
+            kw.update(nargs="?", const=FLAG_ALONE[s.name])
+        if command == "plan" and s.name in CHOICES:  # strings here; plan_settings converts "auto"
+            p.add_argument(s.flag, choices=CHOICES[s.name], **kw)
+            continue
+        p.add_argument(s.flag, type=_flag_type(s.name), **kw)
 
 
 def _train_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train or fine-tune a model", argument_default=argparse.SUPPRESS)
     p.add_argument("--config", help="YAML or JSON file of settings (any of the flags below)")
     p.add_argument("--deepspeed-config", help="a DeepSpeed JSON config: mapped onto bigfit's settings (flags win)")
-    _train_fields(p, ("extra", "resume", "consolidate", "checkpoints", "eval_on_start", "probe_only"))
-    p.add_argument("--resume", nargs="?", const="latest", help=_field_help()["resume"])
-    p.add_argument("--probe-only", dest="probe_only", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--no-consolidate", dest="consolidate", action="store_false",
-                   help="skip writing OUTPUT/model at the end")
-    p.add_argument("--no-checkpoints", dest="checkpoints", action="store_false",
-                   help="save no checkpoint, the end's neither (so no OUTPUT/model): nothing to resume")
-    p.add_argument("--no-eval-on-start", dest="eval_on_start", action="store_false",
-                   help="skip the evaluation before the first step")
+    _add_settings(p, "train")
     return p
 
 
 def _bench_parser(sub) -> argparse.ArgumentParser:
-    from .bench.settings import BENCH_OWN, BenchSettings  # no torch
-
     p = sub.add_parser("bench", argument_default=argparse.SUPPRESS,
                        help="measure every strategy x precision on this machine: max batch, train and eval time",
                        description="For each strategy x precision: the largest micro-batch that runs, the time to "
                                    "train --train-samples samples and to evaluate --eval-samples with beam search, "
                                    "the metric, memory and speed, the planner's prediction beside each.")
-    helps = _field_help(BenchSettings)
-    for f in dataclasses.fields(BenchSettings):
-        flag = "--" + f.name.replace("_", "-")
-        if f.type in (bool, "bool"):
-            p.add_argument(flag, dest=f.name, action="store_true", help=helps.get(f.name))
-        else:
-            p.add_argument(flag, dest=f.name, type=_number(float if f.name.endswith("_s") else int)
-                           if f.name.endswith(("_s", "_samples", "_steps")) else str, help=helps.get(f.name))
     p.add_argument("--config", help="YAML or JSON file of training settings (any of the flags below)")
-    _train_fields(p, BENCH_OWN)
+    _add_settings(p, "bench")
     return p
 
 
-def _train_fields(p: argparse.ArgumentParser, skip: tuple[str, ...]) -> None:
-    """A flag for each TrainConfig field not in `skip`, its help the field's comment."""
-    helps = _field_help()
-    for f in dataclasses.fields(TrainConfig):
-        if f.name in skip:
-            continue
-        if field_type(f.name)[0] is bool:
-            p.add_argument("--" + f.name.replace("_", "-"), dest=f.name, action="store_true", help=helps.get(f.name))
-            continue
-        p.add_argument("--" + f.name.replace("_", "-"), dest=f.name, help=helps.get(f.name), type=_flag_type(f))
-
-
 def _plan_parser(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser("plan", help="predict every strategy's memory and speed before launch")
-    p.add_argument("--model", help="hub name or model directory (only config.json is read); default: the embedded T5")
-    p.add_argument("--gpus", help="e.g. 8x16GB, 24GB,8GB (mixed sizes) or 8xH100 (a GPU bigfit knows: its memory "
-                   "and rates); default: this machine's GPUs")
-    p.add_argument("--nodes", type=_number(int), default=1, help="nodes, each with --gpus")
-    p.add_argument("--cpu-ram", default=None, help="host RAM per node, e.g. 256GB; default: this machine's")
-    p.add_argument("--nvme", default="0B", help="NVMe per node usable for offload, e.g. 1TB")
-    p.add_argument("--gpu-tflops", type=_number(float),
-                   help="dense bf16 TFLOP/s one GPU reaches (the H200: 760 of its 989); default: its GPU's")
-    p.add_argument("--gpu-mem-gbps", type=_number(float), help="one GPU's memory bandwidth, GB/s; default: its GPU's")
-    p.add_argument("--pcie-gbps", type=_number(float), help="host <-> GPU bandwidth per GPU, GB/s")
-    p.add_argument("--intra-gbps", type=_number(float), help="GPU <-> GPU bandwidth inside a node, GB/s")
-    p.add_argument("--inter-gbps", type=_number(float), help="bandwidth between nodes, GB/s")
-    p.add_argument("--nvme-gbps", type=_number(float), help="NVMe bandwidth of one node, GB/s")
-    p.add_argument("--cpu-tflops", type=_number(float),
-                   help="model TFLOP/s the host reaches on blocks a device map puts there")
-    p.add_argument("--host-op-us", type=_number(float),
-                   help="host microseconds to issue one forward operator and its backward in eager mode; "
-                        "default: this machine's from --calibrate, else the H200 machine's 25")
-    p.add_argument("--calibrate", action="store_true",
-                   help="measure this machine's --host-op-us on its GPU (or CPU), keep it in the cache "
-                        "($XDG_CACHE_HOME/bigfit; one that cannot be written: for this plan only), then plan")
-    p.add_argument("--batch-size", type=_number(int), default=32, help="global batch")
-    p.add_argument("--micro-batch-size", type=_number(int), help="default: batch / GPUs")
-    p.add_argument("--seq-len", type=_number(int), default=512, help="tokens per sample (source side)")
-    p.add_argument("--target-len", type=_number(int), default=0, help="decoder tokens per sample (encoder-decoders)")
-    p.add_argument("--precision", default="bf16", choices=PRECISIONS,
-                   help="the training's precision, fp32 master weights either way (default bf16)")
-    p.add_argument("--activation-checkpointing", action="store_true",
-                   help="recompute each block's activations in backward instead of storing them")
-    p.add_argument("--compile", action="store_true",
-                   help="blocks compiled (bigfit train --compile): fewer kernels to issue")
-    p.add_argument("--chunks", type=_number(int), help="device_map: GPipe micro-batches per forward (default 1); "
-                   "pipeline: micro-batches per micro-batch (default: the fewest that give every stage one)")
-    p.add_argument("--pipeline-schedule", choices=PIPELINE_SCHEDULES, help="pipeline: default 1f1b")
-    p.add_argument("--stages-per-rank", type=_number(int),
-                   help="pipeline: stages per process (interleaved: default 2)")
-    p.add_argument("--delayed-update", action="store_true", help="zero2-offload: the host step overlaps the next step")
-    p.add_argument("--sequence-parallel", action="store_true",
-                   help="composed plans with --tp: the residual stream split by sequence")
-    p.add_argument("--offload-grads", default="host", choices=("host", "device"),
-                   help="zero2-offload: gradients wait for the host step in RAM (host) or on the GPU (device)")
-    p.add_argument("--nvme-host-gb", type=_number(float), default=None,
-                   help="zero2-offload-nvme: GB of states per node kept in RAM; 0: every state on the disk; "
-                        "default: what the RAM leaves, as --strategy auto chooses")
-    p.add_argument("--optimizer-states", default="auto", choices=(*OPTIMIZER_STATES, "auto"),
-                   help="zero2-offload: the host's Adam moments (fp32, bf16, int8: with the master 12, 8, ~6 bytes a "
-                        "parameter); auto: the most exact that fits, as --strategy auto chooses")
-    for dim, what in (("tp", "tensor-parallel"), ("pp", "pipeline"), ("dp-shard", "sharded data-parallel"),
-                      ("dp-replicate", "replicated data-parallel")):
-        p.add_argument(f"--{dim}", type=_number(int), help=f"composed plans: only those with this {what} degree")
-    add_lora_flags(p, _number)
-    p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
-    p.add_argument("--plot", help="write per-GPU memory bars to this PNG")
+    p = sub.add_parser("plan", argument_default=argparse.SUPPRESS,
+                       help="predict every strategy's memory and speed before launch",
+                       description="Rate every strategy for a job on a machine. The job's settings are bigfit "
+                                   "train's, with its names and defaults, and the job rated is printed above the "
+                                   "table: its samples at --data's longest, else at --max-source-len / "
+                                   "--max-target-len tokens; --strategy names the job's own (every one is "
+                                   "rated). Settings that change nothing in a plan (learning rate, outputs, "
+                                   "evaluation) are bigfit train's alone and refused here.")
+    p.add_argument("--config", help="YAML or JSON file of settings, as bigfit train reads it: the job's settings "
+                                    "in it are rated, the rest are not used")
+    _add_settings(p, "plan")
+    for alias, name in ALIASES.items():
+        p.add_argument("--" + alias.replace("_", "-"), dest=alias, type=_flag_type(name),
+                       help=f"the same setting as --{name.replace('_', '-')} (its name here before)")
     return p
 
 
@@ -228,7 +143,11 @@ def _consolidate_parser(sub) -> argparse.ArgumentParser:
 
 
 def _unrecognized(args: list[str], command: str, p: argparse.ArgumentParser) -> str:
-    """argparse's "unrecognized arguments", with the closest flag of the command for each unknown one."""
+    """argparse's "unrecognized arguments", with what another command's setting is (`bigfit plan --resume`:
+    bigfit train's), else the closest flag of the command for each unknown one."""
+    named = [a.split("=", 1)[0][2:].replace("-", "_") for a in args if a.startswith("--")]
+    if other := next((r for n in named for r in [refusal(n, command)] if r), None):
+        return f"unrecognized arguments: {' '.join(args)}; {other}"
     flags = [s for a in p._actions if a.help != argparse.SUPPRESS for s in a.option_strings]  # no public list
     guesses = [close[0] for a in args if a.startswith("-")
                for close in [difflib.get_close_matches(a.split("=", 1)[0], flags, 1)] if close]
@@ -248,6 +167,20 @@ def config_from_args(ns: argparse.Namespace) -> TrainConfig:
     return cfg
 
 
+def bench_from_args(ns: argparse.Namespace) -> tuple[BenchSettings, TrainConfig]:
+    """(BenchSettings, the TrainConfig every row starts from): bench's flags, then defaults <- --config
+    file <- the training flags given."""
+    given = {k: v for k, v in vars(ns).items() if k not in ("command", "config")}
+    bench = BenchSettings(**{k: v for k, v in given.items() if schema("bench")[k].owner is BenchSettings})
+    values = load_config_file(ns.config) if getattr(ns, "config", None) else {}
+    if bad := sorted(set(values) & set(BENCH_DECIDES)):
+        raise BigfitError(f"bigfit bench decides {', '.join(bad)} for each row itself; leave them out of --config")
+    values.update({k: v for k, v in given.items() if schema("bench")[k].owner is TrainConfig})
+    base = TrainConfig(**values)
+    validate(base)
+    return bench, base
+
+
 def _deepspeed(path: str, so_far: dict) -> dict:
     from .training.command import speaks, world  # imported here, as in main: world() asks torch for the GPUs
 
@@ -264,13 +197,17 @@ def _deepspeed(path: str, so_far: dict) -> dict:
 def main(argv: list[str] | None = None) -> int:
     stamp_start()
     argv = sys.argv[1:] if argv is None else argv
-    ns = parse_args(argv)
+    job = launched_job()  # a worker of bigfit's launcher runs the job its launcher resolved: no argv to read
+    ns = None if job else parse_args(argv)
     # each command's module is imported when it runs: `bigfit --help` and a mistyped flag or setting load
     # no torch, transformers or planner
     try:
+        if job:
+            from .training.command import run_worker
+
+            return run_worker(job)
         if ns.command == "train":
-            decided = launched_settings()  # a worker of bigfit's launcher runs what the launcher decided
-            cfg = TrainConfig(**decided) if decided else config_from_args(ns)
+            cfg = config_from_args(ns)  # its mistakes before torch loads
             from .training.command import train_command
 
             return train_command(argv, cfg)
@@ -281,9 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         if ns.command == "bench":
             from .bench.command import bench_command
 
-            from .bench.settings import from_args
-
-            return bench_command(*from_args(ns))
+            return bench_command(*bench_from_args(ns))
         from .training.consolidate import consolidate
 
         out = consolidate(ns.checkpoint, ns.out, overwrite=ns.overwrite, merge=ns.merge, base=ns.base)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 # What each data-parallel strategy shards across ranks (DeepSpeed's ZeRO stages) and keeps in host RAM.
 # (each strategy is an alias of a parallel plan: parallel/plan.py ALIASES)
@@ -32,6 +32,31 @@ REPORTERS = ("tensorboard", "wandb", "mlflow")  # --report-to: each the name of 
 AUTO = ("nproc", "precision")
 # ...or kept as "auto" until planning (and a probe) picks the value: bigfit train does this first.
 PLANNED = ("strategy", "batch_size", "micro_batch_size")
+# The commands that take each TrainConfig field (settings.py's schema declares every setting from these and
+# from the plan's and the bench's own dataclasses). bigfit train takes them all. bigfit plan takes the job's
+# settings that change what it rates (the data's among them: --data is rated at its longest sample); the
+# others (learning rate, outputs, evaluation...) it refuses in one line naming the commands that take them.
+PLAN_TAKES = ("model", "data", "data_encoding", "data_columns", "data_split", "data_config", "chat_template",
+              "data_cache", "dataset_num_proc", "max_source_len", "max_target_len", "pack", "eval_samples", "seed",
+              "batch_size", "micro_batch_size", "nproc", "strategy", "pp", "tp", "dp_shard", "dp_replicate",
+              "sequence_parallel", "precision", "activation_checkpointing", "compile", "chunks", "pipeline_schedule",
+              "stages_per_rank", "delayed_update", "offload_grads", "nvme_host_gb", "optimizer_states",
+              "max_grad_norm", "lora", "lora_r", "lora_alpha", "lora_dropout", "lora_targets", "load_in_4bit")
+# ...and bigfit bench takes every field but those it decides for each of its rows itself (or names
+# otherwise: its own --output-dir and --overwrite are its directory's, bench/settings.py)
+BENCH_DECIDES = ("resume", "consolidate", "checkpoints", "eval_on_start", "probe_only", "strategy", "precision",
+                 "batch_size", "micro_batch_size", "max_steps", "eval_every", "save_every",
+                 "keep_checkpoints", "allow_changed", "report_to", "max_train_samples", "output_dir", "overwrite")
+# Values a flag takes alone (`--resume` is `--resume latest`), and the values `bigfit plan`'s parser
+# offers (train and bench check them in checks.py, for files and flags alike)
+FLAG_ALONE = {"resume": "latest"}
+CHOICES = {"precision": (*PRECISIONS, "auto"), "optimizer_states": (*OPTIMIZER_STATES, "auto"),
+           "offload_grads": ("host", "device"), "pipeline_schedule": PIPELINE_SCHEDULES}
+
+
+def commands_of(name: str) -> tuple[str, ...]:
+    """The commands that take TrainConfig field `name`."""
+    return ("train",) + ("plan",) * (name in PLAN_TAKES) + ("bench",) * (name not in BENCH_DECIDES)
 
 
 @dataclass
@@ -71,7 +96,9 @@ class TrainConfig:
     # with --tp: the residual stream, its norms and dropout split by sequence over the TP ranks
     # (Megatron's sequence parallelism: attention and MLP inputs all-gathered, outputs reduce-scattered)
     sequence_parallel: bool = False
-    precision: str | None = "fp32"  # fp32, bf16 or fp16 (fp32 master weights either way); auto: bf16 where supported
+    # fp32, bf16 or fp16 (fp32 master weights either way); None: auto, bf16 where the devices compute it (a GPU
+    # that has it; bigfit plan: the GPUs it rates), else fp32 (the CPU)
+    precision: str | None = None
     reduce_dtype: str = "fp32"  # dtype gradients are reduced in under bf16/fp16
     loss_scale: float = 0.0  # fp16: a static loss scale; 0 for dynamic scaling
     initial_scale_power: int = 16  # fp16 dynamic scaling starts at a scale of 2 to this power
@@ -108,7 +135,7 @@ class TrainConfig:
     save_every: int = 200  # save a checkpoint every N steps (and always at the end); 0: only at the end
     keep_checkpoints: int = 0  # keep only the newest N complete checkpoints; 0 keeps all
     eval_every: int = 200  # evaluate every N steps and at the end (and at step 0 unless --no-eval-on-start); 0: at the end only
-    eval_on_start: bool = True  # evaluate before the first step too (the baseline); --no-eval-on-start: not
+    eval_on_start: bool = True  # --no-eval-on-start: skip the evaluation before the first step (the baseline)
     # held-out samples used for evaluation, at most a tenth of the data (a larger number is refused once the data
     # is read; the default 64 takes a tenth of data under 640 samples); 0: no evaluation
     eval_samples: int = 64
@@ -118,7 +145,7 @@ class TrainConfig:
     resume: str | None = None  # latest (the newest complete checkpoint in --output-dir; the flag alone means it) or a checkpoint dir
     allow_changed: str | None = None  # --resume: comma-separated settings that may differ from the checkpoint's although they change the math
     timeout_s: float = 300.0  # seconds a collective may wait: a stuck peer fails the job instead of hanging it
-    consolidate: bool = True  # write OUTPUT/model (Hugging Face format) at the end; with --lora, OUTPUT/adapter (peft)
+    consolidate: bool = True  # --no-consolidate: skip writing OUTPUT/model (Hugging Face format; --lora: OUTPUT/adapter) at the end
     # parameter-efficient fine-tuning (bigfit/lora.py): LoRA adapters through peft, the base frozen
     lora: bool = False  # train LoRA adapters beside the frozen base weights (peft), with any strategy
     lora_r: int = 16  # --lora: the adapters' rank
@@ -126,15 +153,14 @@ class TrainConfig:
     lora_dropout: float = 0.05  # --lora: dropout on the adapters' input
     lora_targets: str = "all-linear"  # --lora: linear layers that get adapters: all-linear, or names (q_proj,v_proj)
     load_in_4bit: bool = False  # --lora: the frozen base layers in 4 bits (QLoRA: NF4, double quantisation, bf16 compute; quantize.py)
-    # False (--no-checkpoints): no checkpoint, not even the end's, hence no model directory either:
-    # throwaway runs and benchmarks, or a model whose states would not fit on the disk
+    # --no-checkpoints: save no checkpoint, not even the end's, hence no model directory either and nothing
+    # to resume: throwaway runs and benchmarks, or a model whose states would not fit on the disk
     checkpoints: bool = True
     probe_only: bool = False  # internal: one step on the longest samples, then exit (micro-batch auto's probe)
-    extra: dict = field(default_factory=dict)  # resolved values (grad accumulation), filled by resolve
 
     @staticmethod
     def field_names() -> list[str]:
-        return [f.name for f in dataclasses.fields(TrainConfig) if f.name != "extra"]
+        return [f.name for f in dataclasses.fields(TrainConfig)]
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -156,12 +182,13 @@ class Range:
         above = value > self.low if self.low_open else value >= self.low
         return above and (value < self.high if self.high_open else value <= self.high)
 
-    def describe(self) -> str:
+    def describe(self, note: bool = True) -> str:
+        """The range in words, with what an end means unless `note` is False (`bigfit plan` names the range alone)."""
         low, high = _number(self.low), _number(self.high)
         text = f"more than {low}" if self.low_open else "0 or more" if self.low == 0 else f"at least {low}"
         if self.high < math.inf:
             text = f"at least {low} and less than {high}" if self.high_open else f"from {low} to {high}"
-        return (self.words or text) + (f" ({self.note})" if self.note else "")
+        return (self.words or text) + (f" ({self.note})" if self.note and note else "")
 
 
 def _number(x: float) -> str:
@@ -175,7 +202,7 @@ AT_LEAST_1, AT_LEAST_0, ABOVE_0 = Range(1), Range(0), Range(0, low_open=True)
 # the --lora-* numbers are LoraSettings' (lora.py), checked where --lora is on.
 RANGES = {
     "dataset_num_proc": AT_LEAST_1, "max_steps": POSITIVE_INT, "batch_size": POSITIVE_INT,
-    "micro_batch_size": AT_LEAST_1, "nproc": AT_LEAST_1, "chunks": POSITIVE_INT, "stages_per_rank": AT_LEAST_1,
+    "micro_batch_size": ABOVE_0, "nproc": AT_LEAST_1, "chunks": POSITIVE_INT, "stages_per_rank": AT_LEAST_1,
     "seed": Range(0, 2**32 - 1),  # the data order's generator takes seed x 1000003 + epoch as a 64-bit integer
     **dict.fromkeys(("pp", "tp", "dp_shard", "dp_replicate"), POSITIVE_INT),
     "loss_scale": Range(0, note="0: dynamic scaling"),

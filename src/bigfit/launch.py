@@ -27,7 +27,7 @@ from .errors import BigfitError
 GRACE_S = 5.0
 STOPPED = 124  # launch_local's status where its `watch` stopped the workers (timeout(1)'s)
 POLL_S = 0.5  # how often a watched launch looks at its workers
-SETTINGS_ENV = "BIGFIT_SETTINGS_FILE"  # the launcher's decided settings, which its workers run
+JOB_ENV = "BIGFIT_JOB_FILE"  # the job its launcher resolved and wrote (resolution.py), which its workers run
 
 
 def free_port() -> int:
@@ -36,10 +36,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launched_settings() -> dict | None:
-    """In a worker of bigfit's launcher: the settings it decided (None elsewhere, e.g. under torchrun)."""
-    path = os.environ.get(SETTINGS_ENV)
-    return json.loads(Path(path).read_text()) if path else None
+def launched_job() -> str | None:
+    """In a worker of bigfit's launcher: the path of the job it runs (None elsewhere, e.g. under torchrun)."""
+    return os.environ.get(JOB_ENV)
 
 
 def write_error(exc: BaseException) -> None:
@@ -156,15 +155,15 @@ def _threads(nproc: int) -> dict:
 
 
 def launch_local(argv: list[str], nproc: int, log_dir: Path, quiet: bool = False, lock_fd: int | None = None,
-                 settings: dict | None = None, watch: Callable[[], str | None] | None = None) -> int:
+                 job: Path | None = None, watch: Callable[[], str | None] | None = None) -> int:
     """Run `python -m bigfit <argv>` as `nproc` workers on this machine; returns the exit status
     (the first failed worker's; 128 + the signal's number for one killed by a signal).
     `quiet`: rank 0 writes a log too, and a failure is left to the caller to report (its message in
     log_dir/error.txt), an interrupt too (raised again once the workers are stopped). `lock_fd`: the
     output directory's lock (training/lock.py), inherited by every worker so that it stays held while
-    any of them lives, even if this launcher is killed. `settings`: the job's settings as this
-    launcher decided them (strategy, degrees, batch sizes): the workers read them from a file
-    (SETTINGS_ENV) instead of parsing `argv` again, so they run exactly what was printed. `watch`:
+    any of them lives, even if this launcher is killed. `job`: the resolved job's file (resolution.py):
+    the workers run it (JOB_ENV) instead of parsing `argv`, so they run exactly what was printed,
+    and resolve nothing again. `watch`:
     asked every POLL_S while the workers run; once it says why (a deadline they passed), they are
     stopped, that is their report and the status STOPPED."""
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -173,9 +172,8 @@ def launch_local(argv: list[str], nproc: int, log_dir: Path, quiet: bool = False
     with tempfile.TemporaryDirectory(prefix="bigfit-errors-") as tmp:
         err_dir, procs = Path(tmp), {}
         extra = _threads(nproc)
-        if settings is not None:
-            (err_dir / "settings.json").write_text(json.dumps(settings))
-            extra[SETTINGS_ENV] = str(err_dir / "settings.json")
+        if job is not None:
+            extra[JOB_ENV] = str(Path(job).resolve())
         for rank in range(nproc):
             env = dict(os.environ, **extra, RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
                        LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),

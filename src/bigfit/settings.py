@@ -1,24 +1,118 @@
-"""Reading settings as the user writes them: config-file keys (dashes or underscores), each value
-checked against its TrainConfig field's annotated type (bool, int, float, str, "auto" where a field
-takes it), unknown keys with the closest known one. config.py holds the settings themselves; this
-module sits above it (config.py never imports it)."""
+"""The settings schema, and reading settings as the user writes them.
+
+Every setting of every command is a field of one of four dataclasses: TrainConfig (config.py: the job,
+the commands that take each field in config.commands_of), PlanHardware and PlanOutput (planning/flags.py:
+`bigfit plan`'s machine and output) and BenchSettings (bench/settings.py). Its name, annotated type,
+default and help (the field's comment) are read from there (`Setting`, `schema`): the parsers of
+`bigfit train`, `plan` and `bench` (cli.py), config files, the DeepSpeed import (its values go through
+`normalise`) and the Python API (api.py) all take them from `schema`. Config-file keys may use dashes
+or underscores; each value is checked against its field's type (bool, int, float, str, "auto" where a
+field takes it); unknown keys get the closest known one. This module sits above the declarations
+(config.py never imports it)."""
 from __future__ import annotations
 
+import dataclasses
 import difflib
+import functools
+import inspect
 import json
 import math
+import re
 import typing
 from pathlib import Path
 
-from .config import AUTO, PLANNED, TrainConfig
+from . import config
+from .bench.settings import BenchSettings
+from .config import AUTO, BENCH_DECIDES, PLANNED, TrainConfig, commands_of
 from .errors import BigfitError
+from .planning.flags import ALIASES, PlanHardware, PlanOutput
 from .userfiles import read_text
 
+COMMANDS = ("train", "plan", "bench")
+# Each declaring dataclass and the commands that take its fields
+DECLARED = ((TrainConfig, commands_of), (PlanHardware, lambda name: ("plan",)),
+            (PlanOutput, lambda name: ("plan",)), (BenchSettings, lambda name: ("bench",)))
 
-def normalise(values: dict, where: str) -> dict:
-    """Keys with dashes or underscores, each known; each value of its field's type (`setting_value`),
-    "auto" -> None for the fields that derive it. `where` names the source in errors."""
-    check_keys(values, where)
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """One setting as declared: the dataclass field that holds it and the commands that take it."""
+    name: str
+    owner: type
+    commands: tuple[str, ...]
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def default(self):
+        f = {f.name: f for f in dataclasses.fields(self.owner)}[self.name]
+        return f.default if f.default is not dataclasses.MISSING else f.default_factory()
+
+    @property
+    def help(self) -> str:
+        return field_help(self.owner)[self.name]
+
+
+@functools.cache
+def schema(command: str) -> dict[str, Setting]:
+    """The settings `command` takes, by name, in their declaration order. Built once; not to be changed."""
+    return {f.name: Setting(f.name, cls, commands(f.name)) for cls, commands in DECLARED
+            for f in dataclasses.fields(cls) if command in commands(f.name)}
+
+
+def takers(name: str, cls: type | None = None) -> tuple[str, ...]:
+    """The commands that take setting `name` (declared by `cls`, else by any dataclass)."""
+    return tuple(c for c in COMMANDS if name in schema(c) and (cls is None or schema(c)[name].owner is cls))
+
+
+def refusal(name: str, command: str) -> str | None:
+    """Why `command` does not take setting `name` where another command does, in words: None where no
+    command takes it (an unknown name) or `command` does."""
+    flag = "--" + ALIASES.get(name, name).replace("_", "-")
+    if name in ALIASES and command != "plan":
+        return f"--{name.replace('_', '-')} is bigfit plan's name for {flag}, which bigfit {command} takes"
+    name = ALIASES.get(name, name)
+    others = [c for c in takers(name) if c != command]
+    if not others or command in takers(name):
+        return None
+    if command == "bench" and name in BENCH_DECIDES:
+        return f"bigfit bench decides {flag} for each of its rows itself"
+    return f"bigfit {command} does not take {flag}: a setting of bigfit {' and '.join(others)}"
+
+
+@functools.cache
+def field_help(cls: type = TrainConfig) -> dict[str, str]:
+    """The help text of each field of a settings class: its trailing comment, else the comment lines right
+    above it (a field whose comment needs several lines), as `shown` words it."""
+    helps, above = {}, []
+    for line in inspect.getsource(cls).splitlines():
+        field = re.match(r"    (\w+): [^#]*(?:#(.*))?$", line)
+        if line.strip().startswith("#"):
+            above.append(line.strip()[1:].strip())
+            continue
+        if field and not line.startswith("    def "):
+            helps[field[1]] = shown(field[2].strip() if field[2] else " ".join(above))
+        above = []
+    return helps
+
+
+def shown(comment: str) -> str:
+    """A field's comment as --help says it: config.py's tuples of names (STRATEGIES) as their values, "None"
+    (the field's unset value) as the default it stands for, and % doubled (argparse formats help with it)."""
+    def names(m: re.Match) -> str:
+        value = getattr(config, m[0], None)
+        return ", ".join(value) if isinstance(value, tuple) else m[0]
+
+    return re.sub(r"\bNone:", "default:", re.sub(r"\b[A-Z][A-Z0-9_]+\b", names, comment)).replace("%", "%%")
+
+
+def normalise(values: dict, where: str, command: str = "train") -> dict:
+    """Keys with dashes or underscores, each a setting of `command` (`plan`: of train too, see
+    load_config_file); each value of its field's type (`setting_value`), "auto" -> None for the fields
+    that derive it. `where` names the source in errors."""
+    check_keys(values, where, command)
     out, spelled = {}, {}
     for key, v in values.items():
         k = key.replace("-", "_")
@@ -31,9 +125,10 @@ def normalise(values: dict, where: str) -> dict:
     return out
 
 
-def load_config_file(path: str) -> dict:
-    """Read a YAML or JSON file of TrainConfig fields; unknown keys and values of the wrong type are
-    errors naming them, and so is a file that is missing, a directory, unreadable, not UTF-8 or empty."""
+def load_config_file(path: str, command: str = "train") -> dict:
+    """Read a YAML or JSON file of settings; unknown keys and values of the wrong type are errors naming
+    them, and so is a file that is missing, a directory, unreadable, not UTF-8 or empty. `bigfit plan`
+    reads the file `bigfit train` reads (and its own settings): it rates the job's settings among them."""
     where = f"config file {path!r}"
     text = read_text(path, where, "a YAML or JSON file of settings")
     p = Path(path)
@@ -48,7 +143,7 @@ def load_config_file(path: str) -> dict:
         raise BigfitError(f"{where} is not valid {p.suffix[1:] or 'JSON'}: {_syntax(e)}") from None
     if not isinstance(values, dict):
         raise BigfitError(f"{where} must hold a mapping of settings, not {type(values).__name__}")
-    return normalise(values, where)
+    return normalise(values, where, command)
 
 
 def _syntax(e: Exception) -> str:
@@ -61,9 +156,13 @@ def _syntax(e: Exception) -> str:
     return f"line {mark.line + 1}, column {mark.column + 1}: {e.problem}{also}"
 
 
-def check_keys(values: dict, where: str) -> None:
-    """Unknown keys are an error naming each, with the closest setting where one is close."""
-    valid = setting_names()
+def check_keys(values: dict, where: str, command: str = "train") -> None:
+    """Unknown keys are an error naming each, with the closest setting where one is close; a key another
+    command takes is one line saying which. A config file for `bigfit plan` may hold train's settings."""
+    valid = setting_names(command) + (setting_names("train") if command == "plan" else [])
+    if wrong := [r for k in values if isinstance(k, str) and k.replace("-", "_") not in valid
+                 for r in [refusal(k.replace("-", "_"), command)] if r]:
+        raise BigfitError(f"{where}: {wrong[0]}")
     bad = [k for k in values if not isinstance(k, str) or k.replace("-", "_") not in valid]
     if not bad:
         return
@@ -74,23 +173,26 @@ def check_keys(values: dict, where: str) -> None:
 
 
 # Fields bigfit sets for itself, never keys a user writes: probe_only is the flag the launcher gives
-# its own probe workers on their command line, extra holds what `resolve` derives.
-INTERNAL = ("probe_only", "extra")
-_HINTS = typing.get_type_hints(TrainConfig)  # the annotations are strings (from __future__ import annotations)
+# its own probe workers (in the job it writes for them).
+INTERNAL = ("probe_only",)
+# the annotations are strings (from __future__ import annotations); TrainConfig's first, where two declare a name
+_HINTS = {k: v for cls, _ in reversed(DECLARED) for k, v in typing.get_type_hints(cls).items()}
 NOUNS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
 HOW = {bool: "write true or false, unquoted", int: "give a whole number", float: "give a number such as 0.001",
        str: "give text in quotes"}
 
 
-def setting_names() -> list[str]:
-    """The keys a user may set: every TrainConfig field but the internal ones."""
-    return [n for n in TrainConfig.field_names() if n not in INTERNAL]
+def setting_names(command: str = "train") -> list[str]:
+    """The keys a user may set for `command`: every setting it takes but the internal ones."""
+    return [n for n in schema(command) if n not in INTERNAL]
 
 
 def field_type(name: str) -> tuple[type, bool]:
-    """(bool, int, float or str; whether None is valid) of a TrainConfig field, from its annotation.
-    The str of `int | str` is the "auto" of a PLANNED field, so that type is int."""
-    args = typing.get_args(_HINTS[name]) or (_HINTS[name],)
+    """(bool, int, float or str; whether None is valid) of a setting, from its field's annotation (a name
+    two dataclasses declare has one type). The str of `int | str` is the "auto" of a PLANNED field, so
+    that type is int."""
+    hint = _HINTS[name]
+    args = typing.get_args(hint) or (hint,)
     kinds = [a for a in args if a is not type(None)]
     return (kinds[0] if len(kinds) == 1 else next(k for k in kinds if k is not str)), type(None) in args
 

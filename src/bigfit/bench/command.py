@@ -32,16 +32,16 @@ ONE_GPU_SAME = ("ddp", "zero1")  # on one process these are the plain model: sin
 
 
 def bench_command(bench: BenchSettings, base: TrainConfig) -> int:
-    from ..training.job import with_data_lengths
+    from ..training.job import data_lengths
 
-    base = with_data_lengths(base)  # the planner's rows rate the data's longest batch, not the length limits
-    todo = _rows(bench, base)  # every mistake in the lists before the directory is touched
+    lengths = data_lengths(base)  # the planner's rows rate the data's longest batch, not the length limits
+    todo = _rows(bench, base, lengths)  # every mistake in the lists before the directory is touched
     out = _claim(Path(bench.output_dir), bench.overwrite)
     rows, meta = [], {"model": base.model or "embedded tiny T5", "data": base.data or "embedded task",
                       "train_samples": bench.train_samples, "eval_samples": base.eval_samples,
                       "num_beams": base.num_beams, "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     meta.update(_host_figure())  # before the pick and the rows: their predicted step times rate this host
-    meta["auto_pick"], meta["auto_reason"] = _auto_pick(base, {s for s, _ in todo})
+    meta["auto_pick"], meta["auto_reason"] = _auto_pick(base, {s for s, _ in todo}, lengths)
     try:
         with stop_on_sigterm(), Progress(TextColumn("{task.description}"), BarColumn(),
                                          TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
@@ -86,9 +86,9 @@ def _remove_bench(out: Path) -> None:
         print(f"--overwrite: kept {', '.join(kept)} in {out} (not the bench's files)")
 
 
-def _rows(bench: BenchSettings, base: TrainConfig) -> list[tuple[str, str]]:
+def _rows(bench: BenchSettings, base: TrainConfig, lengths: tuple[int, int]) -> list[tuple[str, str]]:
     precisions = _precisions(bench.precisions)
-    names = _strategies(bench.strategies, dataclasses.replace(base, precision=precisions[0]))
+    names = _strategies(bench.strategies, dataclasses.replace(base, precision=precisions[0]), lengths)
     return [(s, p) for p in precisions for s in names]
 
 
@@ -110,7 +110,7 @@ def _runnable(processes: int) -> tuple[str, ...]:
     return tuple(s for s in STRATEGIES + SPLIT_STRATEGIES if processes > 1 or s not in ONE_GPU_SAME)
 
 
-def _strategies(text: str, base: TrainConfig) -> list[str]:
+def _strategies(text: str, base: TrainConfig, lengths: tuple[int, int]) -> list[str]:
     from ..training.command import default_nproc
 
     every = _runnable(base.nproc or default_nproc(dataclasses.replace(base, strategy="zero3")))
@@ -126,7 +126,7 @@ def _strategies(text: str, base: TrainConfig) -> list[str]:
         fits = set()
         for world in {_world(base, s) for s in every}:  # single and device_map: one process; the rest, each's
             p = plan_here(dataclasses.replace(base, batch_size="auto", micro_batch_size="auto"), world,
-                          tuple(s for s in every if _world(base, s) == world))
+                          tuple(s for s in every if _world(base, s) == world), lengths)
             fits |= {c.estimate.name for c in p.candidates if c.fits}
         return [s for s in every if s in fits]
     names = [s.strip() for s in text.split(",") if s.strip()]
@@ -160,14 +160,14 @@ def _host_figure() -> dict:
     return {"host_op_us": round(calibrate()["host_op_us"], 2), "host_op_us_from": "measured at the bench's start"}
 
 
-def _auto_pick(base: TrainConfig, strategies: set[str]) -> tuple[str | None, str]:
+def _auto_pick(base: TrainConfig, strategies: set[str], lengths: tuple[int, int]) -> tuple[str | None, str]:
     """What `--strategy auto --batch-size auto` would pick among the strategies benched, and why."""
     from ..planning.auto import auto_named
 
     named = tuple(s for s in STRATEGIES + SPLIT_STRATEGIES if s in strategies)
     try:
         return auto_named(dataclasses.replace(base, batch_size="auto", micro_batch_size="auto"),
-                          _world(base, "zero3"), named)
+                          _world(base, "zero3"), named, lengths)
     except BigfitError as e:
         return None, str(e)
 

@@ -34,23 +34,23 @@ def run(spec: dict) -> int:
     from ..errors import BigfitError
     from ..planning.auto import auto_micro_batch
     from ..probefile import load, path
-    from ..training.job import with_data_lengths
+    from ..training.job import data_lengths
 
     row, nproc = Path(spec["row_dir"]), spec["nproc"]
     cfg = TrainConfig(**spec["train"])
     found: dict = {}
     try:
         validate(cfg)
-        cfg = with_data_lengths(cfg)  # planned at the data's longest batch, as `bigfit train` plans
-        pred = auto_micro_batch(cfg, nproc)
+        lengths = data_lengths(cfg)  # planned at the data's longest batch, as `bigfit train` plans
+        pred = auto_micro_batch(cfg, nproc, lengths)
         # the planner's time to train the samples at its predicted largest micro-batch: a method's own
         # figure of merit in a bench, where each runs at the largest batch it holds
         found.update(predicted_micro=pred.size, predicted_micro_gb=round(pred.need / 1e9, 2),
                      predicted_train_s=round(pred.step_s * spec["samples"] / (pred.size * nproc), 3))
         _write(row, found)
         with _bench_owned(cfg):  # ROW/probe is the bench's: its workers claim nothing there
-            cfg = choose_micro_batch(["train"], cfg, nproc, speaks=True, pred=pred)  # not planned twice
-        code = _train(row, cfg, nproc, spec, load(path(cfg.output_dir)), found)
+            cfg = choose_micro_batch(["train"], cfg, nproc, speaks=True, pred=pred, lengths=lengths)  # not planned twice
+        code = _train(row, cfg, nproc, spec, load(path(cfg.output_dir)), found, lengths)
     except BigfitError as e:
         found["error"] = str(e)
         code = 2
@@ -67,11 +67,11 @@ def _bench_owned(cfg):
     return claimed(output_path(cfg))
 
 
-def _train(row: Path, cfg, nproc: int, spec: dict, search, found: dict) -> int:
+def _train(row: Path, cfg, nproc: int, spec: dict, search, found: dict, lengths: tuple[int, int]) -> int:
     """Train at the probe's size; where that runs out of memory over a whole run, at smaller ones."""
     tries = [cfg.micro_batch_size] + _smaller(search, cfg.micro_batch_size)
     for i, micro in enumerate(tries):
-        code = _train_at(row, cfg, nproc, spec, micro, search.peak(micro), found)
+        code = _train_at(row, cfg, nproc, spec, micro, search.peak(micro), found, lengths)
         if code != OOM_EXIT:
             return code
         found["oom_in_training"] = found.get("oom_in_training", []) + [micro]
@@ -91,7 +91,8 @@ def _smaller(search, micro: int) -> list[int]:
     return sorted(below, reverse=True)[:RETRIES]
 
 
-def _train_at(row: Path, cfg, nproc: int, spec: dict, micro: int, peak: int | None, found: dict) -> int:
+def _train_at(row: Path, cfg, nproc: int, spec: dict, micro: int, peak: int | None, found: dict,
+              lengths: tuple[int, int]) -> int:
     """Train the row at `micro` (one micro-batch a process), its plan beside it in `found`; the exit
     status, OOM_EXIT where one process (this one, or a worker) ran out of memory."""
     import torch
@@ -103,7 +104,7 @@ def _train_at(row: Path, cfg, nproc: int, spec: dict, micro: int, peak: int | No
     steps = spec["warmup"] + max(MIN_TIMED, math.ceil(spec["samples"] / batch))
     job = dataclasses.replace(cfg, micro_batch_size=micro, batch_size=batch, max_steps=steps, eval_every=steps,
                               output_dir=str(row / "train"), probe_only=False)
-    plan = plan_here(job, nproc, (job.strategy,))
+    plan = plan_here(job, nproc, (job.strategy,), lengths)
     e = plan.candidates[0].estimate
     found.update(params=plan.params, micro=micro, batch=batch, steps=steps, probe_peak_gb=peak and round(peak / 1e9, 2),
                  predicted_step_s=round(e.step_time_s, 4), predicted_peak_gb=round(e.per_gpu["total"] / 1e9, 2))

@@ -83,17 +83,12 @@ def write(path: Path, columns: dict[str, Lists]) -> int:
     return batch.num_rows
 
 
-class ArrowSamples(Sequence):
-    """Training samples read from a memory-mapped Arrow file: indexed as the list of sample dicts
-    tokenize.py makes, each row turned into Python lists only when asked for."""
+class FlatSamples(Sequence):
+    """Training samples held as flat columns (`Lists`, memory-mapped by the subclasses): indexed as the
+    list of sample dicts tokenize.py makes, each row turned into Python lists only when asked for."""
 
-    def __init__(self, path: Path):
-        import pyarrow as pa
-
-        batch = pa.ipc.open_file(pa.memory_map(str(path), "r")).get_batch(0)
-        self._columns = {name: Lists(batch.column(name).offsets.to_numpy(), batch.column(name).values.to_numpy())
-                         for name in batch.schema.names}
-        self._rows = batch.num_rows
+    def __init__(self, columns: dict[str, Lists], rows: int):
+        self._columns, self._rows = columns, rows
 
     def __len__(self) -> int:
         return self._rows
@@ -106,6 +101,17 @@ class ArrowSamples(Sequence):
     def lengths(self) -> np.ndarray:
         """input_ids plus labels tokens of each sample (micro-batch auto's probe takes the longest)."""
         return self._columns["input_ids"].lengths + self._columns["labels"].lengths
+
+
+class ArrowSamples(FlatSamples):
+    """Training samples read from a memory-mapped Arrow file (a cache entry's, cache.py)."""
+
+    def __init__(self, path: Path):
+        import pyarrow as pa
+
+        batch = pa.ipc.open_file(pa.memory_map(str(path), "r")).get_batch(0)
+        super().__init__({name: Lists(batch.column(name).offsets.to_numpy(), batch.column(name).values.to_numpy())
+                          for name in batch.schema.names}, batch.num_rows)
 
 
 class Reordered(Sequence):
@@ -130,14 +136,14 @@ def first(samples: Sequence[dict], n: int) -> Sequence[dict]:
 
 def longest(samples: Sequence[dict]) -> tuple[int, int]:
     """The most input_ids and the most labels tokens of any sample (0, 0 for none)."""
-    if isinstance(samples, ArrowSamples):
+    if isinstance(samples, FlatSamples):
         return tuple(int(samples._columns[k].lengths.max(initial=0)) for k in ("input_ids", "labels"))
     return (max((len(s["input_ids"]) for s in samples), default=0), max((len(s["labels"]) for s in samples), default=0))
 
 
 def longest_first(samples: Sequence[dict]) -> Reordered:
     """The samples by input_ids plus labels tokens, longest first, ties in their order."""
-    if isinstance(samples, ArrowSamples):
+    if isinstance(samples, FlatSamples):
         lengths = samples.lengths()
     else:
         lengths = np.array([len(s["input_ids"]) + len(s["labels"]) for s in samples])

@@ -81,21 +81,22 @@ def machine_budgets() -> dict[str, int]:
     return dict(plan_budgets(Hardware(gpu_bytes=gpus, cpu_ram=host_ram())))
 
 
-def _job(cfg):
-    source, target = planned_lengths(cfg)  # balanced for the batches the data makes, as the planner rates them
+def _job(cfg, lengths: tuple[int, int] | None):
+    source, target = planned_lengths(cfg, lengths)  # balanced for the batches the data makes, as the planner rates them
     return Job(batch_size=cfg.batch_size, seq_len=source, target_len=target,
                micro_batch=cfg.micro_batch_size, precision=cfg.precision or "fp32",
                checkpointing=cfg.activation_checkpointing, lora=LoraSettings.from_config(cfg),
                load_in_4bit=cfg.load_in_4bit)
 
 
-def _resolve(model, cfg, main) -> object:
-    """The checked DeviceMap for `model` (real or meta) under cfg; nothing moves."""
+def _resolve(model, cfg, main, lengths: tuple[int, int] | None = None) -> object:
+    """The checked DeviceMap for `model` (real or meta) under cfg; nothing moves. `lengths`: the
+    data's longest sample, which an auto map is balanced for (else the length limits)."""
     found = find_stacks(model)
     kind, spec = read_spec(cfg)
     if kind == "auto":
         budgets = parse_budgets(spec or machine_budgets())
-        spec = assign([s for s, _ in found], costs(model, found, _job(cfg)), budgets, main)[0]
+        spec = assign([s for s, _ in found], costs(model, found, _job(cfg, lengths)), budgets, main)[0]
     names = {p for p, _ in model.named_modules(remove_duplicate=False)}
     dmap = resolve_map(spec, tuple(s for s, _ in found), None, names)
     if dmap.main_device != main and (not isinstance(spec, dict) or "main_device" not in spec):
@@ -106,14 +107,14 @@ def _resolve(model, cfg, main) -> object:
     return dmap
 
 
-def check(cfg, job_model_config) -> str:
+def check(cfg, job_model_config, lengths: tuple[int, int] | None = None) -> str:
     """Every check of the map before any weight exists: returns its description."""
     from ..models import meta_model
 
-    return _resolve(meta_model(job_model_config), cfg, _this_device()).describe()
+    return _resolve(meta_model(job_model_config), cfg, _this_device(), lengths).describe()
 
 
-def pin_auto_map(cfg, micro: int, where: Path) -> str | None:
+def pin_auto_map(cfg, micro: int, where: Path, lengths: tuple[int, int] | None = None) -> str | None:
     """`--device-map auto` balanced once, for micro-batch `micro`, written to `where` (its path
     returned; None where the map is the user's). The balancer moves blocks to the host as the
     micro-batch grows, so micro-batch auto's probe and the job it confirms must both run this map:
@@ -123,7 +124,7 @@ def pin_auto_map(cfg, micro: int, where: Path) -> str | None:
     if read_spec(cfg)[0] != "auto":
         return None
     model = meta_model(load_config(locate(cfg.model)))
-    dmap = _resolve(model, dataclasses.replace(cfg, micro_batch_size=micro), _this_device())
+    dmap = _resolve(model, dataclasses.replace(cfg, micro_batch_size=micro), _this_device(), lengths)
     where.parent.mkdir(parents=True, exist_ok=True)
     where.write_text(json.dumps(dmap.to_json(), indent=1))
     return str(where)
@@ -133,12 +134,13 @@ def _this_device() -> str:
     return canonical_device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
 
 
-def apply_device_map(model: torch.nn.Module, cfg, rt, weights: Weights | None = None) -> DeviceMapApplied:
+def apply_device_map(model: torch.nn.Module, cfg, rt, weights: Weights | None = None,
+                     lengths: tuple[int, int] | None = None) -> DeviceMapApplied:
     """The split step. A meta-device model with `weights` gets each module's storage on its device
     and is filled there, one tensor at a time: no copy of the whole model is ever on the host. A
     4-bit base (QLoRA) is quantized first, each layer on its device, by that device's store."""
     main = canonical_device(rt.device)
-    dmap = _resolve(model, cfg, main)
+    dmap = _resolve(model, cfg, main, lengths)
     notes = []
     if cfg.load_in_4bit:
         where = module_devices(model, dmap)

@@ -55,15 +55,17 @@ from ..tensor import apply_tensor_parallel
 from .plan import ParallelPlan
 
 
-def apply(model: torch.nn.Module, plan: ParallelPlan, cfg, rt: Runtime) -> Applied:
+def apply(model: torch.nn.Module, plan: ParallelPlan, cfg, rt: Runtime,
+          lengths: tuple[int, int] | None = None) -> Applied:
     """Spread `model` as `plan` says. A meta-device model on every rank is filled per rank (weights
     from cfg.model's files, or the seeded init); otherwise rank 0 brings the real weights and the
     other ranks a meta-device model. Returns the engine the training loop drives (strategies/base.py
-    `Engine`)."""
+    `Engine`). `lengths`: the data's longest sample (the job's), which `--device-map auto` balances
+    for, as the planner rated it (else the length limits)."""
     weights = weights_for(model, cfg, rt)  # checks the files against the model, before any storage
     full = model.state_dict() if weights is None and rt.is_main and _materialises(plan, rt) else {}  # references
     quantized = apply_4bit(model, plan, cfg, rt, weights)
-    split = apply_split(model, plan, cfg, rt, weights)
+    split = apply_split(model, plan, cfg, rt, weights, lengths)
     notes = apply_tp(split.module, plan, rt)
     notes += apply_per_block(split.module, plan, cfg)
     engine = apply_sharding(model, split, plan, cfg, rt, weights, quantized)
@@ -111,11 +113,12 @@ def _materialises(plan: ParallelPlan, rt: Runtime) -> bool:
     return rt.distributed and plan.pp == 1 and (plan.engine == "fsdp" or plan.tp > 1)
 
 
-def apply_split(model, plan: ParallelPlan, cfg, rt: Runtime, weights: Weights | None = None) -> Applied:
+def apply_split(model, plan: ParallelPlan, cfg, rt: Runtime, weights: Weights | None = None,
+                lengths: tuple[int, int] | None = None) -> Applied:
     """Device map or pipeline stages (filled here: later transforms cut their real tensors);
     otherwise the model whole, as a plain engine to build on."""
     if plan.split == "device_map":
-        return apply_device_map(model, cfg, rt, weights)
+        return apply_device_map(model, cfg, rt, weights, lengths)
     if plan.pp > 1:
         return apply_pipeline(model, plan, cfg, rt, weights)
     return Applied(model=model, module=model, strategy=plan.name)

@@ -32,10 +32,11 @@ class Alias:
     offload: str = "none"  # where the optimizer states live
     offload_params: bool = False  # parameters at rest in host RAM too (zero3-offload)
     split: str | None = None  # a one-process split over devices
+    one_process: bool = False  # the whole job is one process (which drives every device it has)
 
 
 ALIASES = {
-    "single": Alias(0, "dp_replicate"),
+    "single": Alias(0, "dp_replicate", one_process=True),
     "ddp": Alias(0, "dp_replicate"),
     "zero1": Alias(1, "dp_shard"),
     "zero2": Alias(2, "dp_shard"),
@@ -44,7 +45,7 @@ ALIASES = {
     "zero2-offload-nvme": Alias(2, "dp_shard", offload="nvme"),
     "zero3-offload": Alias(3, "dp_shard", offload="host", offload_params=True),
     "pipeline": Alias(0, "pp"),
-    "device_map": Alias(0, "dp_replicate", split="device_map"),
+    "device_map": Alias(0, "dp_replicate", split="device_map", one_process=True),
 }
 
 
@@ -123,9 +124,6 @@ def _named(degrees: dict) -> str:
 def _unsupported(p: ParallelPlan) -> list[str]:
     """Each combination bigfit cannot run, as the line that says so and what would work."""
     out = []
-    if p.split and p.world != 1:
-        out.append(f"{p.name} splits the model over the devices of one process, but the plan has {p.world} "
-                   "processes; use one process, or --pp for a pipeline across processes")
     if p.zero == 0 and p.dp_shard > 1:
         out.append(f"--dp-shard {p.dp_shard} shards model states, which needs ZeRO stage 1-3 (zero1/zero2/zero3), "
                    f"not {p.name}; use --dp-replicate {p.dp_shard} for plain data parallelism")
@@ -154,9 +152,11 @@ def _unsupported(p: ParallelPlan) -> list[str]:
         out.append(f"--sequence-parallel with --pp {p.pp} is not supported yet (stages exchange whole hidden states); "
                    "use --tp alone or with --dp-shard, or drop --sequence-parallel")
     if p.pp == 1 and (p.schedule is not None or p.stages_per_rank != 1):
-        out.append("--pipeline-schedule / --stages-per-rank belong to a pipeline (--pp 2 or more, or --strategy pipeline)")
+        given = ", ".join(f for f, on in (("--pipeline-schedule", p.schedule is not None),
+                                          ("--stages-per-rank", p.stages_per_rank != 1)) if on)
+        out.append(f"{given} belong(s) to a pipeline (--strategy pipeline or --pp 2 or more), not {p.name}")
     if p.chunks > 1 and p.pp == 1 and not p.split:
-        out.append(f"--chunks {p.chunks} belongs to a pipeline (--pp) or a device map, not {p.name}")
+        out.append(f"--chunks belongs to --strategy device_map or a pipeline (--pp), not {p.name}")
     return out
 
 
@@ -167,6 +167,11 @@ def plan_for(strategy: str, world: int, *, tp: int | None = None, pp: int | None
     if strategy not in ALIASES:
         raise BigfitError(f"--strategy {strategy!r} is not valid; choose one of: {', '.join(ALIASES)}")
     alias = ALIASES[strategy]
+    if alias.one_process and world != 1:
+        raise BigfitError(f"strategy {strategy!r} runs one process (which drives every device)" + (
+            f": it splits the model over the devices of one process, but the plan has {world} processes; use "
+            "--nproc 1, or --pp for a pipeline across processes" if alias.split else
+            f", but --nproc is {world}; use --nproc 1, or ddp / zero3 for several processes"))
     given = {"tp": tp, "pp": pp, "dp_shard": dp_shard, "dp_replicate": dp_replicate}
     for d, v in given.items():
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
@@ -178,6 +183,9 @@ def plan_for(strategy: str, world: int, *, tp: int | None = None, pp: int | None
             raise BigfitError(f"{_named({d: v for d, v in degrees.items() if d != alias.fills})} = {rest_product} "
                               f"does not divide the {world} processes; choose degrees whose product divides {world}")
         degrees[alias.fills] = world // rest_product
+    if alias.fills == "pp" and degrees["pp"] < 2:
+        raise BigfitError(f"a pipeline runs one process per stage, but the job has {world} process(es) for it; use "
+                          "--nproc 2 or more (or device_map, which splits the model over the devices of one process)")
     zero = alias.zero if degrees["dp_shard"] * degrees["dp_replicate"] > 1 or _one_rank_fsdp(alias, degrees) else 0
     return ParallelPlan(world=world, **degrees, zero=zero, offload=alias.offload, offload_params=alias.offload_params,
                         split=alias.split, name=strategy, **rest)

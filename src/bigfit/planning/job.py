@@ -34,11 +34,10 @@ class Job:
         return self.micro_batch or max(1, self.batch_size // world)
 
 
-def planned_lengths(cfg) -> tuple[int, int]:
+def planned_lengths(cfg, lengths: tuple[int, int] | None = None) -> tuple[int, int]:
     """The source and target tokens of a training run's longest batch, as the planner rates it: the
-    data's longest samples where the command read them (training/job.py with_data_lengths puts them in
-    cfg.extra), else --max-source-len and --max-target-len, which are limits, not lengths."""
-    data = cfg.extra.get("data_lengths")
-    if not data:
+    data's longest samples where the command read them (`lengths`: training/job.py data_lengths, a
+    job's DataRef.lengths), else --max-source-len and --max-target-len, which are limits, not lengths."""
+    if not lengths:
         return cfg.max_source_len, cfg.max_target_len
-    return max(1, min(cfg.max_source_len, data[0])), max(1, min(cfg.max_target_len, data[1]))
+    return max(1, min(cfg.max_source_len, lengths[0])), max(1, min(cfg.max_target_len, lengths[1]))

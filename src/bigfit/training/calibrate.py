@@ -17,7 +17,7 @@ from ..parallel.mesh import with_mesh
 from ..planning.estimate import memory
 from ..planning.profile import profile_model
 from ..precision import DTYPES
-from ..resolution import plan_of, resolve
+from ..resolution import resolve
 from ..strategies import build_optimizer
 from .step import train_step
 
@@ -58,8 +58,8 @@ def measure(model_config, strategy: str, batch: int, seq: int, precision: str, r
     gpu = rt.device.type == "cuda"
     base = _start(gpu)
     model = AutoModelForCausalLM.from_config(model_config)
-    cfg = resolve(TrainConfig(strategy=strategy, batch_size=batch, precision=precision), rt.world_size)
-    plan = plan_of(cfg)
+    job = resolve(TrainConfig(strategy=strategy, batch_size=batch, precision=precision), rt.world_size)
+    cfg, plan = job.cfg, job.plan
     engine = apply(model, plan, cfg, with_mesh(rt, plan))
     build_optimizer(engine, cfg)
     for _ in range(steps):

@@ -1,7 +1,8 @@
-"""Everything about a job that can be checked before any process starts or any weight is read:
-flags, model source and config, tokenizer, data, resume path. The launcher runs `prepare` once
-before spawning workers (so a user mistake is reported once, before any work), and every worker
-runs it again to get the same resolved job."""
+"""A resolved job made ready to run in this process: its model source and config, tokenizer, data and
+resume point (`Prepared`). Whoever starts the job (bigfit's launcher, a one-process job, the Python
+API) runs `prepare`, which also checks everything that needs the model and data but no process, so a
+user mistake is one line before any work; its workers run `load` on the job the starter wrote, which
+reads the tokenized data the starter left them (data/handoff.py) and checks nothing again."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,11 +13,11 @@ from pathlib import Path
 from ..config import TrainConfig
 from ..errors import BigfitError
 from ..parallel.plan import ParallelPlan
-from ..resolution import plan_of, resolve
+from ..resolution import Job
 from ..userfiles import read_text
 from ..data import Dataset, build_dataset, digits_task, read_examples
 from ..data.tokenize import check_enough
-from ..data import cache
+from ..data import cache, handoff
 from ..data.arrays import first, longest
 from ..data.chat import require_template
 from ..data.digest import examples_digest
@@ -30,25 +31,49 @@ EMBEDDED_TRAIN_SAMPLES = 4000
 
 
 @dataclass
-class Job:
-    cfg: TrainConfig  # resolved for the world size
+class Prepared:
+    job: Job  # the resolved job; its data names what this process read (digest, lengths, tokenized dir)
     source: ModelSource
     model_config: object
     tokenizer: object
     seq2seq: bool
     dataset: Dataset
     resume_from: Path | None
-    plan: ParallelPlan  # how the model is spread over the processes (parallel/plan.py)
     lora: LoraSettings | None = None  # LoRA adapters on a frozen base (lora.py); None: full fine-tuning
-    # the examples' sha256 where --data is no single file (a dataset directory, a hub name): runinfo.identity
-    data_sha256: str | None = None
+
+    @property
+    def cfg(self) -> TrainConfig:
+        return self.job.cfg
+
+    @property
+    def plan(self) -> ParallelPlan:  # how the model is spread over the processes (parallel/plan.py)
+        return self.job.plan
+
+    @property
+    def data_sha256(self) -> str | None:  # the examples' sha256 where --data is no single file: runinfo.identity
+        return self.job.data.sha256
 
 
-def prepare(cfg: TrainConfig, world_size: int) -> Job:
-    cfg = resolve(cfg, world_size)
+def prepare(job: Job) -> Prepared:
+    """`job` ready to run here, after every check that needs its model and data (the starter's)."""
+    cfg = job.cfg
     source = locate(cfg.model)
     model_config = load_config(source)
     check_files(source)  # the weight files open (headers only): the rank-0 path reads them in a training process
+    ready = _load(job, source, model_config)
+    if ready.lora:  # its targets against the model's linear layers, on a weightless copy: one line before any work
+        check_targets(build_model(source, model_config, cfg.seed, on_meta=True), ready.lora)
+    return ready
+
+
+def load(job: Job) -> Prepared:
+    """`job` ready to run in a worker: its tokenized data mapped from where the starter left it."""
+    source = locate(job.cfg.model)
+    return _load(job, source, load_config(source))
+
+
+def _load(job: Job, source: ModelSource, model_config) -> Prepared:
+    cfg = job.cfg
     tokenizer = load_tokenizer(source, model_config)
     if cfg.chat_template:  # the user's template over the tokenizer's own (or its lack of one)
         tokenizer.chat_template = read_text(cfg.chat_template, f"--chat-template {cfg.chat_template!r}",
@@ -58,24 +83,39 @@ def prepare(cfg: TrainConfig, world_size: int) -> Job:
         raise BigfitError(f"--pack lays samples end to end for decoder-only models; {cfg.model or 'the embedded T5'} is "
                           "an encoder-decoder, whose sources and targets are separate sequences: leave --pack out")
     resume_from = ckptdir.resolve_resume(cfg.resume, cfg.output_dir) if cfg.resume else None
-    dataset, digest = _dataset(cfg, tokenizer, seq2seq)
+    if job.data.tokenized:  # the starter's: mapped, not read again
+        dataset, digest = handoff.read(Path(job.data.tokenized), tokenizer), job.data.sha256
+    else:
+        dataset, digest = _dataset(cfg, tokenizer, seq2seq)
+    data = dataclasses.replace(job.data, sha256=digest, lengths=job.data.lengths or _lengths(cfg, dataset))
     if cfg.max_train_samples is not None and cfg.max_train_samples < len(dataset.train):
         dataset = dataclasses.replace(dataset, train=first(dataset.train, cfg.max_train_samples))
-    lora = LoraSettings.from_config(cfg)
-    if lora:  # its targets against the model's linear layers, on a weightless copy: one line before any work
-        check_targets(build_model(source, model_config, cfg.seed, on_meta=True), lora)
-    return Job(cfg, source, model_config, tokenizer, seq2seq, dataset, resume_from, plan_of(cfg), lora, digest)
+    return Prepared(job.with_data(data), source, model_config, tokenizer, seq2seq, dataset, resume_from,
+                    LoraSettings.from_config(cfg))
 
 
-def with_data_lengths(cfg: TrainConfig) -> TrainConfig:
-    """`cfg` with the longest training sample's source and target tokens in extra["data_lengths"], at
-    most --max-source-len / --max-target-len: what the planner rates (planning/auto.py), since no
-    batch is longer. The limits are caps, often far past the data: the embedded task's samples are 29
-    and 10 tokens at most, and rated at 128/128 a step of it read 5.3 s where 0.5 s is measured."""
+def _lengths(cfg: TrainConfig, dataset: Dataset) -> tuple[int, int]:
+    """The longest training sample's source and target tokens, at most the limits: what the planner rates."""
+    src, tgt = longest(dataset.train)
+    return max(1, min(cfg.max_source_len, src)), max(1, min(cfg.max_target_len, tgt))
+
+
+def handed_over(ready: Prepared, where: Path) -> Job:
+    """The job its workers run: `ready`'s, with its tokenized data left in `where` (a cache entry is
+    handed over as itself) for every rank of the node to map."""
+    return ready.job.with_data(dataclasses.replace(ready.job.data, tokenized=str(handoff.write(ready.dataset, where))))
+
+
+def data_lengths(cfg: TrainConfig) -> tuple[int, int]:
+    """The longest training sample's source and target tokens, at most --max-source-len /
+    --max-target-len: what the planner rates (planning/auto.py), since no batch is longer. The limits
+    are caps, often far past the data: the embedded task's samples are 29 and 10 tokens at most, and
+    rated at 128/128 a step of it read 5.3 s where 0.5 s is measured. The data read here is kept for
+    `prepare` (_LAST): the starter tokenizes once."""
     source = locate(cfg.model)
     model_config = load_config(source)
     dataset, _ = _dataset(cfg, load_tokenizer(source, model_config), is_seq2seq(model_config))
-    return dataclasses.replace(cfg, extra={**cfg.extra, "data_lengths": list(longest(dataset.train))})
+    return _lengths(cfg, dataset)
 
 
 # The last dataset tokenized in this process, by what it depends on: `--strategy auto` and micro-batch
@@ -127,19 +167,20 @@ def _read_dataset(cfg: TrainConfig, tokenizer, seq2seq: bool) -> tuple[Dataset, 
                          seed=cfg.seed, min_train=cfg.batch_size, pack=cfg.pack), digest
 
 
-def describe(job: Job, n_params: int, device, notes: list[str], trained: int | None = None) -> list[tuple[str, object]]:
+def describe(job: Prepared, n_params: int, device, notes: list[str], trained: int | None = None) -> list[tuple[str, object]]:
     """The resolved configuration, as rows for the start-of-run table. `trained`: the parameters the
     optimizer steps (LoRA's adapters), when not all."""
-    c, x = job.cfg, job.cfg.extra
+    c, x = job.cfg, job.job.batching
     model = c.model or "embedded tiny T5 (3 encoder + 2 decoder blocks, tied embeddings)"
     data = c.data or "embedded task: number words -> digits"
     return [
         ("model", f"{model} [{job.source.kind}], {n_params / 1e6:.2f}M parameters"),
         ("tokenizer", describe_tokenizer(job.source, job.tokenizer)),
         ("data", f"{data}: {_train_samples(job)} / {len(job.dataset.eval)} eval samples" + _capped(job)),
-        ("plan", f"{job.plan.describe()}; precision {c.precision}, on {x['world_size']} x {device.type}"
+        ("plan", f"{job.plan.describe()}; precision {c.precision}, on {x.world_size} x {device.type}"
                  + "".join(f"; {n}" for n in notes)),
-        ("batch", f"global {c.batch_size} = {x['data_parallel']} data-parallel x {x['grad_accum']} accumulation "
+        *([("prediction", job.job.prediction)] if job.job.prediction else []),
+        ("batch", f"global {c.batch_size} = {x.data_parallel} data-parallel x {x.grad_accum} accumulation "
                   f"x micro-batch {c.micro_batch_size}" + _shared(job)),
         ("schedule", f"{c.max_steps} steps, {c.optimizer} lr {c.lr:g} ({c.warmup_type} warm-up {c.warmup_steps}, "
                      f"{c.lr_schedule} after), weight decay {c.weight_decay:g}, clip {c.max_grad_norm:g}, seed {c.seed}"),
@@ -152,7 +193,7 @@ def describe(job: Job, n_params: int, device, notes: list[str], trained: int | N
     ]
 
 
-def _shared(job: Job) -> str:
+def _shared(job: Prepared) -> str:
     """Who sees each data-parallel share whole: pipeline positions (in chunks) and tensor-parallel peers."""
     p, parts = job.plan, []
     if p.pp > 1:
@@ -167,7 +208,7 @@ def _every(steps: int) -> str:
     return f"every {steps} steps and at the end" if steps else "at the end only"
 
 
-def _eval_when(job: Job) -> str:
+def _eval_when(job: Prepared) -> str:
     """When the loop evaluates: at step 0 (the baseline, unless --no-eval-on-start or resumed past it),
     every --eval-every steps, and at the last step."""
     c = job.cfg
@@ -176,13 +217,13 @@ def _eval_when(job: Job) -> str:
     return f"at step 0, every {c.eval_every} steps and at the end" if c.eval_every else "at step 0 and at the end"
 
 
-def _capped(job: Job) -> str:
+def _capped(job: Prepared) -> str:
     """A word where the hold-out is less than --eval-samples: the default's, capped at a tenth of small data."""
     held, asked = len(job.dataset.eval), job.cfg.eval_samples
     return f" (--eval-samples {asked}: at most a tenth of the data is held out)" if held < asked else ""
 
 
-def _eval_extras(job: Job) -> str:
+def _eval_extras(job: Prepared) -> str:
     c = job.cfg
     if not job.seq2seq:
         return ", perplexity"
@@ -191,7 +232,7 @@ def _eval_extras(job: Job) -> str:
     return f", beam-{c.num_beams} generate, BLEU and exact match"
 
 
-def _train_samples(job: Job) -> str:
+def _train_samples(job: Prepared) -> str:
     d = job.dataset
     where = f" (mapped from {d.cached})" if d.cached else ""
     if d.packed:

@@ -12,9 +12,9 @@ import torch
 
 from .. import faults
 from ..checks import reporters
-from ..config import TrainConfig
+from ..resolution import Job
 from ..data import Batcher
-from ..distributed import Runtime, init_runtime, shutdown, world_size
+from ..distributed import Runtime, init_runtime, shutdown
 from ..loading import loads_per_rank
 from ..lora import inject, trainable_parameters
 from ..models import build_model, count_parameters
@@ -25,26 +25,28 @@ from ..strategies import Engine, build_optimizer
 from . import checkpoint, probe, runinfo
 from .consolidate import consolidate
 from .evaluate import evaluate
-from .job import Job, describe, prepare
+from .job import Prepared, describe, load
 from .metrics import FlushWatch, MetricsLog, StartClock, StepProgress, allocator_flushes, console, table
 from .ownership import claim
 from .step import global_targets, lr_at, train_step
 from .trackers import Trackers, predicted_peak
 
 
-def train(cfg: TrainConfig) -> dict:
-    """Run the job on this process (one rank of it). Returns the final metrics and output paths."""
+def train(job: Job, ready: Prepared | None = None) -> dict:
+    """Run the resolved `job` on this process (one rank of it). `ready`: the job already prepared in
+    this process (by its starter: a one-process job); else its data is mapped from where the starter
+    left it. Returns the final metrics and output paths."""
     clock = StartClock()
-    job = prepare(cfg, world_size())
+    ready = ready or load(job)
     clock.mark("data")
     # FSDP2 needs a mesh even for one rank (to offload or to cast parameters); zero3-offload reduces
     # gradients that live in host RAM, which needs gloo beside NCCL
-    rt = init_runtime(cfg.timeout_s, group_for_one=job.plan.engine == "fsdp", host_collectives=job.plan.offload_params)
+    rt = init_runtime(job.cfg.timeout_s, group_for_one=job.plan.engine == "fsdp", host_collectives=job.plan.offload_params)
     try:
         rt = with_mesh(rt, job.plan)
         clock.mark("runtime")
-        with claim(job, rt), _collector_paused():  # the output directory is this run's (a launcher may have claimed it)
-            return _train(job, rt, clock)
+        with claim(ready, rt), _collector_paused():  # the output directory is this run's (a launcher may have claimed it)
+            return _train(ready, rt, clock)
     finally:
         release_run_groups()
         shutdown(rt)
@@ -72,7 +74,7 @@ def _collector_paused():
         gc.enable()
 
 
-def _assets_writer(job: Job, module):
+def _assets_writer(job: Prepared, module):
     def write(directory: Path) -> None:
         config = copy.deepcopy(module.config)
         config.use_cache = True  # off only while training
@@ -83,7 +85,7 @@ def _assets_writer(job: Job, module):
     return write
 
 
-def _train(job: Job, rt: Runtime, clock: StartClock) -> dict:
+def _train(job: Prepared, rt: Runtime, clock: StartClock) -> dict:
     cfg, ds = job.cfg, job.dataset
     out_dir = Path(cfg.output_dir)
     ckpt_root = out_dir / "checkpoints"
@@ -92,7 +94,7 @@ def _train(job: Job, rt: Runtime, clock: StartClock) -> dict:
         inject(model, job.lora)
     n_params, trained = count_parameters(model), trainable_parameters(model)
     clock.mark("model")
-    applied = apply(model, job.plan, cfg, rt)
+    applied = apply(model, job.plan, cfg, rt, job.job.data.lengths)
     clock.mark("placement")
     build_optimizer(applied, cfg)
     clock.mark("optimizer")
@@ -118,7 +120,7 @@ def _train(job: Job, rt: Runtime, clock: StartClock) -> dict:
     batcher = Batcher(len(ds.train), cfg.batch_size, cfg.seed)
     write_assets = _assets_writer(job, applied.module)
     run = runinfo.read(out_dir) if rt.is_main else {}  # written by the claim: checkpoints carry the run's identity
-    boards = _boards(cfg, out_dir, run, rt) if rt.is_main else None  # dashboards beside metrics.jsonl (--report-to)
+    boards = _boards(job, out_dir, run, rt) if rt.is_main else None  # dashboards beside metrics.jsonl (--report-to)
 
     def run_eval() -> dict:
         began = time.perf_counter()
@@ -175,7 +177,7 @@ def _train(job: Job, rt: Runtime, clock: StartClock) -> dict:
         faults.maybe_die("step", step, rt)
         if cfg.checkpoints and (step == cfg.max_steps or (cfg.save_every and step % cfg.save_every == 0)):
             applied.flush()
-            trainer = {"step": step, "world_size": rt.world_size, "config": cfg.to_dict(),
+            trainer = {"step": step, "world_size": rt.world_size, "config": cfg.to_dict(), "plan": job.plan.to_dict(),
                        "loss_scaler": scaler.state_dict() if scaler else None, "run_id": run.get("run_id"),
                        "identity": run.get("identity")}
             last_ckpt = checkpoint.save(ckpt_root, step, applied, rt, trainer, write_assets,
@@ -198,16 +200,17 @@ def _train(job: Job, rt: Runtime, clock: StartClock) -> dict:
     return summary
 
 
-def _boards(cfg: TrainConfig, out_dir: Path, run: dict, rt: Runtime) -> Trackers:
+def _boards(job: Prepared, out_dir: Path, run: dict, rt: Runtime) -> Trackers:
     """The dashboards of --report-to (none: an empty set), with the planner's peak for the run."""
+    cfg = job.cfg
     names = reporters(cfg.report_to)
-    predicted, note = predicted_peak(cfg, rt.world_size) if names else (None, "")
+    predicted, note = predicted_peak(cfg, rt.world_size, job.job.data.lengths) if names else (None, "")
     if note:
         console.print(f"[yellow]{note}[/yellow]")
     return Trackers(names, out_dir, cfg.to_dict(), run.get("run_id") or out_dir.name, predicted)
 
 
-def _probe(job: Job, applied: Engine, rt: Runtime) -> dict:
+def _probe(job: Prepared, applied: Engine, rt: Runtime) -> dict:
     """micro-batch auto's probe (training/probe.py): candidate micro-batches tried one after another on
     this model and engine, built once; the process exits after it, and the real job starts apart."""
     return probe.probe(job, applied, rt)

@@ -154,8 +154,8 @@ def _check_resume(job, out: Path, contents: rundir.Contents, ident: dict, saved:
     if bad := sorted(allowed - set(resume.MATH)):
         raise BigfitError(f"--allow-changed {','.join(bad)}: not a setting that changes the math (those are "
                           f"{', '.join(resume.MATH)}); other settings may change on resume without it")
-    now = {"config": cfg.to_dict(), "world_size": cfg.extra["world_size"], "identity": ident,
-           "undecided": cfg.extra.get("undecided", ())}  # sizes a probe picks after this check
+    now = {"config": cfg.to_dict(), "plan": job.plan.to_dict(), "world_size": job.job.batching.world_size,
+           "identity": ident, "undecided": job.job.undecided}  # sizes a probe picks after this check
     refused, notes = resume.compare(saved, now, allowed)
     if refused:
         raise BigfitError(f"--resume: checkpoint {str(ckpt)!r} was saved with other settings that change the math: "

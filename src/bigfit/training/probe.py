@@ -28,13 +28,13 @@ from ..models import block_lists
 from ..planning.sizes import ProbeSearch, outcome_text
 from ..strategies import Engine
 from . import probewatch
-from .job import Job
+from .job import Prepared
 from .metrics import allocator_flushes
 from .probewatch import deadline as _deadline
 from .step import train_step
 
 
-def probe(job: Job, engine: Engine, rt: Runtime) -> dict:
+def probe(job: Prepared, engine: Engine, rt: Runtime) -> dict:
     """Run the search in probefile.path(OUTPUT) until it is over; returns its outcomes. However it
     ends, the process then exits within probewatch.EXIT_S."""
     where = probefile.path(job.cfg.output_dir)
@@ -56,7 +56,7 @@ def probe(job: Job, engine: Engine, rt: Runtime) -> dict:
     return {"probes": search.outcomes}
 
 
-def _search(job: Job, engine: Engine, rt: Runtime, where: Path, search: ProbeSearch) -> None:
+def _search(job: Prepared, engine: Engine, rt: Runtime, where: Path, search: ProbeSearch) -> None:
     longest = longest_first(job.dataset.train)
     clock, stepped = probewatch.StepClock(), False
     while (micro := search.next()) is not None:
@@ -96,7 +96,7 @@ def _recovered(engine: Engine, micro: int, where: Path) -> bool:
     return True
 
 
-def _attempt(job: Job, engine: Engine, rt: Runtime, longest: Sequence[dict], micro: int,
+def _attempt(job: Prepared, engine: Engine, rt: Runtime, longest: Sequence[dict], micro: int,
              steps: int) -> tuple[bool, int | None, bool]:
     """(ran, peak bytes, whether it ran only by flushing the allocator's cache on some rank: every rank
     takes the same next size) of `steps` steps at `micro` and their update landed (a third where a

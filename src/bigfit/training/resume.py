@@ -24,7 +24,7 @@ LAYOUT = ("nproc", "micro_batch_size", "strategy", "device_map", "chunks", "pipe
 # initial_scale_power: the loss scaler's state is restored from the checkpoint, so it no longer matters
 FREE = ("output_dir", "overwrite", "report_to", "data_cache", "dataset_num_proc", "resume", "allow_changed", "save_every", "keep_checkpoints", "eval_every",
         "eval_on_start", "num_beams", "max_new_tokens", "timeout_s", "consolidate", "checkpoints", "probe_only",
-        "initial_scale_power", "extra")
+        "initial_scale_power")
 IDENTITY = ("model", "data")  # compared by content (architecture, file hash), not by the path given
 
 
@@ -44,7 +44,7 @@ def _model_change(saved: dict | None, now: dict | None) -> str | None:
 
 
 def compare(saved: dict, now: dict, allowed: set[str]) -> tuple[list[str], list[str]]:
-    """`saved` and `now`: {"config": settings, "world_size": processes, "identity": {"model":,
+    """`saved` and `now`: {"config": settings, "plan": the parallel plan, "world_size": processes, "identity": {"model":,
     "model_config":, "data":, "data_sha256":}} of the checkpoint and of this run (and in `now`,
     "undecided": sizes that a probe picks later, not said yet). Returns (refused,
     notes): 'key old -> new' for every MATH change not in `allowed`, and a line per other change."""
@@ -71,7 +71,9 @@ def _layout_notes(saved: dict, now: dict, changed: set[str]) -> list[str]:
     if saved.get("world_size") not in (None, now["world_size"]):
         n = now["world_size"]
         notes.append(f"note: resuming at {n} process{'es' if n > 1 else ''}; saved with {saved['world_size']}")
-    if (was := old.get("extra", {}).get("plan")) and (plan := new.get("extra", {}).get("plan")) and was != plan:
+    # the plan beside the settings (checkpoints before the typed job kept it in config.extra)
+    was = saved.get("plan") or old.get("extra", {}).get("plan")
+    if was and (plan := now.get("plan")) and was != plan:
         notes.append(f"note: resuming as {_degrees(plan)}; saved as {_degrees(was)}")
     for k in LAYOUT:
         if k not in ("nproc", *now.get("undecided", ())) and _differs(old, new, k):

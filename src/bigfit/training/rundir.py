@@ -5,6 +5,7 @@ checkpoint or model directory around it).
 
 A run's files in OUTPUT, and the record that makes each one bigfit's:
     run.json              the run's identity, and the paths below that the run writes (runinfo.py)
+    job.json              the resolved job its processes run (resolution.py), by those paths too
     metrics.jsonl, eval.jsonl, logs/, nvme/      by those paths: step logs, worker and probe logs,
                           zero2-offload-nvme's state files (the default --nvme-dir)
     checkpoints/step-N/   by its COMPLETE marker's manifest (each file's size and CRC-32);
@@ -32,7 +33,8 @@ from .records import MODEL_MARKER
 RUN_FILE = "run.json"
 LOGS = ("metrics.jsonl", "eval.jsonl")
 # The paths a run writes besides its checkpoints and model directory (run.json records them)
-RUN_PATHS = ("metrics.jsonl", "eval.jsonl", "metrics.tmp", "eval.tmp", "run.json.tmp", "checkpoints/.step-*.partial/*",
+RUN_PATHS = ("metrics.jsonl", "eval.jsonl", "metrics.tmp", "eval.tmp", "run.json.tmp", "job.json", "job.json.partial",
+             "checkpoints/.step-*.partial/*", "logs/probe/job.json", "logs/probe/job.json.partial",
              "logs/rank-*.log", "logs/error.txt", "logs/probe/rank-*.log", "logs/probe/error.txt", "logs/probe/search.json",
              "logs/probe/search.partial", "logs/probe/device_map.json", "logs/probe/deadline.json",
              "logs/probe/deadline.partial", "logs/probe/waited.txt", "nvme/rank-*/bucket-*.bin")

@@ -44,7 +44,7 @@ def write(out: Path, old: dict | None, ident: dict, job, saved: dict) -> None:
         run_id = saved.get("run_id") or (old or {}).get("run_id") or run_id  # checkpoints of earlier versions have none
     run = old if old and old.get("run_id") == run_id else {}
     start = {"time": time.time(), "host": socket.gethostname(), "pid": os.getpid(),
-             "world_size": job.cfg.extra["world_size"], "resumed_from": str(job.resume_from or "") or None,
+             "world_size": job.job.batching.world_size, "resumed_from": str(job.resume_from or "") or None,
              "config": job.cfg.to_dict()}
     body = {"run_id": run_id, "bigfit_version": _version(), "identity": ident, "paths": list(RUN_PATHS),
             "starts": run.get("starts", []) + [start]}

@@ -96,13 +96,13 @@ def _group(key: str) -> str:
     return f"eval/{key[5:]}" if key.startswith("eval_") else f"train/{key}"
 
 
-def predicted_peak(cfg, world: int) -> tuple[float | None, str]:
+def predicted_peak(cfg, world: int, lengths: tuple[int, int] | None = None) -> tuple[float | None, str]:
     """(the planner's peak GB for this run, or None; a note saying so when it could not be rated). A
     dashboard's extra: whatever the planner raises is a note, never the run's end."""
     from ..planning.auto import predicted_peak_gb
 
     try:
-        gb = predicted_peak_gb(cfg, world)
+        gb = predicted_peak_gb(cfg, world, lengths)
     except Exception as e:  # noqa: BLE001  the run goes on without the line
         return None, f"the planner's peak memory is not on the dashboards ({type(e).__name__}: {e})"
     return gb, "" if gb is not None else "the planner rates no row for this layout: no predicted peak on the dashboards"
