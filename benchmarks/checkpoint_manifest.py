@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-from bigfit.training import manifest
+from bigfit.outputs import manifest
 
 
 def state(params: int) -> dict:

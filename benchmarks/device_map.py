@@ -85,7 +85,7 @@ def run(name: str, base, spec, chunks: int, batch: dict, gen_batch: dict, args, 
                 "decoder": {gpu: list(range(base.config.num_decoder_layers))}}
     parallelize(model, spec)
     if args.compile:  # bigfit's --compile (each block's forward), here on the first device's blocks only, or all
-        from bigfit.strategies.compiling import apply_compile
+        from bigfit.engine.compiling import apply_compile
 
         on_gpu = lambda blk: args.compile == "all" or next(blk.parameters()).device == torch.device(gpu)  # noqa: E731
         apply_compile(model, where=on_gpu)

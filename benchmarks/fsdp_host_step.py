@@ -1,5 +1,5 @@
 """zero3-offload's host step in isolation: torch's fused AdamW over FSDP2's offloaded DTensor shards
-(CPUOffloadPolicy, one unit per block and the root, as strategies/sharding.py shards) against the same
+(CPUOffloadPolicy, one unit per block and the root, as data_parallel/sharding.py shards) against the same
 optimizer over plain tensors of the same sizes, and over one flat tensor, on this machine's cores.
 
     python benchmarks/fsdp_host_step.py [--hidden 1024 --layers 8 --vocab 32000] [--steps 5]

@@ -274,7 +274,7 @@ s6-compile)  # issue 6: the same with each GPU block's forward compiled (device_
   timeout 300 $dm --layouts unsplit,tail --chunks 2,4 --sequential --batch 64 --compile gpu
   timeout 120 $dm --layouts unsplit,tail --chunks 2,4 --batch 128 --compile gpu
   ;;
-s6-train)  # issue 6: `bigfit train --compile` itself (strategies/compiling.py, inductor) on T5-large's shape,
+s6-train)  # issue 6: `bigfit train --compile` itself (engine/compiling.py, inductor) on T5-large's shape,
   # the embedded task at batch 64, against eager; then the tail device map with 2 chunks, compiled
   python3 -c "from transformers import T5Config as C; C(d_model=1024, d_ff=4096, d_kv=64, num_heads=16, num_layers=24,
 num_decoder_layers=24, vocab_size=32128, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1).save_pretrained('/tmp/t5l')"
@@ -291,7 +291,7 @@ print('$1', 'median tok/s over steps 11-25:', round(s.median(x['tokens_per_s'] f
   ;;
 next-x2-dm)  # for the next 2-GPU call (issue 6's last run, issue 7 item 3): device-map chunks over two GPUs
   # with every block compiled, where each GPU's segment should take longer than issuing it
-  timeout 120 python3 -m pytest tests/test_device_map.py tests/test_compile.py -q -x 2>&1 | tail -3 | tee "$out/dm-tests.txt"
+  timeout 120 python3 -m pytest tests/test_device_map.py tests/test_engine_compiling.py -q -x 2>&1 | tail -3 | tee "$out/dm-tests.txt"
   dm="python3 benchmarks/device_map.py --other cuda:1 --beams 0 --steps 3 --warmup 1 --out $out/device_map.jsonl"
   timeout 200 $dm --layouts unsplit,flat,split --chunks 2,4 --batch 32 --compile all
   timeout 200 $dm --size 3b --layouts unsplit,flat,split --chunks 2,4 --batch 16 --compile all

@@ -4,7 +4,7 @@ second on this machine's cores, with bf16 gradients as the engine gives them und
     python benchmarks/host_adam.py [--params 268435456] [--threads 2,16] [--json out.json]
 
 Each format steps one bucket of Llama-like rows (4096 a row) through the engine's own call
-(bigfit/adamrate.py, which `bigfit plan --calibrate` runs at 32M parameters on every core), 2 untimed
+(bigfit/offload/adamrate.py, which `bigfit plan --calibrate` runs at 32M parameters on every core), 2 untimed
 steps then the median of 7; torch's fused AdamW (the engine's fallback without a C compiler) beside
 them. The bytes a parameter each moves (planning/estimate.host_step_bytes) give the memory bandwidth
 it reached.
@@ -20,9 +20,9 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
-from bigfit.adamrate import step_seconds  # noqa: E402
+from bigfit.kernels import cpu_adam  # noqa: E402
+from bigfit.offload.adamrate import step_seconds  # noqa: E402
 from bigfit.planning.estimate import host_step_bytes  # noqa: E402
-from bigfit.strategies import cpu_adam  # noqa: E402
 
 
 def measure(fmt: str, params: int, threads: int, repeats: int = 7) -> dict:

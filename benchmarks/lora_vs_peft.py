@@ -34,7 +34,7 @@ def peft_row(model_dir: Path, data: Path, mbs: int, seq: int, steps: int) -> dic
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from bigfit.models import load_tokenizer, locate
+    from bigfit.models.source import load_tokenizer, locate
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     config = AutoConfig.from_pretrained(model_dir)

@@ -54,7 +54,7 @@ def memory_bandwidth(numel: int) -> dict:
 def cpu_adam(numel: int) -> dict:
     """G parameters/s of one flat step. torch's fused AdamW with a grad_scale (as the offload engine
     calls it) also writes the unscaled gradient back: 32 bytes a parameter against 28 without."""
-    from bigfit.strategies import cpu_adam as kernel
+    from bigfit.kernels import cpu_adam as kernel
 
     p = torch.zeros(numel)
     p.grad = torch.randn(numel)

@@ -95,7 +95,7 @@ class Job:
         import torch
 
         from bigfit.data.tokenize import held_out
-        from bigfit.models import build_model, load_config, load_tokenizer, locate
+        from bigfit.models.source import build_model, load_config, load_tokenizer, locate
 
         for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29513"), ("RANK", "0"), ("WORLD_SIZE", "1"),
                      ("LOCAL_RANK", "0")):

@@ -1,5 +1,5 @@
 """Does torch's pinned-memory allocator round each pinned tensor up to a power of two, and does
-bigfit's registered memory (strategies/pinned.py: plain pages, cudaHostRegister) pin exactly the size
+bigfit's registered memory (offload/pinned.py: plain pages, cudaHostRegister) pin exactly the size
 asked with the same copy speed? The offload engine pins each bucket's master and gradient buffer.
 
   PYTHONPATH=src python benchmarks/pinned_rounding.py
@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from bigfit.strategies.pinned import host_zeros
+from bigfit.offload.pinned import host_zeros
 
 
 def rss() -> int:

@@ -16,7 +16,7 @@ import sys
 # the allocating code (a Python frame's file:function) -> what the planner calls it; first match wins
 KINDS = (("optim/", "optimizer"), ("_init_sharded_param", "params"), ("module.py:convert", "params"),
          ("offload.py", "params"), ("alloc_storage", "gathered"), ("all_gather", "gathered"),
-         ("foreach_reduce", "reduce"), ("distributed.py:_pre_forward", "ddp buckets"), ("cross_entropy", "loss"),
+         ("foreach_reduce", "reduce"), ("common/distributed.py:_pre_forward", "ddp buckets"), ("cross_entropy", "loss"),
          ("modeling_", "activations"))
 
 STRATEGIES = ("single", "zero2", "zero3", "zero2-offload")
@@ -40,7 +40,7 @@ def config(family: str, size: str):
 def one(strategy: str, family: str, batch: int, seq: int, size: str, precision: str) -> dict:
     import torch
 
-    from bigfit.distributed import init_runtime
+    from bigfit.common.distributed import init_runtime
     from bigfit.training.calibrate import measure
     from bigfit.parallel import plan_for
 

@@ -2,8 +2,8 @@
 
 Each record is one measured case (benchmarks/RESULTS.md, benchmarks/results/*/): its model shape, strategy,
 flags and batch. This script builds the config (transformers' LlamaConfig / GPT2Config / T5Config), describes
-the H200 machine (141 GB per GPU, 125 GiB of host RAM, the rest bigfit.hardware.DEFAULTS; an H100's memory and
-rates from bigfit/gpus.py where the record's machine is one) and plans the
+the H200 machine (141 GB per GPU, 125 GiB of host RAM, the rest bigfit.machine.hardware.DEFAULTS; an H100's memory and
+rates from bigfit/machine/gpus.py where the record's machine is one) and plans the
 record's strategy alone with `plan_for_config`, then prints the measured and predicted step time and peak
 GPU bytes side by side. Peers (plain PyTorch, FSDP2, DeepSpeed) are rated as the closest bigfit strategy
 (PEERS below) and shown as such. device_map rows are rated on the map that was measured (flat, split, tail),
@@ -31,8 +31,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
-from bigfit.hardware import DEFAULTS, Hardware, gpu_rates, parse_gpus  # noqa: E402
-from bigfit.planning.job import Job  # noqa: E402
+from bigfit.machine.hardware import DEFAULTS, Hardware, gpu_rates, parse_gpus  # noqa: E402
+from bigfit.planning.job import Workload  # noqa: E402
 from bigfit.planning.search import SPLIT_MARGIN, WHOLE, plan_for_config  # noqa: E402
 
 DATA = ROOT / "tests" / "data" / "h200_measured.json"
@@ -87,11 +87,11 @@ def hardware(r: dict) -> Hardware:
                     nvme_gbps=extra.get("nvme_gbps", DEFAULTS["nvme_gbps"]), **rates)
 
 
-def job(r: dict, strategy: str, override: dict) -> Job:
+def job(r: dict, strategy: str, override: dict) -> Workload:
     f, b = {**r["flags"], **override}, r["batch"]
     one_process = strategy in WHOLE  # device_map / pipeline: every stage reads the whole batch
     batch = b["micro_batch"] * b["accum"] * (1 if one_process else b["gpus"])
-    return Job(batch_size=batch, seq_len=b["seq_len"], target_len=b["target_len"], micro_batch=b["micro_batch"],
+    return Workload(batch_size=batch, seq_len=b["seq_len"], target_len=b["target_len"], micro_batch=b["micro_batch"],
                precision=f["precision"], checkpointing=f["checkpointing"], delayed_update=f["delayed_update"],
                offload_grads=f["offload_grads"], nvme_host_gb=f["nvme_host_gb"] or 0.0, clipping=f["clipping"],
                chunks=f["chunks"], pipeline_schedule=f["pipeline_schedule"], compile=f["compile"],
@@ -122,7 +122,7 @@ def measured_map(prof, layout: dict, main: str = "cuda:0") -> list[str]:
 def rate_map(config, hw, jb, layout: dict) -> tuple[float, int, str]:
     """A measured device map rated as planning/split.py rates the balancer's: (step s, bytes of the fullest
     GPU, bottleneck)."""
-    from bigfit.device_map.auto import device_parts, profile_costs, profile_for
+    from bigfit.planning.automap import device_parts, profile_costs, profile_for
     from bigfit.planning import split
 
     prof, main = profile_for(config, jb), "cuda:0"

@@ -10,7 +10,7 @@ tokens), bf16, AdamW, micro-batch x sequence tokens per step. Each strategy runs
 On one GPU, ddp and zero1 are the plain model (nothing to reduce or shard), so they are not repeated.
 "+delayed" runs the strategy with --delayed-update, "+eager" with --max-grad-norm 0 (no clipping: the
 offload engine then steps each bucket during backward), "+torchadam" with torch's fused AdamW as the
-engine's host step instead of bigfit's kernel (strategies/cpu_adam.py), "+noclip" without gradient
+engine's host step instead of bigfit's kernel (kernels/cpu_adam.py), "+noclip" without gradient
 clipping (the peers' setting) for any strategy. "pipeline+SCHEDULE" (gpipe, 1f1b, interleaved;
 under torchrun, one stage per GPU) with `--chunks` micro-batches per micro-batch. `--accum N`: N micro-batches per step.
 """
@@ -44,13 +44,13 @@ def run_one(strategy: str, size: str, mbs: int, seq: int, steps: int, warmup: in
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from bigfit.config import TrainConfig
-    from bigfit.distributed import init_runtime
+    from bigfit.settings.config import TrainConfig
+    from bigfit.common.distributed import init_runtime
     from bigfit.parallel import plan_for
     from bigfit.parallel.apply import apply
-    from bigfit.parallel.mesh import with_mesh
-    from bigfit.resolution import resolve
-    from bigfit.strategies import build_optimizer
+    from bigfit.layout.mesh import with_mesh
+    from bigfit.job.resolution import resolve
+    from bigfit.engine import build_optimizer
     from bigfit.training.step import train_step
 
     h, layers, heads, kv, inter, vocab = SIZES[size]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from transformers import T5Config
 
-from bigfit.hardware import Hardware
+from bigfit.machine.hardware import Hardware
 from bigfit.planning.estimate import memory
 from bigfit.planning.profile import profile_model
 

@@ -53,9 +53,9 @@ from tiny import FAMILIES, write_model_dirs, write_pairs  # noqa: E402
 # seconds for most files). They are collected first, and `make test` hands files to its two workers in
 # that order (--no-loadscope-reorder): the many short files come last and even out the workers' ends,
 # where a long file started last would keep one worker busy while the other has nothing left.
-LONGEST = ("test_layouts.py", "test_launch.py", "test_bench.py", "test_autobatch.py", "test_parity.py", "test_lora.py",
-           "test_resume.py", "test_loading.py", "test_planning.py", "test_plan_accuracy.py", "test_lora_tp.py",
-           "test_outputs.py", "test_tensor_parallel.py", "test_qlora_strategies.py")
+LONGEST = ("test_parallel_apply.py", "test_launch.py", "test_bench.py", "test_commands_autobatch.py", "test_parity.py", "test_adapters_lora.py",
+           "test_resume.py", "test_loading.py", "test_planning.py", "test_plan_accuracy.py", "test_tensor_adapters.py",
+           "test_outputs_ownership.py", "test_tensor.py", "test_qlora_strategies.py")
 
 
 def pytest_collection_modifyitems(items) -> None:
@@ -121,7 +121,7 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def bigfit(*argv, fault: str | None = None, cwd=None) -> subprocess.CompletedProcess:
-    """`python -m bigfit ARGV` in a process of its own, as a user starts it (`fault`: BIGFIT_FAULT, faults.py)."""
+    """`python -m bigfit ARGV` in a process of its own, as a user starts it (`fault`: BIGFIT_FAULT, common/faults.py)."""
     env = {k: v for k, v in os.environ.items() if k not in ("BIGFIT_FAULT", "BIGFIT_OUTPUT_CLAIMED")}
     if fault:
         env["BIGFIT_FAULT"] = fault

@@ -182,7 +182,7 @@ def _environment() -> dict:
     start them again. Kept ranks accumulate the gloo groups their tasks make (70-odd polling threads
     after a file, 0.36 CPU-s every 10 s an idle rank); with restarts back the suite still used more CPU
     (38.3 CPU-minutes against 32.8 on fresh clones, 2026-12-06)."""
-    from bigfit.launch import STARTED_ENV
+    from bigfit.common.launch import STARTED_ENV
 
     return {k: v for k, v in os.environ.items() if k not in ("PYTEST_CURRENT_TEST", STARTED_ENV)}
 
@@ -228,8 +228,8 @@ def run_ranks(fn, world_size: int, *args, timeout_s: float = 240.0, fresh: bool 
 def train(cfg):
     """`bigfit train`'s loop on this rank with settings `cfg`, as a rank of a torchrun job runs it: the
     job resolved here, for this process's world."""
-    from bigfit.distributed import world_size
-    from bigfit.resolution import resolve
+    from bigfit.common.distributed import world_size
+    from bigfit.job.resolution import resolve
     from bigfit.training.loop import train as run
 
     return run(resolve(cfg, world_size()))

@@ -40,9 +40,9 @@ def test_the_table_and_files_hold_every_row_failed_ones_with_their_reason(tmp_pa
 
 
 def test_ctrl_c_keeps_the_rows_measured_so_far(tmp_path, monkeypatch):
-    from bigfit.bench import command
-    from bigfit.bench.settings import BenchSettings
-    from bigfit.config import TrainConfig
+    from bigfit.bench import driver as command
+    from bigfit.settings.bench import BenchSettings
+    from bigfit.settings.config import TrainConfig
 
     calls = []
 
@@ -66,9 +66,9 @@ def test_sigterm_is_ctrl_c_for_the_bench(tmp_path, monkeypatch):
     import os
     import signal
 
-    from bigfit.bench import command
-    from bigfit.bench.settings import BenchSettings
-    from bigfit.config import TrainConfig
+    from bigfit.bench import driver as command
+    from bigfit.settings.bench import BenchSettings
+    from bigfit.settings.config import TrainConfig
 
     def run_row(out, bench, base, strategy, precision):
         if strategy == "zero2":
@@ -85,7 +85,7 @@ def test_sigterm_is_ctrl_c_for_the_bench(tmp_path, monkeypatch):
 
 def _stub_bench(monkeypatch, run_row) -> None:
     """bench_command over three stub rows (ddp, zero2, zero3 in fp32) that `run_row` measures."""
-    from bigfit.bench import command
+    from bigfit.bench import driver as command
 
     monkeypatch.setattr(command, "_rows", lambda bench, base, lengths: [("ddp", "fp32"), ("zero2", "fp32"), ("zero3", "fp32")])
     monkeypatch.setattr(command, "_auto_pick", lambda base, names, lengths: ("ddp", "planned"))
@@ -128,7 +128,7 @@ def test_bench_never_replaces_a_directory_it_did_not_write(tmp_path, capsys):
 
 
 def test_bench_overwrite_removes_its_own_files_only(tmp_path, capsys):
-    from bigfit.bench.command import _claim
+    from bigfit.bench.driver import _claim
 
     out, elsewhere = tmp_path / "b", tmp_path / "elsewhere"
     (out / "rows" / "single-fp32").mkdir(parents=True)
@@ -180,8 +180,8 @@ def _keep_calibration(cache, monkeypatch, **record) -> None:
 
 
 def test_the_bench_rates_this_host_calibrating_it_first_where_nothing_is_kept(tmp_path, capsys, monkeypatch):
-    from bigfit import calibration
-    from bigfit.bench import command
+    from bigfit.machine import calibration
+    from bigfit.bench import driver as command
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "none"))
     monkeypatch.setattr(calibration, "calibrate", lambda: {"host_op_us": 12.345})  # the real one: test_hostcost
@@ -203,9 +203,9 @@ def test_after_an_out_of_memory_in_training_the_row_tries_smaller_sizes_the_prob
 
 
 def test_max_train_samples_keeps_the_first_samples_after_the_held_out_ones(tmp_path):
-    from bigfit.config import TrainConfig
-    from bigfit.resolution import resolve
-    from bigfit.training.job import prepare
+    from bigfit.settings.config import TrainConfig
+    from bigfit.job.resolution import resolve
+    from bigfit.job.prepare import prepare
 
     def dataset(**kw):
         return prepare(resolve(TrainConfig(output_dir=str(tmp_path), batch_size=8, eval_samples=16, **kw), 1)).dataset

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import read_jsonl
 from dist import run_ranks
-from test_chat_data import TALK, TEMPLATE
+from test_data_chat import TALK, TEMPLATE
 
 pytest.importorskip("datasets")  # the cache's library, the `bigfit[data]` extra (the test command installs it)
 
@@ -33,7 +33,7 @@ def data(pairs_file, tmp_path_factory) -> dict:
 
 
 def _config(model_dirs, data, family: str, kind: str, pack: bool, cache: str):
-    from bigfit.config import TrainConfig
+    from bigfit.settings.config import TrainConfig
 
     return TrainConfig(model=str(model_dirs[family]), data=str(data[kind]), max_source_len=32, batch_size=8, pack=pack,
                        data_cache=cache, chat_template=str(data["template"]) if kind == "messages" else None)
@@ -42,8 +42,8 @@ def _config(model_dirs, data, family: str, kind: str, pack: bool, cache: str):
 @pytest.mark.parametrize("family,kind,pack", CASES)
 def test_the_cache_holds_the_samples_made_in_memory(model_dirs, data, tmp_path, family, kind, pack):
     from bigfit.data.arrays import ArrowSamples
-    from bigfit.resolution import resolve
-    from bigfit.training.job import prepare
+    from bigfit.job.resolution import resolve
+    from bigfit.job.prepare import prepare
 
     plain = prepare(resolve(_config(model_dirs, data, family, kind, pack, "off"), 1)).dataset
     mapped = prepare(resolve(_config(model_dirs, data, family, kind, pack, str(tmp_path)), 1)).dataset
@@ -60,8 +60,8 @@ def test_the_cache_holds_the_samples_made_in_memory(model_dirs, data, tmp_path, 
 def _prepare_on_rank(cfg):
     import os
 
-    from bigfit.resolution import resolve
-    from bigfit.training.job import prepare
+    from bigfit.job.resolution import resolve
+    from bigfit.job.prepare import prepare
 
     job = prepare(resolve(cfg, 2))
     meta = json.loads((Path(job.dataset.cached) / "meta.json").read_text())
@@ -105,10 +105,10 @@ def test_auto_takes_the_cache_from_its_size_and_on_needs_datasets(model_dirs, da
 
 
 def test_a_mistake_in_the_data_is_its_one_line_and_leaves_no_entry(model_dirs, tmp_path):
-    from bigfit.config import TrainConfig
+    from bigfit.settings.config import TrainConfig
     from bigfit.errors import BigfitError
-    from bigfit.resolution import resolve
-    from bigfit.training.job import prepare
+    from bigfit.job.resolution import resolve
+    from bigfit.job.prepare import prepare
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"source": "one", "target": "1"}\n' * 2 + '{"source": "two", "target": \n')

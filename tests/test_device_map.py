@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from bigfit.device_map import count_copies, deparallelize, parallelize, run_chunks, split_batch, train_step
-from bigfit.device_map.maps import real_device
 from bigfit.errors import BigfitError
-from bigfit.planning.search import Job
+from bigfit.layout.maps import real_device
+from bigfit.planning.search import Workload
 from tiny import tiny_config, twin_models
 
 PLACES = ([("cpu", "cpu:1", "cpu:2")] + ([("cuda:0", "cpu", "cpu:1")] if torch.cuda.is_available() else [])
@@ -347,7 +347,7 @@ def test_train_command_bad_device_map_input(tmp_path, capsys, argv, message):
 
 
 def test_plan_shows_the_auto_device_map():
-    from bigfit.hardware import Hardware
+    from bigfit.machine.hardware import Hardware
     from bigfit.planning.report import device_map_text
     from bigfit.planning.search import plan_for_config
 
@@ -355,18 +355,18 @@ def test_plan_shows_the_auto_device_map():
         return plan_for_config(config, hw, job).device_map
 
     hw = Hardware(gpu_bytes=(8 * 10**9, 24 * 10**9), cpu_ram=64 * 10**9)
-    shown = _device_map(tiny_config("t5"), hw, Job(batch_size=4, seq_len=16, target_len=8))
+    shown = _device_map(tiny_config("t5"), hw, Workload(batch_size=4, seq_len=16, target_len=8))
     assert shown["map"] == {"main_device": "cuda:0", "encoder": {"cuda:0": [0, 1]}, "decoder": {"cuda:0": [0, 1, 2]}}
     assert "encoder 0-1 -> cuda:0; decoder 0-2 -> cuda:0" in device_map_text(shown)
     tiny_gpus = Hardware(gpu_bytes=(2**30 + 500_000, 2**30 + 10**6), cpu_ram=10**9)  # 0.5 MB and 1 MB left
-    shown = _device_map(tiny_config("t5"), tiny_gpus, Job(batch_size=4, seq_len=16, target_len=8))
+    shown = _device_map(tiny_config("t5"), tiny_gpus, Workload(batch_size=4, seq_len=16, target_len=8))
     assert set(shown["devices"]) == {"cuda:0", "cuda:1", "cpu"}  # spread over both GPUs, the rest in host RAM
-    shown = _device_map(tiny_config("t5"), Hardware(gpu_bytes=(2**30,), cpu_ram=10**5), Job(batch_size=4, seq_len=16))
+    shown = _device_map(tiny_config("t5"), Hardware(gpu_bytes=(2**30,), cpu_ram=10**5), Workload(batch_size=4, seq_len=16))
     assert shown["map"] is None and "does not fit" in device_map_text(shown)
 
 
 def test_activation_checkpointing_inside_placed_blocks():
-    from bigfit.strategies.checkpointing import apply_activation_checkpointing, remove_activation_checkpointing
+    from bigfit.engine.checkpointing import apply_activation_checkpointing, remove_activation_checkpointing
 
     ref, model = twin_models("t5")
     parallelize(model, LAYOUTS["t5-split"][1](*PLACES[0]))  # split first, then checkpointing (the documented order)

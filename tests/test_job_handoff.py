@@ -22,12 +22,12 @@ COUNTER = textwrap.dedent('''
             return real(*a, **k)
         setattr(module, name, wrapper)
 
-    import bigfit.checks, bigfit.resolution
-    counted(bigfit.checks, "validate")
-    counted(bigfit.resolution, "resolve")
-    import bigfit.cli, bigfit.training.job
+    import bigfit.job.checks, bigfit.job.resolution
+    counted(bigfit.job.checks, "validate")
+    counted(bigfit.job.resolution, "resolve")
+    import bigfit.cli, bigfit.job.prepare
     counted(bigfit.cli, "parse_args")
-    counted(bigfit.training.job, "_read_dataset")
+    counted(bigfit.job.prepare, "_read_dataset")
 
     @atexit.register
     def _write():
@@ -63,9 +63,9 @@ def test_workers_run_the_job_their_launcher_resolved(model_dirs, pairs_file, tmp
 
 
 def test_handed_over_samples_are_the_tokenized_ones(model_dirs, pairs_file, tmp_path):
-    from bigfit.config import TrainConfig
-    from bigfit.resolution import resolve
-    from bigfit.training.job import handed_over, load, prepare
+    from bigfit.settings.config import TrainConfig
+    from bigfit.job.resolution import resolve
+    from bigfit.job.prepare import handed_over, load, prepare
 
     cfg = TrainConfig(model=str(model_dirs["llama"]), data=str(pairs_file), strategy="zero2", batch_size=4,
                       eval_samples=8, pack=True, output_dir=str(tmp_path / "out"))

@@ -49,7 +49,7 @@ def filled(model_dir, config, seed: int = 0):
     """One process: the meta model filled on the CPU (what `single` does after to_empty)."""
     from bigfit.loading import Weights, fill, loads_per_rank
     from bigfit.loading.files import Checkpoint, safetensors_dir
-    from bigfit.models import build_model, locate
+    from bigfit.models.source import build_model, locate
 
     src = locate(str(model_dir))
     assert loads_per_rank(src)
@@ -98,7 +98,7 @@ def test_sharded_index_and_the_hub_cache(tmp_path, monkeypatch):
     import huggingface_hub.constants
 
     from bigfit.loading.files import safetensors_dir
-    from bigfit.models import ModelSource
+    from bigfit.models.source import ModelSource
 
     torch.manual_seed(5)
     ref = _auto("llama").from_config(tiny_config("llama"))
@@ -119,7 +119,7 @@ def test_sharded_index_and_the_hub_cache(tmp_path, monkeypatch):
 def test_missing_parameter_is_one_line(tmp_path):
     from bigfit.errors import BigfitError
     from bigfit.loading import check_weights
-    from bigfit.models import load_config, locate
+    from bigfit.models.source import load_config, locate
 
     path = save_tiny(tmp_path, "llama")
     file = path / "model.safetensors"
@@ -139,7 +139,7 @@ def test_missing_parameter_is_one_line(tmp_path):
 def test_shape_mismatch_is_one_line(tmp_path):
     from bigfit.errors import BigfitError
     from bigfit.loading import check_weights
-    from bigfit.models import load_config, locate
+    from bigfit.models.source import load_config, locate
 
     path = save_tiny(tmp_path, "gpt2")
     file = path / "model.safetensors"
@@ -161,14 +161,14 @@ def load_on_ranks(dirs: dict, strategy: str, tp: int | None, world: int = 2):
     bytes read, the share of the model's elements this rank stores, and the mismatched names."""
     from torch.distributed.tensor import DTensor
 
-    from bigfit.config import TrainConfig
-    from bigfit.distributed import init_runtime
+    from bigfit.settings.config import TrainConfig
+    from bigfit.common.distributed import init_runtime
     from bigfit.loading import files, local_box, loads_per_rank
-    from bigfit.models import build_model
+    from bigfit.models.source import build_model
     from bigfit.parallel.apply import apply
-    from bigfit.parallel.mesh import with_mesh
-    from bigfit.resolution import resolve
-    from bigfit.training.job import prepare
+    from bigfit.layout.mesh import with_mesh
+    from bigfit.job.resolution import resolve
+    from bigfit.job.prepare import prepare
 
     out = {}
     for family, path in dirs.items():
@@ -272,13 +272,13 @@ def gathered_init(model_dirs: dict, strategy: str):
     """Rank 0's full parameters of each config-only model after `apply` (zero3: gathered)."""
     from torch.distributed.tensor import DTensor
 
-    from bigfit.config import TrainConfig
-    from bigfit.distributed import init_runtime
-    from bigfit.models import build_model
+    from bigfit.settings.config import TrainConfig
+    from bigfit.common.distributed import init_runtime
+    from bigfit.models.source import build_model
     from bigfit.parallel.apply import apply
-    from bigfit.parallel.mesh import with_mesh
-    from bigfit.resolution import resolve
-    from bigfit.training.job import prepare
+    from bigfit.layout.mesh import with_mesh
+    from bigfit.job.resolution import resolve
+    from bigfit.job.prepare import prepare
 
     out = {}
     for family, path in model_dirs.items():

@@ -47,7 +47,7 @@ def job(model_dir, data, out, strategy: str, precision: str):
     """`strategy` may end in "+ac" (activation checkpointing on every block), "+noclip" (no
     gradient clipping: the offload engine and zero3-offload then step during backward) or "+compile"
     (each block compiled; backend eager: dynamo traces the blocks, no code generation on two cores)."""
-    from bigfit.config import TrainConfig
+    from bigfit.settings.config import TrainConfig
 
     strategy, *flags = strategy.split("+")
     # the NVMe tier as the largest models run it: gradients wait on the device, the first buckets'
@@ -75,7 +75,7 @@ def run_all(model_dirs, data, root, strategies, precisions, suffix=""):
 
 VARIANTS = ("zero3+ac", "ddp+ac", "zero2-offload+noclip", "zero3-offload+noclip", "zero3+compile")
 # compiled under FSDP2 on 2 ranks: GPT-2 and Llama. T5's run took 27 s here (GPT-2's 9 s, Llama's 6 s,
-# 1-4 s uncompiled), a fifth of this file; test_compile.py holds T5's compiled training to eager's.
+# 1-4 s uncompiled), a fifth of this file; test_engine_compiling.py holds T5's compiled training to eager's.
 COMPILED = ("gpt2", "llama")
 
 

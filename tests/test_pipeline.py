@@ -57,7 +57,7 @@ def configs():
 
 
 def job(model_dir, data, out, strategy, precision="fp32", **kw):
-    from bigfit.config import TrainConfig
+    from bigfit.settings.config import TrainConfig
 
     values = dict(model=str(model_dir), data=str(data), output_dir=str(out), strategy=strategy, precision=precision,
                   max_steps=STEPS, batch_size=8, micro_batch_size=4, warmup_steps=0, eval_every=0, save_every=0,
@@ -175,8 +175,8 @@ def test_balance_cuts_contiguous_runs_by_size():
 def test_pruning_keeps_original_names():
     from transformers import AutoModelForCausalLM
 
-    from bigfit.pipeline.cut import PipelineLayout
-    from bigfit.pipeline.split import plan_split, prune, tied_groups
+    from bigfit.layout.cut import PipelineLayout
+    from bigfit.layout.split import plan_split, prune, tied_groups
 
     full = AutoModelForCausalLM.from_config(configs()["gpt2"])
     names = set(full.state_dict())

@@ -94,9 +94,9 @@ def qlora_rated() -> dict:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from plan_vs_measured import CPU_RAM, GPU_BYTES, model_config
 
-    from bigfit.hardware import DEFAULTS, Hardware
-    from bigfit.lora import LoraSettings
-    from bigfit.planning.job import Job
+    from bigfit.machine.hardware import DEFAULTS, Hardware
+    from bigfit.adapters.lora import LoraSettings
+    from bigfit.planning.job import Workload
     from bigfit.planning.search import plan_for_config
 
     hw = Hardware(gpu_bytes=(GPU_BYTES,), cpu_ram=CPU_RAM, host_op_us=DEFAULTS["host_op_us"])
@@ -104,7 +104,7 @@ def qlora_rated() -> dict:
     for case, (hidden, layers, heads, inter, samples, ckpt, _, _) in QLORA.items():
         config = model_config(dict(family="llama", hidden=hidden, layers=layers, heads=heads, kv_heads=8,
                                    intermediate=inter, vocab=128256, tied=False))
-        job = Job(batch_size=samples, seq_len=2048, precision="bf16", checkpointing=ckpt, lora=LoraSettings(),
+        job = Workload(batch_size=samples, seq_len=2048, precision="bf16", checkpointing=ckpt, lora=LoraSettings(),
                   load_in_4bit=True)
         out[case] = plan_for_config(config, hw, job, strategies=("single",)).candidates[0].estimate
     return out

@@ -8,7 +8,7 @@ import os
 import pytest
 
 from bigfit.errors import BigfitError
-from bigfit.hardware import Hardware, parse_gpus, parse_size
+from bigfit.machine.hardware import Hardware, parse_gpus, parse_size
 from dist import run_ranks
 
 GB = 10**9
@@ -38,10 +38,10 @@ def t5_3b():
 
 
 def test_t5_3b_on_eight_16gb_gpus():
-    from bigfit.planning.search import Job, plan_for_config
+    from bigfit.planning.search import Workload, plan_for_config
 
     p = plan_for_config(t5_3b(), Hardware(gpu_bytes=(16 * GB,) * 8, cpu_ram=256 * GB),
-                        Job(batch_size=8, seq_len=256, target_len=64, precision="bf16", checkpointing=True))
+                        Workload(batch_size=8, seq_len=256, target_len=64, precision="bf16", checkpointing=True))
     by = {c.estimate.name: c for c in p.candidates}
     assert p.notes[0].startswith("model: 2851.6M parameters, 48 blocks")
     n = 2851598336
@@ -64,16 +64,16 @@ def test_offload_grads_on_device_and_states_kept_in_ram_move_bytes_where_asked()
     """offload_grads device: the host loses the gradients' 2 bytes per parameter (bf16: the host
     Adam kernel reads them; 4 without it), 3 slots stay, the GPU gains them at the end of backward;
     nvme_host_gb: those bytes of states leave the files."""
-    from bigfit.planning.search import Job, plan_for_config
+    from bigfit.planning.search import Workload, plan_for_config
 
     hw, n = Hardware(gpu_bytes=(16 * GB,) * 8, cpu_ram=256 * GB, nvme=10**13), 2851598336
     job = dict(batch_size=8, seq_len=256, target_len=64, precision="bf16", checkpointing=True)
     offload = ("zero2-offload", "zero2-offload-nvme")  # only these rows: no device_map or pipeline tracing
     base, moved = (
-        {c.estimate.name: c.estimate for c in plan_for_config(t5_3b(), hw, Job(**job, **kw), offload).candidates}
+        {c.estimate.name: c.estimate for c in plan_for_config(t5_3b(), hw, Workload(**job, **kw), offload).candidates}
         for kw in ({}, dict(offload_grads="device", nvme_host_gb=12.0)))
     no_kernel = Hardware(**{**vars(hw), "cpu_adam_kernel": False})
-    fp32 = plan_for_config(t5_3b(), no_kernel, Job(**job), offload).candidates[0].estimate
+    fp32 = plan_for_config(t5_3b(), no_kernel, Workload(**job), offload).candidates[0].estimate
     assert base["zero2-offload"].per_host["grads"] == 2 * n and fp32.per_host["grads"] == 4 * n
     assert fp32.costs["pcie"] == pytest.approx(base["zero2-offload"].costs["pcie"] * 8 / 6)
     # torch's AdamW moves 40 bytes a parameter to the kernel's 32, and runs at TORCH_ENGINE_ADAM of their rate
@@ -89,16 +89,16 @@ def test_offload_grads_on_device_and_states_kept_in_ram_move_bytes_where_asked()
     # --delayed-update: the host steps on the last step's rows during this step's forward, so on the
     # device they wait through it: the rows on top of its activations
     devgrads = dict(offload_grads="device")
-    after, late = (plan_for_config(t5_3b(), hw, Job(**job, **devgrads, delayed_update=d), ("zero2-offload",))
+    after, late = (plan_for_config(t5_3b(), hw, Workload(**job, **devgrads, delayed_update=d), ("zero2-offload",))
                    .candidates[0].estimate.per_gpu for d in (False, True))
     assert late["total"] > after["total"] and late["grads"] == 2 * n // 8  # this rank's bf16 rows
 
 
 def test_nothing_fits_says_by_how_much_and_what_would_help():
-    from bigfit.planning.search import Job, plan_for_config
+    from bigfit.planning.search import Workload, plan_for_config
 
     p = plan_for_config(t5_3b(), Hardware(gpu_bytes=(4 * GB,), cpu_ram=16 * GB),
-                        Job(batch_size=8, seq_len=512, target_len=128))
+                        Workload(batch_size=8, seq_len=512, target_len=128))
     assert p.recommended is None
     assert "nothing fits" in p.reason and "GB over per GPU" in p.reason and "--activation-checkpointing" in p.reason
     assert all(c.why_not for c in p.candidates)
@@ -131,10 +131,10 @@ def test_offload_engine_step_time_follows_when_its_host_step_runs():
 
 def test_mixed_sizes_are_bounded_by_the_smallest_gpu():
     """The data-parallel rows: every rank holds the same share (device_map balances instead: below)."""
-    from bigfit.config import STRATEGIES
-    from bigfit.planning.search import Job, plan_for_config
+    from bigfit.settings.config import STRATEGIES
+    from bigfit.planning.search import Workload, plan_for_config
 
-    job = Job(batch_size=8, seq_len=256, target_len=64, checkpointing=True)
+    job = Workload(batch_size=8, seq_len=256, target_len=64, checkpointing=True)
     big = plan_for_config(t5_3b(), Hardware(gpu_bytes=(80 * GB, 80 * GB)), job, STRATEGIES)
     mixed = plan_for_config(t5_3b(), Hardware(gpu_bytes=(80 * GB, 8 * GB)), job, STRATEGIES)
     assert {c.estimate.name for c in big.candidates if c.fits} > {c.estimate.name for c in mixed.candidates if c.fits}
@@ -168,7 +168,7 @@ def measure_peaks(strategies, cases) -> list[dict]:
     import torch
     from transformers import GPT2Config, LlamaConfig
 
-    from bigfit.distributed import init_runtime
+    from bigfit.common.distributed import init_runtime
     from bigfit.training.calibrate import measure
 
     torch.set_num_threads(1)
@@ -260,7 +260,7 @@ def test_predictions_match_the_peaks_measured_on_an_h200():
     import sys
     from pathlib import Path
 
-    from bigfit.hardware import Hardware
+    from bigfit.machine.hardware import Hardware
     from bigfit.planning.estimate import memory
     from bigfit.planning.profile import profile_model
 
@@ -287,9 +287,9 @@ def test_a_pick_within_the_allocators_share_of_the_gpu_says_its_steps_may_flush_
     """Planned at a fixed batch, the fastest row may fill the GPU past the caching allocator's share
     (estimate.CACHE_SLACK): the reason says so, and with room to spare it says nothing."""
     from bigfit.planning.estimate import CACHE_SLACK, RESERVE
-    from bigfit.planning.search import Job, plan_for_config
+    from bigfit.planning.search import Workload, plan_for_config
 
-    job = Job(batch_size=8, seq_len=512, target_len=128, precision="bf16")
+    job = Workload(batch_size=8, seq_len=512, target_len=128, precision="bf16")
     roomy = plan_for_config(t5_3b(), Hardware(gpu_bytes=(1000 * GB,), cpu_ram=512 * GB), job)
     need = {c.estimate.name: c.estimate.per_gpu["total"] for c in roomy.candidates}[roomy.recommended]
     assert "caching allocator" not in roomy.reason

@@ -1,4 +1,4 @@
-"""QLoRA under every strategy (quantize.py's torchao store, the one without CUDA): `--lora
+"""QLoRA under every strategy (adapters/quantize.py's torchao store, the one without CUDA): `--lora
 --load-in-4bit` under ddp, zero1, zero2-offload, zero2, zero3, zero3-offload and pipeline on 2 gloo
 ranks, and device_map over two devices (cpu, cpu:1) in one process, against single-process QLoRA on
 the same 4-bit base, through the real training loop, bf16: equal losses each step and equal adapters
@@ -56,7 +56,7 @@ def wide_llama(wide):
 
 
 def job(model_dir, data, out, strategy: str, **kw):
-    from bigfit.config import TrainConfig
+    from bigfit.settings.config import TrainConfig
 
     split = {"device_map": dict(device_map=str(model_dir.parent / "map.json"), chunks=2),
              "pipeline": dict(chunks=2)}.get(strategy, {})
@@ -92,7 +92,7 @@ def runs(wide, pairs_file, tmp_path_factory):
 
 
 def final_adapters(run_dir) -> dict:
-    from test_lora import final_state
+    from test_adapters_lora import final_state
 
     return {k: v for k, v in final_state(run_dir)["model"].items() if ".lora_" in k}
 
@@ -126,7 +126,7 @@ def test_qlora_under_each_strategy_matches_single_process_qlora(runs, strategy):
 
 def test_qlora_checkpoints_hold_adapters_alone_and_resume_exactly(runs):
     state = final_adapters(runs / "zero3")
-    from test_lora import final_state
+    from test_adapters_lora import final_state
 
     assert set(final_state(runs / "zero3")["model"]) == set(state)  # no base weight, 4-bit or other
     full = [r["loss"] for r in read_jsonl(runs / "zero3" / "metrics.jsonl")]
@@ -140,12 +140,12 @@ def _sharded_base(model_dir, data, out):
     """Rank's view of q_proj's base weight after apply: (global shape, local NF4 bytes, whole dequantized)."""
     import warnings
 
-    from bigfit.distributed import init_runtime
-    from bigfit.lora import LoraSettings, inject
-    from bigfit.models import build_model, load_config, locate
+    from bigfit.common.distributed import init_runtime
+    from bigfit.adapters.lora import LoraSettings, inject
+    from bigfit.models.source import build_model, load_config, locate
     from bigfit.parallel.apply import apply
-    from bigfit.parallel.mesh import with_mesh
-    from bigfit.resolution import resolve
+    from bigfit.layout.mesh import with_mesh
+    from bigfit.job.resolution import resolve
 
     resolved = resolve(job(model_dir, data, out, "zero3"), 2)
     cfg, plan = resolved.cfg, resolved.plan
@@ -164,8 +164,8 @@ def _sharded_base(model_dir, data, out):
 
 
 def test_each_rank_stores_half_of_the_4bit_base_and_it_is_nf4_of_the_seeded_init(wide_llama, pairs_file, tmp_path):
-    from bigfit.quantize import nf4
-    from test_lora import seeded_base
+    from bigfit.adapters.quantize import nf4
+    from test_adapters_lora import seeded_base
 
     got = run_ranks(_sharded_base, 2, wide_llama, pairs_file, tmp_path)
     _, to_nf4 = nf4()
@@ -180,11 +180,11 @@ def test_each_rank_stores_half_of_the_4bit_base_and_it_is_nf4_of_the_seeded_init
 
 def test_a_layer_that_splits_into_no_whole_blocks_is_one_line(model_dirs, wide_llama):
     """tests/tiny.py's Llama (hidden 32) has layers of 1,024 weights: fewer than one NF4 factor's block."""
-    from bigfit.config import TrainConfig
+    from bigfit.settings.config import TrainConfig
     from bigfit.errors import BigfitError
-    from bigfit.lora import LoraSettings, inject
-    from bigfit.models import build_model, load_config, locate
-    from bigfit.quantize import check_blocks
+    from bigfit.adapters.lora import LoraSettings, inject
+    from bigfit.models.source import build_model, load_config, locate
+    from bigfit.adapters.quantize import check_blocks
 
     def injected(path):
         src = locate(str(path))
@@ -202,8 +202,8 @@ def test_a_layer_that_splits_into_no_whole_blocks_is_one_line(model_dirs, wide_l
 
 @pytest.mark.parametrize("shape", [(256, 256), (512, 128), (2048, 64)])
 def test_the_dequantisation_is_torchaos_bit_for_bit(shape):
-    """nf4.py's table lookup against torchao's own chain, on weights with outliers and zeros."""
-    from bigfit.quantize import nf4
+    """adapters/nf4.py's table lookup against torchao's own chain, on weights with outliers and zeros."""
+    from bigfit.adapters.quantize import nf4
 
     _, to_nf4 = nf4()
     torch.manual_seed(sum(shape))

@@ -84,7 +84,7 @@ def test_fine_tune_from_a_saved_model_directory(runs, tmp_path, capsys):
 
 def resume_each(model_dir, data, root, strategies):
     """On each rank: an uninterrupted 4-step run, then a run resumed from its step-2 checkpoint."""
-    from bigfit.config import TrainConfig
+    from bigfit.settings.config import TrainConfig
     from dist import train
 
     for strategy in strategies:
@@ -110,7 +110,7 @@ def test_resume_with_bigfits_own_optimizer_checkpoints(model_dirs, pairs_file, t
 
 def test_offload_engine_checkpoint_resumes_at_another_world_size(model_dirs, pairs_file, tmp_path_factory):
     """The engine saves each rank's rows as DTensors: a 2-rank checkpoint resumes in one process."""
-    from bigfit.config import TrainConfig
+    from bigfit.settings.config import TrainConfig
     from dist import train
     from dist import run_ranks
 
@@ -129,7 +129,7 @@ def test_offload_engine_checkpoint_resumes_at_another_world_size(model_dirs, pai
 def convert_each(model_dir, data, root, pairs):
     """On each rank: for each (saved, resumed) pair of strategies, a 4-step run of the first and a
     run of the second resumed from its step-2 checkpoint."""
-    from bigfit.config import TrainConfig
+    from bigfit.settings.config import TrainConfig
     from dist import train
 
     common = dict(model=str(model_dir), data=str(data), max_steps=4, batch_size=8, save_every=2, eval_samples=0,

@@ -12,8 +12,8 @@ from test_parity import job
 
 
 def _engines() -> int:
-    from bigfit.strategies.offload import OffloadEngine
-    from bigfit.strategies.streamed import StreamedSteps
+    from bigfit.offload.engine import OffloadEngine
+    from bigfit.data_parallel.streamed import StreamedSteps
 
     gc.collect()
     return sum(isinstance(o, (OffloadEngine, StreamedSteps)) for o in gc.get_objects())

@@ -1,6 +1,6 @@
-"""The settings schema (settings.py): every flag of `bigfit train`, `plan` and `bench` is a declared
+"""The settings schema (settings/reading.py): every flag of `bigfit train`, `plan` and `bench` is a declared
 setting with one default; `bigfit plan` and `bigfit train` given the same settings rate the same planner
-Job, and the plan's row for the strategy train runs is train's prediction (planning/auto.py)."""
+Job, and the plan's row for the strategy train runs is train's prediction (job/autoplan.py)."""
 from __future__ import annotations
 
 import argparse
@@ -10,8 +10,8 @@ import json
 import pytest
 
 from bigfit.cli import config_from_args, main, parse_args, parsers
-from bigfit.config import PLAN_TAKES
-from bigfit.settings import COMMANDS, schema
+from bigfit.settings.config import PLAN_TAKES
+from bigfit.settings.reading import COMMANDS, schema
 from conftest import one_line
 
 # parser options that are no setting: a file of settings, and bigfit plan's earlier names of two
@@ -66,8 +66,8 @@ def _plan(argv, capsys) -> dict:
 def test_plan_and_train_take_the_same_defaults_and_rate_the_same_job(model_dirs, capsys):
     """`bigfit plan --model M` and `bigfit train --model M`: the same TrainConfig, and the planner Job the
     plan rates is the one train's auto decisions rate on this machine (2 processes on the CPU)."""
-    from bigfit.planning import auto
-    from bigfit.planning.command import settings_of_args
+    from bigfit.job import autoplan as auto
+    from bigfit.commands.plan import settings_of_args
 
     model = str(model_dirs["t5"])
     planned, _, _ = settings_of_args(parse_args(["plan", "--model", model]))
@@ -84,8 +84,8 @@ def test_plan_and_train_take_the_same_defaults_and_rate_the_same_job(model_dirs,
 def test_the_plans_row_for_trains_strategy_is_trains_prediction(model_dirs, capsys):
     """The same flags to `bigfit plan --json` and `bigfit train`: the plan's row for the strategy train runs
     (ddp on 2 CPU processes) says what train's prediction says, and holds the same bytes and seconds."""
-    from bigfit.planning.auto import predicted_row, prediction, row_text
-    from bigfit.resolution import resolve
+    from bigfit.job.autoplan import predicted_row, prediction, row_text
+    from bigfit.job.resolution import resolve
 
     flags = ["--model", str(model_dirs["llama"]), "--strategy", "ddp", "--batch-size", "8", "--max-source-len", "64",
              "--activation-checkpointing"]
@@ -111,7 +111,7 @@ def test_the_python_api_takes_the_schemas_names(model_dirs):
 
 def test_plan_rates_the_datas_longest_sample_as_train_does(model_dirs, pairs_file, capsys):
     from bigfit.planning.job import planned_lengths
-    from bigfit.training.job import data_lengths
+    from bigfit.job.prepare import data_lengths
 
     flags = ["--model", str(model_dirs["t5"]), "--data", str(pairs_file), "--gpus", "2x8GB"]
     p = _plan(flags, capsys)

@@ -13,7 +13,7 @@ from tiny import Stack
 
 
 def small(model_dir, data, out, **kw):
-    from bigfit.config import TrainConfig
+    from bigfit.settings.config import TrainConfig
 
     settings = dict(strategy="single", max_steps=4, batch_size=4, eval_samples=0, save_every=0, consolidate=False)
     return TrainConfig(model=str(model_dir), data=str(data), output_dir=str(out), **{**settings, **kw})
@@ -83,7 +83,7 @@ def test_auto_values_in_files_and_flags(tmp_path):
     cfg = config_from_args(parse_args(["train", "--config", str(f)]))
     assert (cfg.micro_batch_size, cfg.precision, cfg.nproc) == ("auto", None, None)  # planned vs derived
     cfg = config_from_args(parse_args(["train", "--precision", "auto"]))
-    from bigfit.resolution import resolve
+    from bigfit.job.resolution import resolve
 
     resolved = resolve(cfg, 2).cfg
     assert resolved.micro_batch_size == 16 and resolved.precision == "fp32"  # no bf16-capable GPU here
@@ -142,9 +142,9 @@ def test_host_optimizer_is_adamw_and_the_delayed_one_lags_exactly_one_step(mode,
     the device (copied down through the slots just before their step). Delayed (documented
     semantics): the forward and backward of step t (1-based) use the parameters after update t-2 (the
     initial ones for t = 1, 2); each gradient is applied to the latest master weights."""
-    from bigfit.distributed import Runtime
-    from bigfit.strategies import cpu_adam
-    from bigfit.strategies.offloading import apply_offload
+    from bigfit.common.distributed import Runtime
+    from bigfit.kernels import cpu_adam
+    from bigfit.offload.strategy import apply_offload
 
     if step == "torch":
         monkeypatch.setattr(cpu_adam, "supports", lambda inner: False)
@@ -192,8 +192,8 @@ def test_host_optimizer_is_adamw_and_the_delayed_one_lags_exactly_one_step(mode,
 def test_offload_engine_leaves_frozen_parameters_alone():
     import torch
 
-    from bigfit.distributed import Runtime
-    from bigfit.strategies.offloading import apply_offload
+    from bigfit.common.distributed import Runtime
+    from bigfit.offload.strategy import apply_offload
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
     model[0].weight.requires_grad_(False)

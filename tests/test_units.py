@@ -7,12 +7,12 @@ import math
 import pytest
 import torch
 
-from bigfit.config import TrainConfig
-from bigfit.checks import validate
-from bigfit.resolution import resolve
-from bigfit.settings import load_config_file
 from bigfit.data import Batcher, collate, read_examples
 from bigfit.errors import BigfitError
+from bigfit.job.checks import validate
+from bigfit.job.resolution import resolve
+from bigfit.settings.config import TrainConfig
+from bigfit.settings.reading import load_config_file
 from bigfit.training.step import lr_at
 
 
@@ -85,7 +85,7 @@ def test_lr_schedules():
 
 
 def test_loss_scaler_follows_deepspeed():
-    from bigfit.precision import LossScaler
+    from bigfit.common.precision import LossScaler
 
     s = LossScaler.from_config(TrainConfig(precision="fp16", initial_scale_power=4, loss_scale_window=3,
                                            hysteresis=2, min_loss_scale=2))
@@ -143,7 +143,7 @@ def test_data_files(tmp_path):
 def test_block_lists_find_every_stack(model_dirs):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
-    from bigfit.models import block_lists
+    from bigfit.models.source import block_lists
 
     found = {}
     for family, d in model_dirs.items():
@@ -166,7 +166,7 @@ def test_offload_buckets_split_rows_as_dtensor_shards_and_round_trip(world):
     packing full tensors then unpacking them gives them back."""
     import torch
 
-    from bigfit.strategies.buckets import local_view, make_buckets, pack, unpack
+    from bigfit.offload.buckets import local_view, make_buckets, pack, unpack
 
     params = [torch.nn.Parameter(torch.randn(shape)) for shape in ((5, 3), (4,), (1, 2), (7, 2, 2))]
     bucket, = make_buckets([[(f"p{i}", p) for i, p in enumerate(params)]], world)

@@ -1,6 +1,6 @@
 """bigfit: train transformer models that do not fit on one device.
 
-Public API: `train` and `plan` (bigfit train and bigfit plan from Python, returning data: api.py;
+Public API: `train` and `plan` (bigfit train and bigfit plan from Python, returning data: api/__init__.py;
 `run` is `train`),
 `TrainConfig`, `consolidate` (sharded checkpoint -> Hugging Face directory), `ParallelPlan` / `plan_for` (a job's
 parallel layout, from a strategy name and degrees) and `apply_plan` (its transforms, in order),
@@ -8,12 +8,12 @@ parallel layout, from a strategy name and degrees) and `apply_plan` (its transfo
 """
 import logging
 
-from .config import TrainConfig
 from .errors import BigfitError
+from .settings.config import TrainConfig
 
-from .parallel.plan import ParallelPlan, plan_for
+from .layout.plan import ParallelPlan, plan_for
 
-# transformers imports torchao (the QLoRA extra, quantize.py) to register its quantizers whenever it
+# transformers imports torchao (the QLoRA extra, adapters/quantize.py) to register its quantizers whenever it
 # loads a model; torchao then logs a warning for each CUDA kernel it could not load, and torch one for
 # each enum torchao registers; peft imports bitsandbytes, whose CPU backend logs that it found no
 # downloaded kernel (bigfit's CPU QLoRA is torchao's): on every run, none of them the user's concern
@@ -30,7 +30,7 @@ def __getattr__(name):  # heavy imports (torch, transformers) only when used
 
         return getattr(api, name)
     if name == "consolidate":
-        from .training.consolidate import consolidate
+        from .outputs.consolidate import consolidate
 
         return consolidate
     if name in ("parallelize", "deparallelize", "device_map"):

@@ -1,6 +1,6 @@
 """The `bigfit` command: `bigfit train`, `bigfit plan`, `bigfit bench` and `bigfit consolidate`.
 
-The flags of the first three are generated from the settings schema (settings.py): one flag per
+The flags of the first three are generated from the settings schema (settings/reading.py): one flag per
 declared setting a command takes, its type, default and help the field's. Settings come from the
 defaults, then a --config file, then flags actually given on the command line, in that order. User
 mistakes exit with status 2 and one line, no traceback.
@@ -12,15 +12,15 @@ import difflib
 import os
 import sys
 
-from .bench.settings import BenchSettings
-from .checks import validate
-from .config import BENCH_DECIDES, CHOICES, FLAG_ALONE, TrainConfig
-from .deepspeed_config import load_deepspeed_config
-from .settings import (COMMANDS, INTERNAL, field_help, field_type, load_config_file, normalise, refusal, schema,
-                       setting_value)
+from .common.launch import interrupt_in, interrupt_name, launched_job, stamp_start
 from .errors import BigfitError
-from .launch import interrupt_in, interrupt_name, launched_job, stamp_start
-from .planning.flags import ALIASES
+from .job.checks import validate
+from .settings.bench import BenchSettings
+from .settings.config import BENCH_DECIDES, CHOICES, FLAG_ALONE, TrainConfig
+from .settings.deepspeed import load_deepspeed_config
+from .settings.planflags import ALIASES
+from .settings.reading import (COMMANDS, INTERNAL, field_help, field_type, load_config_file, normalise, refusal,
+                               schema, setting_value)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -46,13 +46,13 @@ def _flag_type(name: str):
     return convert
 
 
-_field_help = field_help  # each field's --help text, from its comment (settings.py)
+_field_help = field_help  # each field's --help text, from its comment (settings/reading.py)
 
 
 def _add_settings(p: argparse.ArgumentParser, command: str) -> None:
     """A flag for each setting `command` takes (settings.schema), its help the field's comment and, where
     not every command takes it, which do. A bool is a switch: --NAME, or --no-NAME where it is on by
-    default; `bigfit plan`'s choice settings offer their values (train and bench check them in checks.py)."""
+    default; `bigfit plan`'s choice settings offer their values (train and bench check them in job/checks.py)."""
     for s in schema(command).values():
         only = f" ({' and '.join(s.commands)} only)" if len(s.commands) < len(COMMANDS) else ""
         kw = {"dest": s.name, "help": argparse.SUPPRESS if s.name in INTERNAL else s.help + only}
@@ -182,7 +182,7 @@ def bench_from_args(ns: argparse.Namespace) -> tuple[BenchSettings, TrainConfig]
 
 
 def _deepspeed(path: str, so_far: dict) -> dict:
-    from .training.command import speaks, world  # imported here, as in main: world() asks torch for the GPUs
+    from .commands.train import speaks, world  # imported here, as in main: world() asks torch for the GPUs
 
     mapping = load_deepspeed_config(path, world(so_far.get("nproc"), TrainConfig()))
     if speaks():
@@ -203,23 +203,23 @@ def main(argv: list[str] | None = None) -> int:
     # no torch, transformers or planner
     try:
         if job:
-            from .training.command import run_worker
+            from .commands.train import run_worker
 
             return run_worker(job)
         if ns.command == "train":
             cfg = config_from_args(ns)  # its mistakes before torch loads
-            from .training.command import train_command
+            from .commands.train import train_command
 
             return train_command(argv, cfg)
         if ns.command == "plan":
-            from .planning.command import plan_command
+            from .commands.plan import plan_command
 
             return plan_command(ns)
         if ns.command == "bench":
-            from .bench.command import bench_command
+            from .bench.driver import bench_command
 
             return bench_command(*bench_from_args(ns))
-        from .training.consolidate import consolidate
+        from .outputs.consolidate import consolidate
 
         out = consolidate(ns.checkpoint, ns.out, overwrite=ns.overwrite, merge=ns.merge, base=ns.base)
         adapter = not ns.merge and os.path.isfile(os.path.join(out, "adapter_config.json"))

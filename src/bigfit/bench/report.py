@@ -39,7 +39,7 @@ def _score(row: dict) -> str | None:
 
 def recommendation(rows: list[dict], auto_pick: str | None) -> str:
     """The fastest measured method that ran, and whether `--strategy auto` picks it (planned, like
-    the rows, at each method's largest micro-batch: planning/auto.py _sized_pick)."""
+    the rows, at each method's largest micro-batch: job/autoplan.py _sized_pick)."""
     ran = [r for r in rows if r.get("train_s") is not None and r["status"] == "ok"]
     if not ran:
         return "no method ran to the end: nothing to recommend"

@@ -1,9 +1,9 @@
 """One row of `bigfit bench`: a process of its own (`python -m bigfit.bench.rows SPEC`), so that a
 strategy that crashes, runs out of memory or hangs ends its row, never the bench. It probes the
-largest micro-batch that runs (autobatch.py: worker sets of its own, the model built once per set),
+largest micro-batch that runs (commands/autobatch.py: worker sets of its own, the model built once per set),
 then trains on --train-samples samples (--max-train-samples) at it, after the untimed steps, for as
 many steps as they make (at least MIN_TIMED), and evaluates once at the end, all through `bigfit
-train`'s own code (training/command.py), in ROW/probe and ROW/train; where training runs out of
+train`'s own code (commands/train.py), in ROW/probe and ROW/train; where training runs out of
 memory at the probe's size, again below it (RETRIES times at most; the row says so). Its train time
 is the median timed step x samples / global batch. What it learns goes to ROW/row.json as it learns it, so a row
 cut short keeps what it measured; `collect` reads that, metrics.jsonl and eval.jsonl back into one
@@ -19,7 +19,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from ..probefile import OOM_EXIT, out_of_memory
+from ..training.probefile import OOM_EXIT, out_of_memory
 
 ROW_FILE = "row.json"
 RETRIES = 2  # smaller confirmed sizes tried after training ran out of memory at the probe's largest
@@ -28,13 +28,13 @@ MIN_TIMED = 3  # timed steps at least, for a median, where --train-samples is on
 
 def run(spec: dict) -> int:
     """Probe, predict, train; returns `bigfit train`'s exit status (2: a refused setting)."""
-    from ..autobatch import choose_micro_batch
-    from ..checks import validate
-    from ..config import TrainConfig
+    from ..commands.autobatch import choose_micro_batch
+    from ..job.checks import validate
+    from ..settings.config import TrainConfig
     from ..errors import BigfitError
-    from ..planning.auto import auto_micro_batch
-    from ..probefile import load, path
-    from ..training.job import data_lengths
+    from ..job.autoplan import auto_micro_batch
+    from ..training.probefile import load, path
+    from ..job.prepare import data_lengths
 
     row, nproc = Path(spec["row_dir"]), spec["nproc"]
     cfg = TrainConfig(**spec["train"])
@@ -62,7 +62,7 @@ def _bench_owned(cfg):
     """The probe's output directory as one its launcher claimed: it lies in the bench's own --output-dir,
     which the bench claimed, and `bigfit train` claims its directory before its probe writes there, so a
     worker's claim would find the probe's logs in the way."""
-    from ..training.ownership import claimed, output_path
+    from ..outputs.ownership import claimed, output_path
 
     return claimed(output_path(cfg))
 
@@ -97,8 +97,8 @@ def _train_at(row: Path, cfg, nproc: int, spec: dict, micro: int, peak: int | No
     status, OOM_EXIT where one process (this one, or a worker) ran out of memory."""
     import torch
 
-    from ..planning.auto import plan_here
-    from ..training.command import train_command
+    from ..job.autoplan import plan_here
+    from ..commands.train import train_command
 
     batch = micro * nproc
     steps = spec["warmup"] + max(MIN_TIMED, math.ceil(spec["samples"] / batch))
@@ -165,7 +165,7 @@ def _jsonl(p: Path) -> list[dict]:
 
 
 if __name__ == "__main__":
-    from ..launch import stamp_start
+    from ..common.launch import stamp_start
 
     stamp_start()  # the row's own start (the bench's stamp is inherited): its first step's breakdown from here
     sys.exit(run(json.loads(Path(sys.argv[1]).read_text())))

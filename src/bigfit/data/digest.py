@@ -1,5 +1,5 @@
 """What identifies data by its content: a file's sha256, or the examples' of data that is no single
-file (a dataset directory, a hub dataset). The run's identity (training/runinfo.py) and the tokenized
+file (a dataset directory, a hub dataset). The run's identity (outputs/runinfo.py) and the tokenized
 cache's entry names (cache.py) use the same digests."""
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ..errors import BigfitError
-from ..userfiles import check_encoding, reading, user_file
+from ..settings.userfiles import check_encoding, reading, user_file
 from .columns import Columns
 from .tables import is_table, read_table
 

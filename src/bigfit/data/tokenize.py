@@ -14,8 +14,8 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..config import TrainConfig
 from ..errors import BigfitError
+from ..settings.config import TrainConfig
 from .chat import chat_sample
 from .pack import pack as pack_samples
 

@@ -7,15 +7,15 @@
     model.generate(...)                            # greedy and beam search work as usual
     deparallelize(model)                           # hooks gone, the model on one device again
 
-maps.py parses and checks maps; balance.py is the pure balancer behind "auto" and auto.py feeds it
+layout/maps.py parses and checks maps; planning/balance.py is the pure balancer behind "auto" and planning/automap.py feeds it
 the planner's per-block bytes; hooks.py places the model; moves.py makes (and counts) every copy,
 streams.py its CUDA streams and events; pipeline.py runs chunks on schedule.py's GPipe clock, and
 casts.py casts each weight once per chunked step under autocast; strategy.py is `bigfit train
 --strategy device_map`. docs/device_map.md.
 """
+from ..layout.maps import DeviceMap, Stack, canonical_device, resolve_map
 from .casts import cast_once
 from .hooks import deparallelize, find_stacks, layout_of, parallelize
-from .maps import DeviceMap, Stack, canonical_device, resolve_map
 from .moves import CopyCount, count_copies
 from .pipeline import run_chunks, split_batch, train_step
 

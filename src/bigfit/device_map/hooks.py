@@ -10,7 +10,7 @@ forward working with reversible forward hooks (no model class is changed, no for
 - Caches are not tensors the hooks touch: each layer's keys and values are made on its device by the
   layer and stay there; `generate()` reorders beams per layer where the cache lives.
 - Tied parameters stay one parameter: a map that would put one on two devices is refused.
-- A 4-bit weight (QLoRA, quantize.py) is made on its device before the rest moves, and stays there.
+- A 4-bit weight (QLoRA, adapters/quantize.py) is made on its device before the rest moves, and stays there.
 """
 from __future__ import annotations
 
@@ -18,12 +18,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..adapters.quantize import is_quantized
 from ..errors import BigfitError
-from ..models import block_lists
-from ..quantize import is_quantized
-from ..strategies.placement import owners
-from .auto import auto_map
-from .maps import DeviceMap, Stack, canonical_device, name_stacks, real_device, resolve_map
+from ..layout.maps import DeviceMap, Stack, canonical_device, name_stacks, real_device, resolve_map
+from ..models.source import block_lists
+from ..offload.placement import owners
+from ..planning.automap import auto_map
 from .moves import move, move_tree, settle, tag_tree
 from .schedule import reached
 
@@ -186,7 +186,7 @@ def _hook_targets(model, placed: dict[str, str]) -> list[tuple[str, torch.nn.Mod
 
 def parallelize(model: torch.nn.Module, device_map, main_device=None, *, stacks=None, budgets=None,
                 job=None) -> DeviceMap:
-    """Spread `model` over devices by `device_map` (see maps.py for its form, or "auto" with
+    """Spread `model` over devices by `device_map` (see layout/maps.py for its form, or "auto" with
     `budgets` like {"cuda:0": "8GB", "cpu": "64GB"} and an optional planning Job). Everything is
     checked before anything moves. Returns the resolved map."""
     if ATTR in model.__dict__:

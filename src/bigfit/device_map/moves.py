@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from ..layout.maps import real_device
 from . import streams
-from .maps import real_device
 from .streams import Landing
 
 TAG = "_bigfit_place"

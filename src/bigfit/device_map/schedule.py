@@ -40,7 +40,7 @@ import threading
 import torch
 
 from ..errors import BigfitError
-from .maps import is_cuda
+from ..layout.maps import is_cuda
 from .threads import Pool
 
 _current = threading.local()

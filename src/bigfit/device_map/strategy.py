@@ -1,5 +1,5 @@
 """`bigfit train --strategy device_map [--device-map MAP.json | auto] [--chunks N]`: one process drives
-every device of the map. The map file holds a device map (maps.py), or {"auto": {device: budget}};
+every device of the map. The map file holds a device map (layout/maps.py), or {"auto": {device: budget}};
 `auto` alone balances over this machine: each GPU's memory less the planner's reserve, then 90% of
 host RAM as the overflow. `check` runs before any process or weight (on a meta-device model), and
 `apply_device_map` is the split step of parallel/apply.py."""
@@ -13,19 +13,19 @@ from pathlib import Path
 
 import torch
 
+from ..adapters.lora import LoraSettings
+from ..adapters.quantize import describe as describe_4bit, quantize_base
+from ..common.precision import compute_dtype
+from ..engine.protocol import Applied
 from ..errors import BigfitError
-from ..hardware import Hardware, host_ram
+from ..layout.maps import canonical_device, real_device, resolve_map
 from ..loading import Weights, fill
-from ..lora import LoraSettings
-from ..planning.job import Job, planned_lengths
-from ..precision import compute_dtype
-from ..quantize import describe as describe_4bit, quantize_base
-from ..strategies.base import Applied
-from ..userfiles import read_text
-from .auto import assign, costs, parse_budgets, plan_budgets
+from ..machine.hardware import Hardware, host_ram
+from ..planning.automap import assign, costs, parse_budgets, plan_budgets
+from ..planning.job import Workload, planned_lengths
+from ..settings.userfiles import read_text
 from .casts import cast_once
 from .hooks import find_stacks, module_devices, parallelize
-from .maps import canonical_device, real_device, resolve_map
 from .pipeline import run_chunks, split_batch
 
 
@@ -83,7 +83,7 @@ def machine_budgets() -> dict[str, int]:
 
 def _job(cfg, lengths: tuple[int, int] | None):
     source, target = planned_lengths(cfg, lengths)  # balanced for the batches the data makes, as the planner rates them
-    return Job(batch_size=cfg.batch_size, seq_len=source, target_len=target,
+    return Workload(batch_size=cfg.batch_size, seq_len=source, target_len=target,
                micro_batch=cfg.micro_batch_size, precision=cfg.precision or "fp32",
                checkpointing=cfg.activation_checkpointing, lora=LoraSettings.from_config(cfg),
                load_in_4bit=cfg.load_in_4bit)
@@ -109,7 +109,7 @@ def _resolve(model, cfg, main, lengths: tuple[int, int] | None = None) -> object
 
 def check(cfg, job_model_config, lengths: tuple[int, int] | None = None) -> str:
     """Every check of the map before any weight exists: returns its description."""
-    from ..models import meta_model
+    from ..models.source import meta_model
 
     return _resolve(meta_model(job_model_config), cfg, _this_device(), lengths).describe()
 
@@ -119,7 +119,7 @@ def pin_auto_map(cfg, micro: int, where: Path, lengths: tuple[int, int] | None =
     returned; None where the map is the user's). The balancer moves blocks to the host as the
     micro-batch grows, so micro-batch auto's probe and the job it confirms must both run this map:
     balanced again at each size, the probe would confirm sizes for one map and train with another."""
-    from ..models import load_config, locate, meta_model
+    from ..models.source import load_config, locate, meta_model
 
     if read_spec(cfg)[0] != "auto":
         return None

@@ -18,7 +18,7 @@ import copy
 import torch
 import torch.distributed as dist
 
-from ..models import ModelSource, build_model, locate
+from ..models.source import ModelSource, build_model, locate
 from .files import Checkpoint, safetensors_dir
 from .fill import WholeParams, fill, local_box
 from .source import Weights

@@ -20,7 +20,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from ..errors import BigfitError
-from ..models import ModelSource
+from ..models.source import ModelSource
 
 SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
 BIN, BIN_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
@@ -42,7 +42,7 @@ def weights_fingerprint(src: ModelSource) -> str | None:
     at the start, middle and end of each, hashed; None without any (a config-only model, a hub name
     not in the cache). 3 MiB a file, whatever the model's size, tells one checkpoint of an
     architecture from another: a LoRA run's base, which its checkpoints do not hold, must still be
-    the one it trained on when it resumes (training/resume.py)."""
+    the one it trained on when it resumes (settings/resume.py)."""
     import hashlib
 
     directory = _weights_dir(src)

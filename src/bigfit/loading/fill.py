@@ -7,8 +7,8 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from ..quantize import is_quantized
-from ..strategies.materialise import to_empty
+from ..adapters.quantize import is_quantized
+from .materialise import to_empty
 from .source import Weights
 
 
@@ -43,14 +43,14 @@ def fill(model: torch.nn.Module, weights: Weights, device) -> None:
         to_empty(model, device)
     # unit by unit, so the init makes each once (T5 and Llama name the rest's tensors between blocks)
     for name, t in sorted(unique_tensors(model), key=lambda nt: weights.order(nt[0])):
-        if is_quantized(t):  # a QLoRA base layer: read and quantized already (quantize.py)
+        if is_quantized(t):  # a QLoRA base layer: read and quantized already (adapters/quantize.py)
             continue
         local = t.to_local() if isinstance(t, DTensor) else t
         local.copy_(weights.read(name, local_box(t), local.dtype, local.device))
 
 
 class WholeParams:
-    """The offload engine's source of values (strategies/placement.py): every parameter whole in fp32
+    """The offload engine's source of values (offload/placement.py): every parameter whole in fp32
     on the device, and the buffers, read or made on this rank instead of broadcast from the first
     data-parallel rank. Built before the engine replaces the meta parameters, whose names it keeps."""
 

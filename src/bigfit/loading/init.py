@@ -20,8 +20,8 @@ import zlib
 import torch
 from transformers import PreTrainedModel
 
-from ..lora import ADAPTER, is_lora_layer
-from ..models import block_lists
+from ..adapters.lora import ADAPTER, is_lora_layer
+from ..models.source import block_lists
 
 try:  # transformers 5: init functions that skip tensors marked initialised, and a guard for torch's
     from transformers import initialization

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ..lora import base_name, is_adapter
+from ..adapters.lora import base_name, is_adapter
 from .files import Checkpoint, match
 from .init import SeededInit
 

@@ -6,7 +6,7 @@ The model comes on the meta device on every rank (bigfit.loading): each transfor
 weights, and each rank then fills only what it stores, from its slices of the safetensors weights
 or by the seeded init. On the rank-0 path (`.bin` weights, hub names not cached, device maps, a
 model handed in with real weights) rank 0 brings the whole model and the others receive their parts.
-- 4-bit base (QLoRA): each LoRA base layer read in bf16 and quantized on the device (quantize.py),
+- 4-bit base (QLoRA): each LoRA base layer read in bf16 and quantized on the device (adapters/quantize.py),
   before anything allocates the rest of the model, where each process holds all of it (single, ddp,
   zero1, the offload engine); under FSDP2 (zero2, zero3, zero3-offload) a unit's layers at a time,
   just before the sharding step shards that unit; with a device map or pipeline stages at the
@@ -37,29 +37,29 @@ import os
 
 import torch
 
+from ..adapters.quantize import UnitQuantizer, describe, is_quantized, quantize_base
+from ..common.distributed import Runtime
+from ..common.precision import DTYPES, compute_dtype
+from ..data_parallel.sharding import apply_ddp, apply_fsdp
+from ..data_parallel.streamed import stream_host_steps
 from ..device_map.strategy import apply_device_map
-from ..distributed import Runtime
+from ..engine.checkpointing import apply_activation_checkpointing
+from ..engine.compiling import apply_compile
+from ..engine.protocol import Applied
 from ..errors import BigfitError
+from ..layout.plan import ParallelPlan
 from ..loading import Weights, WholeParams, fill, weights_for
+from ..loading.materialise import materialise_from_rank0, to_device
+from ..offload.strategy import apply_offload
 from ..pipeline.strategy import apply_pipeline
-from ..precision import DTYPES, compute_dtype
-from ..quantize import UnitQuantizer, describe, is_quantized, quantize_base
-from ..strategies.base import Applied
-from ..strategies.checkpointing import apply_activation_checkpointing
-from ..strategies.compiling import apply_compile
-from ..strategies.materialise import materialise_from_rank0, to_device
-from ..strategies.offloading import apply_offload
-from ..strategies.sharding import apply_ddp, apply_fsdp
-from ..strategies.streamed import stream_host_steps
 from ..tensor import apply_tensor_parallel
-from .plan import ParallelPlan
 
 
 def apply(model: torch.nn.Module, plan: ParallelPlan, cfg, rt: Runtime,
           lengths: tuple[int, int] | None = None) -> Applied:
     """Spread `model` as `plan` says. A meta-device model on every rank is filled per rank (weights
     from cfg.model's files, or the seeded init); otherwise rank 0 brings the real weights and the
-    other ranks a meta-device model. Returns the engine the training loop drives (strategies/base.py
+    other ranks a meta-device model. Returns the engine the training loop drives (engine/protocol.py
     `Engine`). `lengths`: the data's longest sample (the job's), which `--device-map auto` balances
     for, as the planner rated it (else the length limits)."""
     weights = weights_for(model, cfg, rt)  # checks the files against the model, before any storage
@@ -82,7 +82,7 @@ def apply(model: torch.nn.Module, plan: ParallelPlan, cfg, rt: Runtime,
 
 
 def apply_4bit(model, plan: ParallelPlan, cfg, rt: Runtime, weights: Weights | None) -> UnitQuantizer | dict:
-    """QLoRA: each LoRA base layer read and quantized to 4 bits on the device (quantize.py), before
+    """QLoRA: each LoRA base layer read and quantized to 4 bits on the device (adapters/quantize.py), before
     anything allocates the rest; on the per-rank path only (its weights come from `weights`). Under
     FSDP2 the quantizer the sharding step calls on each unit before it shards it; a device map or
     pipeline stages quantize at the split, once they know where each kept layer lives. Returns the

@@ -1,11 +1,11 @@
 """Running the stages with torch.distributed.pipelining, as the training loop's `Applied`.
 
 - Every pipeline position of one data-parallel replica sees that replica's whole share of the
-  batch (the data view of the mesh, parallel/mesh.py), so the loop's global-batch arithmetic stays
+  batch (the data view of the mesh, layout/mesh.py), so the loop's global-batch arithmetic stays
   as it is. Over data-parallel replicas, the stages' gradients are averaged each step (DDP's
   all-reduce, `finish_backward`; with ZeRO-1 each replica then steps the states it owns,
   `ZeroOneStages`), or FSDP2 shards each stage's blocks (`shard_stages`), or the offload engine
-  takes the update over (strategies/offloading.py: this engine still runs the schedules).
+  takes the update over (offload/strategy.py: this engine still runs the schedules).
 - Each micro-batch of the loop is one schedule step of `chunks` pipeline micro-batches. The loss
   is the loop's own (training/step.py `token_loss`: summed token cross-entropy from fp32 logits)
   computed on the last stage, times the loop's factor (loss scale / global-batch tokens), so the
@@ -14,7 +14,7 @@
   schedule is kept per batch shape (sequence lengths padded up to a multiple of PAD_TO, few shapes).
 - Tied parameters held on several ranks get their gradients summed over those ranks (one process
   group per tied parameter) before the update, so the copies take identical steps and stay equal.
-- The gradient norm for clipping is global (parallel/norms.py): squared norms all-reduced over the
+- The gradient norm for clipping is global (engine/norms.py): squared norms all-reduced over the
   ranks, each tied parameter counted once (on its lowest position), as the single-process model counts it.
 """
 from __future__ import annotations
@@ -32,13 +32,13 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 
+from ..common.distributed import Runtime
 from ..data.tokenize import IGNORE
-from ..distributed import Runtime
-from ..losses import target_tokens, token_loss
-from ..parallel.norms import clip_by, global_norm
-from ..strategies.base import Applied, local
-from ..strategies.sharding import ZeroOneStates, fsdp_options, shard_units
-from .cut import PipelineLayout
+from ..data_parallel.sharding import ZeroOneStates, fsdp_options, shard_units
+from ..engine.losses import target_tokens, token_loss
+from ..engine.norms import clip_by, global_norm
+from ..engine.protocol import Applied, local
+from ..layout.cut import PipelineLayout
 
 PAD_TO = 8  # sequence lengths are padded to a multiple of this: fewer shapes, fewer schedules
 MAX_SCHEDULES = 8  # per mode; each holds receive buffers for every chunk, so old shapes are dropped

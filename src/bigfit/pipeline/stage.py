@@ -24,7 +24,7 @@ import contextlib
 import torch
 from torch import nn
 
-from .split import Split, sparse_list
+from ..layout.split import Split, sparse_list
 
 
 class _StageDone(Exception):

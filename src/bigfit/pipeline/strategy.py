@@ -11,15 +11,15 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..distributed import Runtime, gather_objects
+from ..adapters.quantize import describe as describe_4bit, quantize_base
+from ..common.distributed import Runtime, gather_objects
+from ..common.precision import compute_dtype
+from ..layout.cut import PipelineLayout
+from ..layout.mesh import run_group
+from ..layout.split import Split, plan_split, prune, tied_groups
 from ..loading import Weights, fill
-from ..parallel.mesh import run_group
-from ..precision import compute_dtype
-from ..quantize import describe as describe_4bit, quantize_base
-from ..strategies.materialise import to_empty
-from .cut import PipelineLayout
+from ..loading.materialise import to_empty
 from .runner import PipelineApplied
-from .split import Split, plan_split, prune, tied_groups
 from .stage import StageModule
 
 
@@ -31,7 +31,7 @@ def layout_of(cfg, positions: int) -> PipelineLayout:
 
 def check(cfg, model_config, positions: int) -> str:
     """Every check of the split before any process or weight (on a meta-device model)."""
-    from ..models import meta_model
+    from ..models.source import meta_model
 
     model = meta_model(model_config)
     split = plan_split(model, layout_of(cfg, positions))

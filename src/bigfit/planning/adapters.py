@@ -14,8 +14,8 @@ from dataclasses import replace
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from ..lora import inject
-from ..precision import DTYPES
+from ..adapters.lora import inject
+from ..common.precision import DTYPES
 from .quantized import STORED, transient
 
 FROZEN_STATE = {"grads": 4, "optimizer": 8}  # fp32 bytes a frozen parameter does not have (AdamW: two moments)
@@ -78,7 +78,7 @@ def frozen_costs(cost, prof, job):
     """Costs counted with every parameter training (16 bytes) for a profile with frozen parameters:
     each block's and the main device's without what their frozen parameters do not keep, the LoRA
     base layers in NF4 under --load-in-4bit, and one layer's dequantisation temporaries on every
-    device beside a checkpointed block's recompute. device_map/auto.py's profile_costs applies it,
+    device beside a checkpointed block's recompute. planning/automap.py's profile_costs applies it,
     so every caller of that gets the LoRA bytes once."""
     if not prof.frozen_params:
         return cost

@@ -24,8 +24,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from ..pipeline.cut import PipelineLayout
-from ..precision import DTYPES
+from ..common.precision import DTYPES
+from ..layout.cut import PipelineLayout
 from .adapters import outside_frozen_share, scaled_frozen
 from .estimate import FSDP_HOST_ADAM, KEYS, Estimate, _bytes, grad_bytes, host_adam_rate, memory
 from .hostcost import PIPELINE_ACTION_S
@@ -41,7 +41,7 @@ TP_EFFICIENCY = 0.95
 @dataclass(frozen=True)
 class Pipe:
     layout: PipelineLayout  # one pipeline position per rank of a data-parallel x tensor-parallel group
-    runs: list[tuple[int, int]]  # each stage's blocks [start, stop): pipeline/cut.py's balance
+    runs: list[tuple[int, int]]  # each stage's blocks [start, stop): layout/cut.py's balance
 
 
 def share(prof, tp: int, scale: float, sequence: bool = False):

@@ -1,5 +1,5 @@
 """Per-strategy memory and step time, from a ModelProfile, the hardware and the job. Pure arithmetic;
-each term names the engine behaviour it stands for (see strategies/sharding.py for the engines).
+each term names the engine behaviour it stands for (see data_parallel/sharding.py for the engines).
 
 Notation: N parameters, W GPUs in all, g per node, c bytes of the compute dtype (2 for bf16/fp16,
 4 for fp32), U the largest block's parameters (one FSDP unit), R the parameters outside blocks.
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..config import STATE_BYTES
+from ..settings.config import STATE_BYTES
 from . import quantized
 from .devicecost import matmul_flops_per_s
 
@@ -32,7 +32,7 @@ HOST_STEP_BYTES = {4: 40, 2: 32}
 
 def host_step_bytes(grad_bytes: int, states: str = "fp32") -> float:
     """Host-memory bytes a parameter of the offload engine's step: HOST_STEP_BYTES for fp32 moments;
-    compact ones (strategies/statefmt.py, bigfit's kernel only) read and write the master (8), their
+    compact ones (offload/statefmt.py, bigfit's kernel only) read and write the master (8), their
     moments (twice their bytes), read the gradient after the DMA wrote it, and the DMA reads the
     master (4). Rated by bytes, as memory-bound: on the CPU machine's 2 cores, which compute rather
     than wait, the int8 kernel ran at 0.58-0.66 of the fp32 one's parameters a second and the bf16 one
@@ -163,7 +163,7 @@ def memory(strategy: str, prof, hw, c: int, checkpointing: bool, accum: int = 1,
     shard = (4 * t + c * (n - t - q)) / w + (quantized.shard_bytes(prof, w) if four_bit else 0)
     tshard = 4 * t / w
     g = hw.gpus_per_node
-    if strategy.startswith("zero2-offload"):  # the offload engine (strategies/offload.py)
+    if strategy.startswith("zero2-offload"):  # the offload engine (offload/engine.py)
         bucket = (c + 4 + 4 / w) * max(ut, vt)  # a bucket's gradients, packed in fp32, reduce-scattered
         rows = grad_bytes * t / w  # this rank's reduced gradient rows, as they wait for the host step
         waiting = dict(update=dict(grads=4 * t * held + rows, buffers=bucket)) if grads_on_device else {}
@@ -291,7 +291,7 @@ def combine(costs: dict, engine: str | None = None, accum: int = 1, device: str 
     cores issues, computes, runs gloo's collectives and the offload engine's host step: they add up. The
     NVMe reads of the next bucket overlap the host step of the current one, and the host-device
     copies overlap the host step and backward. zero3-offload's host step (FSDP2's) follows the GPU
-    work. The offload engine's (`engine`, strategies/offload.py) overlaps some GPU work:
+    work. The offload engine's (`engine`, offload/engine.py) overlaps some GPU work:
     - "after-backward": the next step's first forward (f, a third of a micro-batch) runs behind it;
     - "eager": it runs under the last backward (b, two thirds of a micro-batch), but the first block
       it needs for the next forward is the last it updates;

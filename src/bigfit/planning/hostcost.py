@@ -11,7 +11,7 @@ from collections.abc import Iterable
 
 # The recompute of activation checkpointing issues each block's forward again: a third more, as its FLOPs.
 RECOMPUTE = 4 / 3
-# What a compiled block (torch.compile, inductor, dynamic shapes as strategies/compiling.py compiles it)
+# What a compiled block (torch.compile, inductor, dynamic shapes as engine/compiling.py compiles it)
 # keeps of eager's issue cost: its kernels are fewer, but each call still runs the compiled code's
 # guards and shape arithmetic and autograd's wrapper. Measured on the H200 machine on 2026-12-04
 # (benchmarks/host_issue.py --compile 0,1, one short sample): a 1.2B Llama 0.54, T5-large 0.67 (it was

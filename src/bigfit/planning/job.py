@@ -1,14 +1,14 @@
 """The job the planner rates: batch, lengths, precision and the settings that change bytes or time.
-Pure data, below everything that plans (device_map/auto.py, planning/search.py use it)."""
+Pure data, below everything that plans (planning/automap.py, planning/search.py use it)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..lora import LoraSettings
+from ..adapters.lora import LoraSettings
 
 
 @dataclass(frozen=True)
-class Job:
+class Workload:
     batch_size: int  # global samples per optimizer step
     seq_len: int  # tokens per sample (source side for encoder-decoders)
     target_len: int = 0  # decoder tokens per sample (encoder-decoders)
@@ -36,7 +36,7 @@ class Job:
 
 def planned_lengths(cfg, lengths: tuple[int, int] | None = None) -> tuple[int, int]:
     """The source and target tokens of a training run's longest batch, as the planner rates it: the
-    data's longest samples where the command read them (`lengths`: training/job.py data_lengths, a
+    data's longest samples where the command read them (`lengths`: job/prepare.py data_lengths, a
     job's DataRef.lengths), else --max-source-len and --max-target-len, which are limits, not lengths."""
     if not lengths:
         return cfg.max_source_len, cfg.max_target_len

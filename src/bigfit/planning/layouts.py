@@ -12,10 +12,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from ..config import pipeline_defaults
 from ..errors import BigfitError
-from ..parallel.plan import DIMS, ParallelPlan, plan_for
-from ..pipeline.cut import PipelineLayout, balance, check_depth
+from ..layout.cut import PipelineLayout, balance, check_depth
+from ..layout.plan import DIMS, ParallelPlan, plan_for
+from ..settings.config import pipeline_defaults
 from . import composed
 from .rows import Candidate, fit_problem, gb
 from .tp_trace import valid_tp

@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from ..common.precision import DTYPES
 from ..errors import BigfitError
-from ..models import block_lists, is_seq2seq
-from ..precision import DTYPES
+from ..models.source import block_lists, is_seq2seq
 from .adapters import flop_weight, frozen_counts, module_flop_weight, with_adapters
 from .cudatrace import CudaAutocast, cuda_kernels
 from .opcount import OpCounter
@@ -345,8 +345,8 @@ def _tp_counts(config, split: TensorSplit) -> dict:
 
 
 def _outside(model) -> dict:
-    """Where a pipeline cut puts the parameters outside the blocks, as pipeline/split.py decides it."""
-    from ..pipeline.split import anchors  # imported here: it loads strategies, data, torch.distributed.tensor
+    """Where a pipeline cut puts the parameters outside the blocks, as layout/split.py decides it."""
+    from ..layout.split import anchors  # imported here: it loads strategies, data, torch.distributed.tensor
 
     try:
         return {"outside": anchors(model)}

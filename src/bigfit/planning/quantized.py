@@ -1,6 +1,6 @@
-"""QLoRA's 4-bit base in the plan (`--lora --load-in-4bit`, quantize.py): the bytes of the LoRA base
+"""QLoRA's 4-bit base in the plan (`--lora --load-in-4bit`, adapters/quantize.py): the bytes of the LoRA base
 layers' weights in NF4 with double quantisation, the bf16 copy each matmul dequantizes for itself,
-and that dequantisation's memory traffic. Two libraries store the same format (quantize.py): where
+and that dequantisation's memory traffic. Two libraries store the same format (adapters/quantize.py): where
 each GPU holds whole layers (single, ddp, zero1, zero2-offload, a device map's GPUs, pipeline
 stages), bitsandbytes' Linear4bit and its fused kernels; where FSDP2 shards it (zero2, zero3,
 zero3-offload: each rank keeps its rows of every layer's blocks, the all-gathers move 4 bits a
@@ -16,8 +16,8 @@ from types import SimpleNamespace
 
 import torch
 
-from ..models import block_lists
-from ..quantize import SHARDED, backend, check as check_4bit, quantized_layers
+from ..adapters.quantize import SHARDED, backend, check as check_4bit, quantized_layers
+from ..models.source import block_lists
 from .devicecost import GATHER, MEM_EFFICIENCY
 
 # the layout both libraries share (blocksize 64, double quantisation): two weights a byte; an absmax
@@ -38,9 +38,9 @@ FP32_ABSMAX = 4 / BLOCK  # the absmaxes made fp32 again for each dequantisation,
 DEQUANT_BYTES = 1 / BLOCK + 3 * FP32_ABSMAX + 0.5 + FP32_ABSMAX + 2  # 2.77
 # alive while one layer computes: its bf16 copy, and its absmaxes in fp32 (before and after the offset)
 TRANSIENT_BYTES = 2 + 2 * FP32_ABSMAX
-# The dequantisation of torchao's NF4Tensor (bigfit's, nf4.py: torchao's own moves 33 and holds 14),
+# The dequantisation of torchao's NF4Tensor (bigfit's, adapters/nf4.py: torchao's own moves 33 and holds 14),
 # which F.linear calls on the weight in forward and in backward, in bytes a weight (read off its
-# operators on this CPU, tests/test_plan_qlora.py): the packed bytes made int32 indices (0.5
+# operators on this CPU, tests/test_planning_quantized.py): the packed bytes made int32 indices (0.5
 # read, 2 written), each byte's two code values looked up (2, 2), scaled by the block's bf16 absmax
 # into the copy (2 + 2 / BLOCK, 2); the absmaxes made bf16 and offset (7 / BLOCK). At once: the
 # indices and the looked-up values, or those values and the copy.
@@ -126,7 +126,7 @@ def dequant_seconds(prof, hw, job, micro_batches: int, library: str = "bitsandby
 
 def gather_saving(prof, hw, micro_batches: int, gathers: int) -> float:
     """The GPU's seconds FSDP2's copies around its all-gathers (devicecost.GATHER, 4 bytes a bf16
-    parameter) spare a step where the gathered weights are NF4: FSDP2's copy-out and nf4.py's
+    parameter) spare a step where the gathered weights are NF4: FSDP2's copy-out and adapters/nf4.py's
     copy into the layer's own tensors each read and write a weight's 0.516 bytes."""
     spared = micro_batches * gathers * (GATHER - 4 * STORED) * prof.quantized_params
     return spared / (hw.gpu_mem_gbps * 1e9 * MEM_EFFICIENCY)

@@ -5,18 +5,18 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from ..config import OPTIMIZER_STATES, PIPELINE_STRATEGIES, SPLIT_STRATEGIES, STATE_BYTES, STRATEGIES
-from ..device_map.auto import profile_for
-from ..precision import DTYPES
+from ..common.precision import DTYPES
+from ..settings.config import OPTIMIZER_STATES, PIPELINE_STRATEGIES, SPLIT_STRATEGIES, STATE_BYTES, STRATEGIES
 from . import quantized
 from .adapters import describe as describe_lora
+from .automap import profile_for
 from .devicecost import parameter_seconds, step_traffic
 from .estimate import CACHE_SLACK, Estimate, combine, grad_bytes, memory, nvme_bytes, nvme_fill, step_time
 from .hostcost import step_seconds as issue_seconds
-from .job import Job
+from .job import Workload
 from .layouts import LayoutCandidate, Rejected, choose, layout_rows
-from .rows import Candidate, fit_problem as _fit, gb as _gb, gpu_cap, host_problem as _host_fit
 from .profile import as_compiled, profile_model
+from .rows import Candidate, fit_problem as _fit, gb as _gb, gpu_cap, host_problem as _host_fit
 from .split import device_map_row
 from .stages import pipeline_row
 
@@ -26,14 +26,14 @@ WHOLE = SPLIT_STRATEGIES + PIPELINE_STRATEGIES
 
 
 @dataclass
-class Plan:
+class Recommendation:
     candidates: list[Candidate]
     recommended: str | None
     reason: str
     hardware: str
-    job: Job
+    job: Workload
     notes: list[str] = field(default_factory=list)
-    device_map: dict | None = None  # the device_map row's map and every device's bytes (device_map/auto.py)
+    device_map: dict | None = None  # the device_map row's map and every device's bytes (planning/automap.py)
     pipeline: dict | None = None  # the pipeline row's layout, cut and every rank's bytes (stages.py)
     # composed plans (layouts.py), when asked for: every rated one (fitting first, fastest first), the
     # rejected ones, and the one recommended over every named row (None: a named row stays the pick)
@@ -62,8 +62,8 @@ AUTOCAST = ("single", "ddp", "zero1")  # mixed precision by autocast (the others
 FSDP = ("zero2", "zero3", "zero3-offload")  # the rows FSDP2 runs
 
 
-def plan(prof, hw, job: Job, strategies=ALL, autocast_prof=None, split_prof=None,
-         layouts: dict | None = None) -> Plan:
+def plan(prof, hw, job: Workload, strategies=ALL, autocast_prof=None, split_prof=None,
+         layouts: dict | None = None) -> Recommendation:
     """`autocast_prof`: the model traced as autocast runs it (fp32 weights, casts per op), for the
     autocast strategies; `split_prof`: traced at one process's whole micro-batch, for device_map and
     pipeline (default `prof`, the same when there is one GPU); `prof` otherwise, traced at
@@ -95,7 +95,7 @@ def plan(prof, hw, job: Job, strategies=ALL, autocast_prof=None, split_prof=None
     ok = sorted((c for c in out if not c.why_not), key=_rank)
     best = ok[0].estimate.name if ok else None
     why = _reason(ok[0], out, world, hw) if ok else _advice(out, job, hw) if out else "no named strategy was rated"
-    result = Plan(out, best, why, hw.describe(), job, device_map=sections.get("device_map"),
+    result = Recommendation(out, best, why, hw.describe(), job, device_map=sections.get("device_map"),
                   pipeline=sections.get("pipeline"), params=prof.params, trainable_params=prof.trainable_params)
     if layouts is not None and job.load_in_4bit:
         result.layout_reason = ("not rated with --load-in-4bit (a 4-bit base is split by FSDP2 or into whole "
@@ -114,7 +114,7 @@ def _nothing_to_offload(name: str, hw) -> str | None:
     return None
 
 
-def _formats(name: str, job: Job) -> tuple[str, ...]:
+def _formats(name: str, job: Workload) -> tuple[str, ...]:
     """The moments' formats a data-parallel row is rated with: the job's, or for the offload engine's
     rows with none given each from the most exact; fp32 for the rows that keep torch's states."""
     if not name.startswith("zero2-offload"):
@@ -122,7 +122,7 @@ def _formats(name: str, job: Job) -> tuple[str, ...]:
     return (job.optimizer_states,) if job.optimizer_states else OPTIMIZER_STATES
 
 
-def _row(name: str, states: str, prof, autocast_prof, hw, job: Job, c: int, accum: int, tokens: int) -> Estimate:
+def _row(name: str, states: str, prof, autocast_prof, hw, job: Workload, c: int, accum: int, tokens: int) -> Estimate:
     """A data-parallel row's bytes and time, its offload engine's moments in `states`."""
     world = hw.world_size
     gb = grad_bytes(job.precision, hw.cpu_adam_kernel) if name.startswith("zero2-offload") else 4
@@ -198,8 +198,8 @@ def _edge(e: Estimate, hw) -> str:
             "micro-batch or --micro-batch-size auto keeps off the edge)")
 
 
-def _engine_mode(job: Job) -> str:
-    """When the offload engine's host step runs (strategies/offload.py): beside the next step
+def _engine_mode(job: Workload) -> str:
+    """When the offload engine's host step runs (offload/engine.py): beside the next step
     (delayed), under backward (nothing needs the global norm first: no clipping, no fp16 scale), or
     after backward."""
     if job.delayed_update:
@@ -207,7 +207,7 @@ def _engine_mode(job: Job) -> str:
     return "eager" if not job.clipping and job.precision != "fp16" else "after-backward"
 
 
-def _advice(cands: list[Candidate], job: Job, hw) -> str:
+def _advice(cands: list[Candidate], job: Workload, hw) -> str:
     """Why nothing is recommended, every candidate's reason in it: those that fit the GPU but cannot run
     for another reason (host RAM, the NVMe, no GPUs, device_map's one node) each with theirs, then how
     far the most frugal of the rest is over, and what would help."""
@@ -234,7 +234,7 @@ def _advice(cands: list[Candidate], job: Job, hw) -> str:
             "each offers); try " + ", ".join(tips))
 
 
-def _parameter_traffic(name: str, prof, hw, job: Job, accum: int) -> float:
+def _parameter_traffic(name: str, prof, hw, job: Workload, accum: int) -> float:
     """The GPU's once-a-step parameter traffic (devicecost.parameter_seconds) of a data-parallel row:
     none where the host steps (the offload rows), the states' share where FSDP2 or ZeRO-1 divide them."""
     if "offload" in name:
@@ -246,7 +246,7 @@ def _parameter_traffic(name: str, prof, hw, job: Job, accum: int) -> float:
     return parameter_seconds(prof, hw, job, shards, accum, autocast, gathers) - spared
 
 
-def plan_for_config(model_config, hw, job: Job, strategies=ALL, layouts: dict | None = None) -> Plan:
+def plan_for_config(model_config, hw, job: Workload, strategies=ALL, layouts: dict | None = None) -> Recommendation:
     if job.load_in_4bit:
         quantized.check(job.lora is not None, job.precision)
     micro = job.micro(hw.world_size)
@@ -255,7 +255,7 @@ def plan_for_config(model_config, hw, job: Job, strategies=ALL, layouts: dict | 
     data_parallel = any(s not in WHOLE for s in strategies) or layouts is not None
     whole = [s for s in strategies if s in WHOLE]
     split = None
-    # device_map's and pipeline's trace is the balancer's (device_map/auto.py): one process's whole
+    # device_map's and pipeline's trace is the balancer's (planning/automap.py): one process's whole
     # micro-batch, CUDA's attention; with one GPU it is the data-parallel trace itself
     if whole and not (job.micro(1) == micro and hw.device == "cuda" and data_parallel):
         split = profile_for(model_config, job)

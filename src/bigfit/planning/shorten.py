@@ -3,7 +3,7 @@ forward costs the host about 55 ms a Llama-8B block, so an 80-block model took s
 `bigfit plan` traces many shapes. Where a stack's blocks after its first are alike (same modules,
 parameter shapes and settings, as T5's, GPT-2's and Llama's are: only T5's first block carries the
 relative position bias), the trace runs KEEP of them and every later block gets the figures of the
-last one that ran. tests/test_profile_short.py holds the short trace equal to the whole one."""
+last one that ran. tests/test_planning_shorten.py holds the short trace equal to the whole one."""
 from __future__ import annotations
 
 import contextlib

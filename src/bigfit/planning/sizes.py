@@ -3,7 +3,7 @@ largest size the planner predicts to fit, and the probe's search for the largest
 
 Both rest on memory growing with the micro-batch: what fits at m fits below m. The probe's search
 is a value (`ProbeSearch`: the sizes allowed and every outcome so far) from which the next size
-follows, so the launcher and the probe workers, which share it through a file (probefile.py),
+follows, so the launcher and the probe workers, which share it through a file (training/probefile.py),
 always agree on which size a worker set was trying when it ended."""
 from __future__ import annotations
 

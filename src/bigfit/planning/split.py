@@ -1,5 +1,5 @@
 """device_map as a row of the plan: one process drives every GPU of one node, host RAM as the overflow,
-with the blocks placed by the same balancer `--device-map auto` uses (device_map/auto.py). Pure, from
+with the blocks placed by the same balancer `--device-map auto` uses (planning/automap.py). Pure, from
 a ModelProfile traced at the one process's whole micro-batch (nothing is divided over ranks).
 
 Memory: the balancer fits each device's blocks' fp32 weights, gradients, AdamW moments, autocast's
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..device_map.auto import device_parts, plan_budgets, profile_costs, split_plan
+from .automap import device_parts, plan_budgets, profile_costs, split_plan
 from .devicecost import matmul_flops_per_s, traffic_seconds
 from .estimate import Estimate, _bytes
 from .hostcost import FORWARD_SHARE, HOOK_S, pass_seconds

@@ -1,11 +1,11 @@
-"""pipeline as a row of the plan: the model cut into stages by the pipeline's own cut (pipeline/cut.py:
+"""pipeline as a row of the plan: the model cut into stages by the pipeline's own cut (layout/cut.py:
 contiguous runs of blocks balanced by parameters), one process per GPU of one node, every stage seeing
 the whole batch (no data parallelism). Pure, from the ModelProfile traced at one process's whole
 micro-batch (as for device_map), on the layout `--strategy pipeline` would resolve
 (config.pipeline_defaults: schedule, stages per rank, chunks).
 
 Memory per rank (docs/planning.md): its stages' blocks as the device-map balancer counts them (fp32
-weights, gradients, AdamW moments, autocast's compute-dtype copy: device_map/auto.py), the parameters
+weights, gradients, AdamW moments, autocast's compute-dtype copy: planning/automap.py), the parameters
 outside the blocks where the cut puts them (a copy on each rank that holds a tied one), the
 activations of the chunks its schedule keeps in flight, the receive buffers torch allocates per
 chunk, and on the last stage the loss's fp32 logits. Time: the slowest rank's compute stretched by
@@ -18,13 +18,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config import pipeline_defaults
-from ..device_map.auto import profile_costs, state_bytes
-from ..device_map.balance import size
+from ..common.precision import DTYPES
 from ..errors import BigfitError
-from ..pipeline.cut import PipelineLayout, balance, check_depth
-from ..precision import DTYPES
+from ..layout.cut import PipelineLayout, balance, check_depth
+from ..settings.config import pipeline_defaults
 from .adapters import outside_frozen_share, without_frozen
+from .automap import profile_costs, state_bytes
+from .balance import size
 from .estimate import KEYS, RESERVE, Estimate, _bytes
 from .hostcost import PIPELINE_ACTION_S
 from .quantized import transient
@@ -46,7 +46,7 @@ class PipelineRow:
 
 def pipeline_row(prof, hw, job) -> PipelineRow:
     layout, why = _layout(prof, hw, job)
-    runs = balance(prof.block_params, layout.stages)  # the cut training makes (pipeline/split.py plan_split)
+    runs = balance(prof.block_params, layout.stages)  # the cut training makes (layout/split.py plan_split)
     ranks = rank_bytes(prof, job, layout, runs)
     budgets = [hw.gpu_bytes[r % hw.gpus_per_node] - RESERVE for r in range(layout.world)]
     shown = max(range(layout.world), key=lambda r: ranks[r]["total"])

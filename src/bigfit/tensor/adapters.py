@@ -12,7 +12,7 @@ output's layout, with one small collective more at most (Megatron-style LoRA, as
 
 Replicated adapter matrices stay plain tensors: identical inputs and identical gradients on every
 rank of the TP group (the dropout in front of lora_A draws the same mask on each: every rank seeds
-alike). Embeddings, the LM head and sequence parallelism keep no adapter (one line, checks.py)."""
+alike). Embeddings, the LM head and sequence parallelism keep no adapter (one line, job/checks.py)."""
 from __future__ import annotations
 
 import functools
@@ -22,8 +22,8 @@ from torch import nn
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
+from ..adapters.lora import is_lora_layer
 from ..errors import BigfitError
-from ..lora import is_lora_layer
 from .comms import HeadLayout, ReduceGradient, ToHeads
 from .styles import Conv1DColwise, Conv1DRowwise, FusedConv1DColwise, _shard_params
 

@@ -23,8 +23,8 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
+from ..adapters.lora import is_lora_layer
 from ..errors import BigfitError
-from ..lora import is_lora_layer
 from .styles import (Conv1DColwise, Conv1DRowwise, FusedConv1DColwise, GatherSequence, SplitSequence, VocabColwise,
                      VocabRowwise)
 
@@ -50,7 +50,7 @@ HEAD_COUNTS = ("num_heads", "num_attention_heads", "num_key_value_heads")
 
 
 @dataclass
-class Plan:
+class TensorPlan:
     styles: dict[str, ParallelStyle] = field(default_factory=dict)  # module name -> its style
     local: list[tuple[nn.Module, tuple[str, ...]]] = field(default_factory=list)  # attributes to divide by tp
     blocks: str = ""  # for the start-of-run note
@@ -104,7 +104,7 @@ def _check_sequence(config) -> None:
                           "qwen2, qwen3, ...); drop --sequence-parallel")
 
 
-def build(model: nn.Module, sequence: bool = False) -> Plan:
+def build(model: nn.Module, sequence: bool = False) -> TensorPlan:
     kind = model.config.model_type
     plan = _gpt2(model) if kind == "gpt2" else _t5(model) if kind in T5_TYPES else _from_config(model)
     if sequence:
@@ -113,7 +113,7 @@ def build(model: nn.Module, sequence: bool = False) -> Plan:
     return plan
 
 
-def _split_sequence(model: nn.Module, plan: Plan) -> None:
+def _split_sequence(model: nn.Module, plan: TensorPlan) -> None:
     """Megatron's sequence parallelism on a plan: the residual stream a DTensor split by sequence
     (Shard(1)) between the blocks' parts; every norm on it runs on this rank's tokens (torch's
     SequenceParallel: weights replicated, their gradients all-reduced); each module holding
@@ -181,8 +181,8 @@ def vocab_styles(model: nn.Module, tp: int, sequence: bool = False) -> dict[str,
     return styles
 
 
-def _gpt2(model: nn.Module) -> Plan:
-    plan, width = Plan(), model.config.n_embd
+def _gpt2(model: nn.Module) -> TensorPlan:
+    plan, width = TensorPlan(), model.config.n_embd
     for name, mod in model.named_modules():
         if hasattr(mod, "c_attn") and hasattr(mod, "split_size"):  # GPT2Attention
             plan.styles[f"{name}.c_attn"] = FusedConv1DColwise(base_of(mod.c_attn).nf // width, width)
@@ -196,8 +196,8 @@ def _gpt2(model: nn.Module) -> Plan:
     return plan
 
 
-def _t5(model: nn.Module) -> Plan:
-    plan, cfg = Plan(), model.config
+def _t5(model: nn.Module) -> TensorPlan:
+    plan, cfg = TensorPlan(), model.config
     for name, mod in model.named_modules():
         if all(hasattr(mod, a) for a in ("q", "k", "v", "o", "n_heads")):  # T5Attention
             for proj in "qkv":
@@ -219,9 +219,9 @@ def _t5(model: nn.Module) -> Plan:
     return plan
 
 
-def _from_config(model: nn.Module) -> Plan:
+def _from_config(model: nn.Module) -> TensorPlan:
     """transformers' plan, whose keys are relative to the base model ("layers.*.self_attn.q_proj")."""
-    plan, styles = Plan(), _hf_styles(model.config)
+    plan, styles = TensorPlan(), _hf_styles(model.config)
     prefix = _prefix_of(model, model.base_model)
     patterns = [(re.compile(re.escape(k).replace(r"\*", r"[^.]+") + "$"), k) for k in styles]
     for name, mod in model.base_model.named_modules():

@@ -9,16 +9,16 @@ import gc
 import torch
 from transformers import AutoModelForCausalLM
 
-from ..config import TrainConfig
-from ..distributed import Runtime
-from ..hardware import Hardware
+from ..common.distributed import Runtime
+from ..common.precision import DTYPES
+from ..engine import build_optimizer
+from ..job.resolution import resolve
+from ..layout.mesh import with_mesh
+from ..machine.hardware import Hardware
 from ..parallel.apply import apply
-from ..parallel.mesh import with_mesh
 from ..planning.estimate import memory
 from ..planning.profile import profile_model
-from ..precision import DTYPES
-from ..resolution import resolve
-from ..strategies import build_optimizer
+from ..settings.config import TrainConfig
 from .step import train_step
 
 

@@ -2,16 +2,16 @@
 
 Layout: OUTPUT/checkpoints/step-00000100/ holds the DCP files of the model and optimizer (each rank
 writes its own shards; a LoRA run's model part is its trainable parameters alone, its frozen base
-made again from its source on every start: strategies/base.py `saved_model`), rank-N.pt (that
+made again from its source on every start: engine/protocol.py `saved_model`), rank-N.pt (that
 rank's RNG state), trainer.json (step, config, where the frozen base is: ckptdir.frozen_record),
 the model's config.json and tokenizer files (so that `bigfit consolidate` needs nothing else), and
 last of all the marker COMPLETE, which holds the manifest: every file's size and CRC-32
-(manifest.py), checked by `ckptdir.verify` before anything is loaded or consolidated. Everything
+(outputs/manifest.py), checked by `ckptdir.verify` before anything is loaded or consolidated. Everything
 is written under a hidden `.step-N.partial` name first and renamed once every rank has finished,
 so a crash mid-save never leaves a directory that looks complete; a leftover `.partial` is ignored
 and cleared by the next save of that step. A save that a rank cannot write (a full disk) removes its
 `.partial` and ends every rank with one line (savefail.py). Loading reads nothing as code: DCP's
-metadata, its non-tensor entries and rank-N.pt go through safeload.py.
+metadata, its non-tensor entries and rank-N.pt go through outputs/safeload.py.
 """
 from __future__ import annotations
 
@@ -29,13 +29,14 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ..distributed import Runtime, gather_objects
+from ..common.distributed import Runtime, gather_objects
+from ..common.faults import maybe_die, maybe_full
+from ..common.launch import interrupt_in
+from ..engine import Engine
 from ..errors import BigfitError
-from ..faults import maybe_die, maybe_full
-from ..launch import interrupt_in
-from ..strategies import Engine
-from . import manifest, safeload, savefail
-from .ckptdir import MARKER, frozen_record, is_checkpoint, steps, trainer_state
+from ..outputs import manifest, safeload
+from ..outputs.ckptdir import MARKER, frozen_record, is_checkpoint, steps, trainer_state
+from . import savefail
 
 
 def _sync_dir(path: Path) -> None:
@@ -148,7 +149,7 @@ def load(path: Path, engine: Engine, rt: Runtime) -> dict:
     """Restore model, optimizer and this rank's RNG in place; returns trainer.json. A checkpoint that
     does not fit this job (another model, or a strategy it cannot convert from) is a BigfitError.
     Every engine keys its state by parameter name, so DCP reshards across layouts and strategies."""
-    saved = safeload.metadata(path)  # DCP's classes only (safeload.py): a checkpoint is data, never code
+    saved = safeload.metadata(path)  # DCP's classes only (outputs/safeload.py): a checkpoint is data, never code
     loading = engine.loading(saved.state_dict_metadata)
     try:
         with _one_process_quiet(rt):

@@ -14,9 +14,9 @@ import warnings
 
 import torch
 
+from ..common.distributed import Runtime, all_reduce_sum, gather_objects
 from ..data import collate
-from ..distributed import Runtime, all_reduce_sum, gather_objects
-from ..strategies import Engine
+from ..engine import Engine
 from .metrics import EvalProgress
 
 

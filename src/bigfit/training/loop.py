@@ -10,24 +10,25 @@ from pathlib import Path
 
 import torch
 
-from .. import faults
-from ..checks import reporters
-from ..resolution import Job
+from ..adapters.lora import inject, trainable_parameters
+from ..common import faults
+from ..common.distributed import Runtime, init_runtime, shutdown
+from ..common.precision import LossScaler, fp16_warning
 from ..data import Batcher
-from ..distributed import Runtime, init_runtime, shutdown
+from ..engine import Engine, build_optimizer
+from ..job.checks import reporters
+from ..job.prepare import Prepared, describe, load
+from ..job.resolution import Job
+from ..layout.mesh import release_run_groups, with_mesh
 from ..loading import loads_per_rank
-from ..lora import inject, trainable_parameters
-from ..models import build_model, count_parameters
+from ..models.source import build_model, count_parameters
+from ..outputs import runinfo
+from ..outputs.consolidate import consolidate
+from ..outputs.ownership import claim
 from ..parallel.apply import apply
-from ..parallel.mesh import release_run_groups, with_mesh
-from ..precision import LossScaler, fp16_warning
-from ..strategies import Engine, build_optimizer
-from . import checkpoint, probe, runinfo
-from .consolidate import consolidate
+from . import checkpoint, probe
 from .evaluate import evaluate
-from .job import Prepared, describe, load
 from .metrics import FlushWatch, MetricsLog, StartClock, StepProgress, allocator_flushes, console, table
-from .ownership import claim
 from .step import global_targets, lr_at, train_step
 from .trackers import Trackers, predicted_peak
 
@@ -90,7 +91,7 @@ def _train(job: Prepared, rt: Runtime, clock: StartClock) -> dict:
     out_dir = Path(cfg.output_dir)
     ckpt_root = out_dir / "checkpoints"
     model = build_model(job.source, job.model_config, cfg.seed, on_meta=not rt.is_main or loads_per_rank(job.source))
-    if job.lora:  # adapters first, on the unmodified model: every transform after sees them (lora.py)
+    if job.lora:  # adapters first, on the unmodified model: every transform after sees them (adapters/lora.py)
         inject(model, job.lora)
     n_params, trained = count_parameters(model), trainable_parameters(model)
     clock.mark("model")

@@ -21,14 +21,15 @@ from pathlib import Path
 
 import torch
 
-from .. import faults, probefile, waits
+from ..common import faults, waits
+from ..common.distributed import Runtime, all_reduce_sum, barrier
 from ..data.arrays import longest_first
-from ..distributed import Runtime, all_reduce_sum, barrier
-from ..models import block_lists
+from ..engine import Engine
+from ..job.prepare import Prepared
+from ..models.source import block_lists
 from ..planning.sizes import ProbeSearch, outcome_text
-from ..strategies import Engine
+from . import probefile
 from . import probewatch
-from .job import Prepared
 from .metrics import allocator_flushes
 from .probewatch import deadline as _deadline
 from .step import train_step
@@ -133,7 +134,7 @@ def _attempt(job: Prepared, engine: Engine, rt: Runtime, longest: Sequence[dict]
             full = _any(flushes, rt)
         ran = True
     except RuntimeError as e:  # torch's OutOfMemoryError is one
-        # several ranks: the others wait inside this step's collectives, so this worker set ends (autobatch.py)
+        # several ranks: the others wait inside this step's collectives, so this worker set ends (commands/autobatch.py)
         if rt.distributed or not probefile.out_of_memory(e):
             raise
         ran = False  # leaving the except drops the error and its frames, which held the step's activations

@@ -1,9 +1,9 @@
 """The deadlines of micro-batch auto's probe workers (training/probe.py). Each probe step, with its
 recovery from an out-of-memory error, ends by its deadline, and the process exits by another after
 its search, or ends itself there, saying in its log and to the launcher (probefile.py `note`) what
-each of its threads waited for (waits.py). The launcher then goes on in new processes (a step that
+each of its threads waited for (common/waits.py). The launcher then goes on in new processes (a step that
 did not end after an OOM in the same process: the engine may be half-way through the failed step),
-stops in one line (a step of fresh processes), or trains (the search was over: autobatch.py).
+stops in one line (a step of fresh processes), or trains (the search was over: commands/autobatch.py).
 
 A step's deadline: STUCK_FACTOR times the slowest step so far in this process, at least
 STUCK_MIN_S; FIRST_STEP_S for a process's first (cuBLAS starting, the optimizer states made, a
@@ -16,8 +16,9 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import probefile, waits
-from ..launch import write_error
+from ..common import waits
+from ..common.launch import write_error
+from . import probefile
 
 STUCK_FACTOR, STUCK_MIN_S = 10.0, 60.0
 FIRST_STEP_S = 900.0  # generous: only a step that never ends should meet it

@@ -19,10 +19,10 @@ from typing import Callable, NoReturn
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ..distributed import Runtime, all_reduce_sum, broadcast_object, gather_objects
+from ..common.distributed import Runtime, all_reduce_sum, broadcast_object, gather_objects
 from ..errors import BigfitError
-from . import manifest
-from .ckptdir import MARKER, steps
+from ..outputs import manifest
+from ..outputs.ckptdir import MARKER, steps
 
 CUT_SHORT = re.compile(r"unexpected pos|file write failed|PytorchStreamWriter failed")  # torch's zip writer
 # DCP torch.saves each tensor piece: 1.55-1.58 KB of zip records beside its data, and .metadata ~0.3 KB
@@ -30,7 +30,7 @@ CUT_SHORT = re.compile(r"unexpected pos|file write failed|PytorchStreamWriter fa
 PIECE_BYTES = 2 << 10
 
 
-class Elsewhere(Exception):
+class OtherRankFailed(Exception):
     """This rank wrote its part; another rank did not."""
 
 
@@ -43,7 +43,7 @@ def attempt(step: Callable[[], None], rt: Runtime) -> BaseException | None:
     except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
         error = e
     if all_reduce_sum([float(error is not None)], rt)[0] and error is None:
-        error = Elsewhere()
+        error = OtherRankFailed()
     return error
 
 
@@ -72,7 +72,7 @@ def abandon(tmp: Path, final: Path, state: dict, error: BaseException, rt: Runti
     verdict = broadcast_object(verdict, rt)
     if verdict:
         raise BigfitError(verdict)
-    if isinstance(error, Elsewhere):
+    if isinstance(error, OtherRankFailed):
         raise RuntimeError(f"checkpoint {str(final)!r}: another rank could not write its part (its log says why)")
     raise error
 

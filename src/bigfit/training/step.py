@@ -3,10 +3,10 @@ how the global batch was split.
 
 Each micro-batch contributes its summed token loss divided by the token count of the WHOLE global
 batch (all ranks), times the number of data-parallel ranks because DDP and FSDP average gradients
-over them (pipeline and tensor-parallel peers share a data shard: parallel/mesh.py's data view). The
+over them (pipeline and tensor-parallel peers share a data shard: layout/mesh.py's data view). The
 gradients are then exactly those of the token-mean loss of the global batch, whatever the layout
 or the number of micro-batches, and so is the logged loss. The loop talks to the engine only
-through strategies/base.py's `Engine` protocol.
+through engine/protocol.py's `Engine` protocol.
 """
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ import math
 
 import torch
 
+from ..common.distributed import Runtime, all_reduce_sum
+from ..common.precision import LossScaler
 from ..data import collate
-from ..distributed import Runtime, all_reduce_sum
-from ..losses import sample_targets, target_tokens
-from ..precision import LossScaler
-from ..strategies import Engine
+from ..engine import Engine
+from ..engine.losses import sample_targets, target_tokens
 
 
 def global_targets(samples: list[dict], seq2seq: bool) -> int:

@@ -2,7 +2,7 @@
 default, leaves metrics.jsonl alone). Rank 0 sends each step's numbers, the ones metrics.jsonl holds
 (loss, learning rate, gradient norm, tokens/s, peak GPU memory, the evaluation's figures at the steps
 that have one), the planner's predicted peak for the run's layout beside the measured one
-(train/predicted_peak_gpu_gb: planning/auto.py's row for the strategy and degrees the run uses),
+(train/predicted_peak_gpu_gb: job/autoplan.py's row for the strategy and degrees the run uses),
 and the run's settings once:
 - tensorboard: event files under OUTPUT/runs (torch.utils.tensorboard);
 - wandb: a run in OUTPUT/wandb, offline unless WANDB_MODE says otherwise or an API key is set
@@ -99,7 +99,7 @@ def _group(key: str) -> str:
 def predicted_peak(cfg, world: int, lengths: tuple[int, int] | None = None) -> tuple[float | None, str]:
     """(the planner's peak GB for this run, or None; a note saying so when it could not be rated). A
     dashboard's extra: whatever the planner raises is a note, never the run's end."""
-    from ..planning.auto import predicted_peak_gb
+    from ..job.autoplan import predicted_peak_gb
 
     try:
         gb = predicted_peak_gb(cfg, world, lengths)
