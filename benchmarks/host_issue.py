@@ -1,5 +1,5 @@
 """The host's cost of issuing an eager training step, per traced forward operator, and the forward's share
-of it, on the planner's own operator counts (bigfit.machine.calibration.measure, what `bigfit plan --calibrate`
+of it, on the planner's own operator counts (bigfit.commands.calibrate.measure, what `bigfit plan --calibrate`
 runs): the calibration's small Llama, a 1.2B Llama's shape and T5-large's, at one short sample, where the
 GPU waits for the host; `--compile 0,1` beside each block compiled as `bigfit train --compile` compiles
 it (hostcost.COMPILED). One JSON line each.
@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 def configs(tiny: bool) -> dict:
     from transformers import LlamaConfig, T5Config
 
-    from bigfit.machine.calibration import CONFIG
+    from bigfit.commands.calibrate import CONFIG
 
     if tiny:  # this script's smoke test on a CPU
         return {"calibration-llama": None,
@@ -37,7 +37,7 @@ def configs(tiny: bool) -> dict:
 def main() -> None:
     import torch
 
-    from bigfit.machine.calibration import measure
+    from bigfit.commands.calibrate import measure
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seq", type=int, default=32)

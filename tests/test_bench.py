@@ -180,11 +180,11 @@ def _keep_calibration(cache, monkeypatch, **record) -> None:
 
 
 def test_the_bench_rates_this_host_calibrating_it_first_where_nothing_is_kept(tmp_path, capsys, monkeypatch):
-    from bigfit.machine import calibration
     from bigfit.bench import driver as command
+    from bigfit.commands import calibrate
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "none"))
-    monkeypatch.setattr(calibration, "calibrate", lambda: {"host_op_us": 12.345})  # the real one: test_hostcost
+    monkeypatch.setattr(calibrate, "calibrate", lambda: {"host_op_us": 12.345})  # the real one: test_hostcost
     assert command._host_figure() == {"host_op_us": 12.35, "host_op_us_from": "measured at the bench's start"}
     assert "calibrating this host for the predictions" in capsys.readouterr().out
     _keep_calibration(tmp_path / "kept", monkeypatch, host_op_us=30.0)

@@ -16,6 +16,7 @@ import pytest
 from transformers import LlamaConfig
 
 from bigfit.cli import main
+from bigfit.commands import calibrate
 from bigfit.machine import calibration, hardware
 from bigfit.settings import config
 from bigfit.settings.config import TrainConfig
@@ -139,10 +140,10 @@ def test_calibrate_without_a_writable_cache_measures_and_plans(tmp_path, monkeyp
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setattr(hardware, "_UNKEPT", {}, raising=False)
     # the measures themselves take a minute on 2 busy cores: what is tested is where their figures go
-    monkeypatch.setattr(calibration, "measure", lambda device: {"host_op_us": 123.4, "device": device.type,
+    monkeypatch.setattr(calibrate, "measure", lambda device: {"host_op_us": 123.4, "device": device.type,
                                                                 "operators": 900, "step_s": 0.11})
-    monkeypatch.setattr(calibration.adamrate, "rates", lambda: {"torch": 1e9})
-    monkeypatch.setattr(calibration, "_measure_cpu", lambda: {"tflops": 0.1, "mem_gbps": 5.0, "cores": 2})
+    monkeypatch.setattr(calibrate.adamrate, "rates", lambda: {"torch": 1e9})
+    monkeypatch.setattr(calibration, "measure_cpu", lambda: {"tflops": 0.1, "mem_gbps": 5.0, "cores": 2})
     assert main(["plan", "--calibrate", "--gpus", "1x24GB"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert f"not kept: {tmp_path / 'cache' / 'bigfit' / 'host.json'} cannot be written" in out

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from bigfit.job.autoplan import _this_machine
+from bigfit.commands import calibrate
 from bigfit.machine import calibration
 from bigfit.machine.hardware import GLOO_LOCAL_GBPS, calibration_path
 from bigfit.planning.devicecost import CPU_COPY_REACH, CPU_MATMUL_REACH, MEM_EFFICIENCY, MFU
@@ -50,8 +51,8 @@ def test_cpu_devices_take_their_rates_from_the_kept_measurement(cache):
 
 def test_cpu_rates_are_measured_once_and_kept(cache, monkeypatch):
     measured = []
-    real = calibration._measure_cpu
-    monkeypatch.setattr(calibration, "_measure_cpu", lambda: measured.append(1) or real())
+    real = calibration.measure_cpu
+    monkeypatch.setattr(calibration, "measure_cpu", lambda: measured.append(1) or real())
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -67,10 +68,10 @@ def test_cpu_rates_are_measured_once_and_kept(cache, monkeypatch):
 def test_calibrate_measures_the_cpu_rates_afresh(cache, monkeypatch):
     cache.parent.mkdir(parents=True)
     cache.write_text(json.dumps({calibration.CPU_RATES: {"tflops": 9.0, "mem_gbps": 9.0, "cores": 1}}))
-    monkeypatch.setattr(calibration, "measure", lambda device: {"host_op_us": 30.0})
-    monkeypatch.setattr(calibration.adamrate, "rates", lambda: {})
-    monkeypatch.setattr(calibration, "_measure_cpu", lambda: {"tflops": 0.2, "mem_gbps": 20.0, "cores": 2})
-    calibration.calibrate()
+    monkeypatch.setattr(calibrate, "measure", lambda device: {"host_op_us": 30.0})
+    monkeypatch.setattr(calibrate.adamrate, "rates", lambda: {})
+    monkeypatch.setattr(calibration, "measure_cpu", lambda: {"tflops": 0.2, "mem_gbps": 20.0, "cores": 2})
+    calibrate.calibrate()
     kept = json.loads(cache.read_text())
     assert kept[calibration.CPU_RATES]["tflops"] == 0.2 and kept["cpu"]["host_op_us"] == 30.0
 

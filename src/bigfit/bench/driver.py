@@ -154,7 +154,7 @@ def _host_figure() -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if (kept := calibrated_host_op_us(device)) is not None:
         return {"host_op_us": round(kept, 2), "host_op_us_from": f"kept in {calibration_path()}"}
-    from ..machine.calibration import calibrate
+    from ..commands.calibrate import calibrate
 
     console.print("calibrating this host for the predictions (bigfit plan --calibrate; kept for the next runs)")
     return {"host_op_us": round(calibrate()["host_op_us"], 2), "host_op_us_from": "measured at the bench's start"}

@@ -13,7 +13,7 @@ from ..adapters.lora import LoraSettings
 from ..errors import BigfitError
 from ..job.autoplan import _this_machine, default_processes, planner_job
 from ..layout.plan import DIMS
-from ..machine.calibration import calibrate
+from .calibrate import calibrate
 from ..machine.hardware import (MAX_NODES, Hardware, calibration_path, gpu_rates, host_figures, host_ram, parse_gpus,
                                 parse_size)
 from ..models.source import load_config, locate

@@ -21,8 +21,7 @@ import torch
 from ..adapters.quantize import is_quantized
 from ..errors import BigfitError
 from ..layout.maps import DeviceMap, Stack, canonical_device, name_stacks, real_device, resolve_map
-from ..models.source import block_lists
-from ..offload.placement import owners
+from ..models.source import block_lists, owners
 from ..planning.automap import auto_map
 from .moves import move, move_tree, settle, tag_tree
 from .schedule import reached

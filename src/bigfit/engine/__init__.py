@@ -1,7 +1,9 @@
-"""The engines a plan's transforms build (parallel/apply.py applies them in order): the plain one
-and the protocol the loop talks to (protocol.py), FSDP2 and DDP + ZeRO-1 (data_parallel/sharding.py), the offload
-engine (offload/engine.py and the modules it uses), zero3-offload's streamed host steps (data_parallel/streamed.py),
-and the per-block transforms (checkpointing.py, compiling.py)."""
+"""What every engine shares: the protocol the loop talks to and the plain engine (protocol.py), the
+per-block transforms (checkpointing.py, compiling.py), the loss (losses.py), norms over sharded
+gradients (norms.py), measured model-state memory (memory.py), and the optimizer every engine attaches
+(`build_optimizer`). The engines themselves are one package per dimension above this one
+(data_parallel/, offload/, pipeline/, device_map/, with tensor/'s plans below the planner), applied in
+order by parallel/apply.py."""
 from __future__ import annotations
 
 import torch

@@ -24,8 +24,7 @@ import torch
 from torch import nn
 
 from ..errors import BigfitError
-from ..models.source import block_lists
-from ..offload.placement import owners
+from ..models.source import block_lists, owners
 from .cut import PipelineLayout, balance, check_depth
 
 

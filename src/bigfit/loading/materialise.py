@@ -10,7 +10,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from ..adapters.quantize import is_quantized
 from ..common.distributed import Runtime
-from ..offload.placement import owners
+from ..models.source import owners
 
 
 def to_device(model: torch.nn.Module, device) -> None:

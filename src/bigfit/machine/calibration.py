@@ -1,12 +1,9 @@
-"""`bigfit plan --calibrate`: this machine's cost of issuing an eager training step, per forward
-operator with its backward (hardware.Hardware.host_op_us, used by planning/hostcost.py), and its host
-Adam step's speed per optimizer-state format (offload/adamrate.py: Hardware.cpu_adam_params_per_s and
-host_adam_rates). The issuing cost is measured on a small Llama-style model at one short sample, whose
-kernels take the GPU far less time than the host needs to issue them, so a step's wall time is the
-host's; the operators are counted by the planner's own trace (profile.py), so the figure is in the
-unit the planner multiplies. Kept per device type in the cache (hardware.calibration_path) for
-`bigfit plan` and `--strategy auto` on this machine. On a machine without GPUs, beside them, the fp32
-matmul and memory rates its cores give the processes that compute in their place (`cpu_rates`)."""
+"""This machine's measured figures, kept per device type in the cache (hardware.calibration_path) for
+`bigfit plan` and `--strategy auto`: what `bigfit plan --calibrate` measures (commands/calibrate.py:
+the host's cost per operator issued, its Adam step's rates), a disk's free space and bandwidth for
+the NVMe tier (`disk`), and on a machine without GPUs the fp32 matmul and memory rates its cores give
+the processes that compute in their place (`cpu_rates`). The measures here are cheap and need no
+model; the ones that run a model step live above the planner (commands/calibrate.py)."""
 from __future__ import annotations
 
 import contextlib
@@ -19,80 +16,11 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, LlamaConfig
 
 from ..common.launch import allowed_cores  # the same cores launch.py shares among its workers
-from ..models.source import is_seq2seq
-from ..offload import adamrate
-from ..planning.profile import profile_model
 from .hardware import calibration_path, keep_unkept, unkept
 
-CONFIG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-              vocab_size=384, max_position_embeddings=64)
-SEQ, STEPS, WARMUP = 16, 30, 5
-
-
-def measure(device: torch.device, config=None, seq: int = SEQ, steps: int = STEPS, compile: bool = False) -> dict:
-    """Seconds per forward-and-backward of the small model (or of `config`, benchmarks/host_issue.py), over
-    the traced forward operators, and the forward's share of them: autograd issues each GPU's backward
-    from a thread of its own, so a device map's GPUs issue their backwards at once but their forwards in
-    turn (planning/split.py). On a GPU under bf16 autocast with fp32 weights (as `single` trains), on a
-    CPU in fp32; `compile`: each block compiled as `--compile` does (hostcost.COMPILED's measure)."""
-    gpu = device.type == "cuda"
-    config = config or LlamaConfig(**CONFIG)
-    seq2seq = is_seq2seq(config)
-    # the plain trace's operators, which the planner multiplies (search.py): autocast's casts run
-    # inside the dispatcher, so their cost is in the figure per operator, not counted apart
-    ops = profile_model(config, 1, seq, seq if seq2seq else 0, "bf16" if gpu else "fp32", device.type)
-    count = sum(ops.block_ops) + ops.other_ops
-    auto = AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM
-    model = auto.from_config(config).to(device).train()
-    if compile:
-        from ..engine.compiling import apply_compile
-
-        apply_compile(model)
-    ids = torch.randint(0, config.vocab_size, (1, seq), device=device)
-    batch = dict(input_ids=ids, labels=ids) if seq2seq else dict(input_ids=ids, use_cache=False)
-    autocast = torch.autocast("cuda", torch.bfloat16) if gpu else torch.autocast("cpu", enabled=False)
-    forward = 0.0
-    for i in range(WARMUP + steps):
-        if i == WARMUP:
-            _sync(gpu)
-            start = time.perf_counter()
-        begun = time.perf_counter()
-        with autocast:
-            logits = model(**batch).logits
-        forward += (time.perf_counter() - begun) * (i >= WARMUP)
-        torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), ids.flatten()).backward()
-        model.zero_grad(set_to_none=True)
-    _sync(gpu)
-    step = (time.perf_counter() - start) / steps
-    name = torch.cuda.get_device_name(device) if gpu else "cpu"
-    return {"compiled": compile, "host_op_us": step / count * 1e6, "forward_share": forward / steps / step, "step_s": step,
-            "operators": count, "device": name, "torch": torch.__version__,
-            "measured": datetime.datetime.now().isoformat(timespec="seconds")}
-
-
-def _sync(gpu: bool) -> None:
-    if gpu:
-        torch.cuda.synchronize()
-
-
-def calibrate() -> dict:
-    """Measure on this machine's GPU (else its CPU) and keep the figures; returns the record: the
-    host's cost per operator issued, and its Adam step's parameters a second (offload/adamrate.py) for the
-    jobs on that device, whose host it is, and "not_kept": why the cache could not keep them (None
-    where it did; this process plans with them either way)."""
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    record = {**measure(device), "host_adam": adamrate.rates()}
-    kept = _read_cache()
-    kept[device.type] = record
-    if device.type == "cpu":  # its cores are the job's devices: their rates afresh too
-        kept[CPU_RATES] = _measure_cpu()
-    return {**record, "not_kept": _write_cache(kept)}
-
-
-def _read_cache() -> dict:
+def read_cache() -> dict:
     try:
         kept = json.loads(calibration_path().read_text())
     except (OSError, ValueError):
@@ -100,7 +28,7 @@ def _read_cache() -> dict:
     return {**kept, **unkept()} if isinstance(kept, dict) else unkept()
 
 
-def _write_cache(kept: dict) -> str | None:
+def write_cache(kept: dict) -> str | None:
     """Keep `kept` in the cache; where the cache cannot be written (a read-only home, a full disk) the
     figures hold for this process only (hardware.unkept) and the reason is returned: a measure is
     worth having without a cache, and the cheap ones (a disk's, the cores') are simply measured again."""
@@ -130,12 +58,12 @@ def disk(path: str) -> tuple[int, float]:
     where = _existing(Path(path))
     free = shutil.disk_usage(where).free
     key = f"disk-{os.stat(where).st_dev}"
-    kept = _read_cache()
+    kept = read_cache()
     if key in kept and kept[key].get("gbps", 0) > 0:
         return free, float(kept[key]["gbps"])
     gbps = _measure_disk(where)
     kept[key] = {"gbps": gbps, "path": str(where), "measured": datetime.datetime.now().isoformat(timespec="seconds")}
-    _write_cache(kept)
+    write_cache(kept)
     return free, gbps
 
 
@@ -180,12 +108,12 @@ def cpu_rates() -> dict:
     measured once per core count (~0.3 s) and kept in the cache; `calibrate` measures them afresh. What
     a machine without GPUs plans its processes' compute from (planning/devicecost.py cpu_device_rates)."""
     cores = allowed_cores()
-    kept = _read_cache()
+    kept = read_cache()
     record = kept.get(CPU_RATES)
     if isinstance(record, dict) and record.get("cores") == cores and _positive(record, "tflops", "mem_gbps"):
         return record
-    kept[CPU_RATES] = record = _measure_cpu()
-    _write_cache(kept)
+    kept[CPU_RATES] = record = measure_cpu()
+    write_cache(kept)
     return record
 
 
@@ -193,7 +121,7 @@ def _positive(record: dict, *keys: str) -> bool:
     return all(isinstance(record.get(k), (int, float)) and record[k] > 0 for k in keys)
 
 
-def _measure_cpu() -> dict:
+def measure_cpu() -> dict:
     """Both rates with a torch thread per allowed core (the launcher gives N workers a share each),
     torch's own thread count restored after."""
     cores, threads = allowed_cores(), torch.get_num_threads()

@@ -29,7 +29,7 @@ DEFAULTS = dict(gpu_tflops=760.0, pcie_gbps=55.0, intra_gbps=300.0, inter_gbps=2
 # buckets and FSDP2's units. Their intra_gbps (planning/estimate.py rates the collectives by it).
 GLOO_LOCAL_GBPS = 1.0
 # A CPU job's host_op_us where `bigfit plan --calibrate` has not measured this machine's: dispatch and
-# autograd with no kernel launch, 6.7 us on the 2-core machine (2026-12-05, calibration.measure on its
+# autograd with no kernel launch, 6.7 us on the 2-core machine (2026-12-05, commands/calibrate.py's measure on its
 # CPU); the H200 host's 25 us read the embedded T5's steps of 64 samples 1.6x slow there.
 CPU_HOST_OP_US = 7.0
 # Beyond these a description is a typo, far past any real machine (and a list of 10**11 GPU sizes would
@@ -125,7 +125,7 @@ def calibration_path() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "bigfit" / "host.json"
 
 
-# Figures measured in this process that the cache could not keep (calibration._write_cache: a read-only
+# Figures measured in this process that the cache could not keep (calibration.write_cache: a read-only
 # cache directory): they stand in for the file's, so that `bigfit plan --calibrate` plans with them.
 _UNKEPT: dict = {}
 

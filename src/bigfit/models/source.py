@@ -206,3 +206,13 @@ def block_lists(model: torch.nn.Module) -> list[tuple[str, torch.nn.ModuleList]]
 
 def count_parameters(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+def owners(model: torch.nn.Module) -> dict[int, list]:
+    """id(parameter) -> every (module, attribute name) that holds it: tied parameters have several."""
+    out: dict[int, list] = {}
+    for mod in model.modules():
+        for name, p in mod._parameters.items():
+            if p is not None:
+                out.setdefault(id(p), []).append((mod, name))
+    return out

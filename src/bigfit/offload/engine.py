@@ -47,14 +47,14 @@ import torch
 from ..common import waits
 from ..engine.protocol import grad_hook, syncing
 from ..kernels import cpu_adam
-from ..models.source import block_lists
+from ..models.source import block_lists, owners
 from . import statefmt
 from .buckets import Bucket, group_parameters, local_span, make_buckets, pack
 from .enginestate import EngineStates
 from .gradslots import GradientSlots
 from .hoststep import HostSteps, join_at_exit
 from .nvme import NVMeStore
-from .placement import materialise, owners, place_frozen, waiting_modules
+from .placement import materialise, place_frozen, waiting_modules
 from .transfer import Transfers
 
 

@@ -46,16 +46,6 @@ def _put(p: torch.nn.Parameter, data: torch.Tensor, held: dict) -> torch.nn.Para
     return new
 
 
-def owners(model: torch.nn.Module) -> dict[int, list]:
-    """id(parameter) -> every (module, attribute name) that holds it."""
-    out: dict[int, list] = {}
-    for mod in model.modules():
-        for name, p in mod._parameters.items():
-            if p is not None:
-                out.setdefault(id(p), []).append((mod, name))
-    return out
-
-
 def rows_as_dtensor(flat: torch.Tensor, slot, mesh, rank: int) -> torch.Tensor:
     """This rank's rows of a parameter's state as what DCP saves: a DTensor sharded like Shard(0)."""
     view = local_view(flat, slot, rank)
