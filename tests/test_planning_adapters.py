@@ -79,7 +79,7 @@ def measure_single(family: str, batch: int, seq: int) -> dict:
 def measuring():
     """The measurement runs in a process of its own (peak RSS is per process; a fixed mmap threshold
     makes glibc return freed blocks, so RSS follows live tensors) beside this module's other tests."""
-    code = ("import json, sys; sys.path.insert(0, 'tests'); from test_plan_lora import measure_single, MEASURED_CASE; "
+    code = ("import json, sys; sys.path.insert(0, 'tests'); from test_planning_adapters import measure_single, MEASURED_CASE; "
             "print(json.dumps(measure_single(*MEASURED_CASE)))")
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

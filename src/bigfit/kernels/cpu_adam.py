@@ -69,7 +69,7 @@ def library():
     if os.environ.get("BIGFIT_CPU_ADAM", "1") == "0":
         return None
     try:
-        path = _build(resources.files("bigfit.kernels").joinpath("kernels/csrc/cpu_adam.c").read_bytes())
+        path = _build(resources.files("bigfit.kernels").joinpath("csrc/cpu_adam.c").read_bytes())
         lib = ctypes.CDLL(path) if path else None
     except OSError:
         return None
