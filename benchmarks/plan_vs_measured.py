@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
 from bigfit.machine.hardware import DEFAULTS, Hardware, gpu_rates, parse_gpus  # noqa: E402
-from bigfit.planning.job import Workload  # noqa: E402
+from bigfit.planning.workload import Workload  # noqa: E402
 from bigfit.planning.search import SPLIT_MARGIN, WHOLE, plan_for_config  # noqa: E402
 
 DATA = ROOT / "tests" / "data" / "h200_measured.json"

@@ -182,7 +182,7 @@ def _environment() -> dict:
     start them again. Kept ranks accumulate the gloo groups their tasks make (70-odd polling threads
     after a file, 0.36 CPU-s every 10 s an idle rank); with restarts back the suite still used more CPU
     (38.3 CPU-minutes against 32.8 on fresh clones, 2026-12-06)."""
-    from bigfit.common.launch import STARTED_ENV
+    from bigfit.common.processes import STARTED_ENV
 
     return {k: v for k, v in os.environ.items() if k not in ("PYTEST_CURRENT_TEST", STARTED_ENV)}
 

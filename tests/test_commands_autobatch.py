@@ -178,7 +178,7 @@ def test_no_probe_under_torchrun(monkeypatch, model_dirs, capsys):
 
 def test_a_probe_worker_killed_on_a_machine_without_gpus_counts_as_out_of_memory(monkeypatch, model_dirs, tmp_path,
                                                                                 capsys):
-    """The CPU's out of memory is the kernel's OOM killer (SIGKILL: common/launch.py returns 128 + 9): the
+    """The CPU's out of memory is the kernel's OOM killer (SIGKILL: commands/launch.py returns 128 + 9): the
     search takes it as a size that failed and goes on in new processes, as after a CUDA OOM."""
     from bigfit.commands import autobatch
     from bigfit.training import probefile

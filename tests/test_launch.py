@@ -42,7 +42,7 @@ def test_main_job_end_to_end(tmp_path):
 
 
 def test_two_torchrun_nodes_on_loopback(tmp_path, model_dirs, pairs_file):
-    from bigfit.common.launch import free_port
+    from bigfit.commands.launch import free_port
 
     port, out = free_port(), tmp_path / "out"
     common = ["--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port)]
@@ -126,7 +126,7 @@ def test_config_only_model_with_a_larger_vocabulary_than_the_byte_tokenizer(tmp_
 def test_the_allocators_defaults_leave_the_users_choice(monkeypatch):
     """stamp_start (before torch is imported): 2 MB pages for the CPU's allocator, expandable segments
     for CUDA's; a setting of the user's, under either of torch's names, is kept as it is."""
-    from bigfit.common.launch import stamp_start
+    from bigfit.common.processes import stamp_start
 
     for key in ("THP_MEM_ALLOC_ENABLE", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "BIGFIT_STARTED_AT"):
         monkeypatch.delenv(key, raising=False)  # and put back as they were after the test
@@ -145,7 +145,7 @@ def test_the_allocators_defaults_leave_the_users_choice(monkeypatch):
 def test_workers_share_the_cores_unless_the_user_set_threads(monkeypatch):
     """Each of N workers computes on its share of the cores (N threads per core spin against gloo's:
     DDP's step 6x slower on 2 cores); OMP_NUM_THREADS of the user's, and a single worker, are left alone."""
-    from bigfit.common import launch
+    from bigfit.commands import launch
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(launch.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)

@@ -14,7 +14,7 @@ SRC = Path(__file__).resolve().parent.parent / "src" / "bigfit"
 # package's own __init__.py and __main__.py. A new package goes where its imports put it.
 ORDER = [
     "errors",         # BigfitError: the user's mistake, raised anywhere
-    "common",         # the launcher's process protocol, torch.distributed, faults, waits, units, precision
+    "common",         # what a launcher and its workers agree on, torch.distributed, faults, waits, units, precision
     "settings",       # TrainConfig, reading settings, user files, DeepSpeed configs: no torch
     "kernels",        # host kernels built from C (the offload engine's Adam step)
     "machine",        # hardware, GPUs by name, the figures measured on this machine

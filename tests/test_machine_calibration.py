@@ -87,7 +87,7 @@ def test_the_predicted_step_is_near_real_training_steps_on_this_machine(cache):
     """Up to TRIES rounds, each measuring the CPU's rates afresh and then real steps: a load that comes
     and goes beside the test can part the two within one round, a wrong model parts them in every one."""
     import bigfit.models.source as models
-    from bigfit.planning.job import Workload
+    from bigfit.planning.workload import Workload
     from bigfit.planning.search import plan_for_config
 
     source = models.locate(None)
@@ -120,7 +120,7 @@ def test_the_planner_rates_the_datas_longest_samples_within_the_limits(model_dir
     from bigfit.settings.config import TrainConfig
     from bigfit.models.source import load_config, locate
     from bigfit.job.autoplan import _job
-    from bigfit.planning.job import planned_lengths
+    from bigfit.planning.workload import planned_lengths
     from bigfit.job.prepare import data_lengths
 
     embedded = TrainConfig(batch_size="auto")  # "auto": the batch is checked later
@@ -136,7 +136,7 @@ def test_the_planner_rates_the_datas_longest_samples_within_the_limits(model_dir
 
 def test_offload_named_alone_without_gpus_is_refused_for_what_it_is(cache):
     from bigfit.models.source import load_config, locate
-    from bigfit.planning.job import Workload
+    from bigfit.planning.workload import Workload
     from bigfit.planning.search import plan_for_config
 
     job = Workload(batch_size=8, seq_len=24, target_len=8, micro_batch=8, precision="fp32")

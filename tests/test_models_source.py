@@ -237,7 +237,7 @@ def test_an_interrupt_during_the_probe_is_the_commands(tmp_path, monkeypatch):
     """micro-batch auto's worker sets are a quiet launch: an interrupt stops them and goes on to the
     command (one line), where it was "interrupted ..." and then "error: the micro-batch probe failed
     (exit status 130)", exit 2. The job's own launch still says it and returns 130."""
-    from bigfit.common import launch
+    from bigfit.commands import launch
 
     def interrupted(procs, *args):
         for p in procs.values():

@@ -96,7 +96,7 @@ def qlora_rated() -> dict:
 
     from bigfit.machine.hardware import DEFAULTS, Hardware
     from bigfit.adapters.lora import LoraSettings
-    from bigfit.planning.job import Workload
+    from bigfit.planning.workload import Workload
     from bigfit.planning.search import plan_for_config
 
     hw = Hardware(gpu_bytes=(GPU_BYTES,), cpu_ram=CPU_RAM, host_op_us=DEFAULTS["host_op_us"])

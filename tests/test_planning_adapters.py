@@ -16,7 +16,7 @@ import torch
 
 from bigfit.adapters.lora import LoraSettings
 from bigfit.machine.hardware import Hardware
-from bigfit.planning.job import Workload
+from bigfit.planning.workload import Workload
 from bigfit.settings.config import TrainConfig
 from tiny import FAMILIES, tiny_config
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from bigfit.machine.hardware import Hardware
-from bigfit.planning.job import Workload
+from bigfit.planning.workload import Workload
 
 GB = 10**9
 

@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 
 from bigfit.machine.hardware import DEFAULTS, Hardware, calibrated_host_op_us, host_figures, host_notes
-from bigfit.planning.job import Workload
+from bigfit.planning.workload import Workload
 
 GB = 10**9
 

@@ -14,7 +14,7 @@ from transformers import LlamaConfig
 from bigfit.adapters.lora import LoraSettings
 from bigfit.machine.hardware import Hardware
 from bigfit.planning import quantized
-from bigfit.planning.job import Workload
+from bigfit.planning.workload import Workload
 
 GB = 10**9
 LORA = LoraSettings(r=16)

@@ -360,7 +360,7 @@ def test_strategy_auto_choosing_pipeline_launches_its_resolved_layout(monkeypatc
     """`bigfit train --strategy auto` given a pipeline recommendation hands the workers its settings
     with strategy pipeline: they resolve the schedule and chunks the plan rated (config.pipeline_defaults).
     The planner's answer is stubbed (this CPU machine never gets a pipeline), the launch captured."""
-    import bigfit.common.launch as launch
+    import bigfit.commands.launch as launch
     import bigfit.job.autoplan as auto
     from bigfit.cli import main
     from bigfit.job.resolution import read

@@ -110,7 +110,7 @@ def test_the_python_api_takes_the_schemas_names(model_dirs):
 
 
 def test_plan_rates_the_datas_longest_sample_as_train_does(model_dirs, pairs_file, capsys):
-    from bigfit.planning.job import planned_lengths
+    from bigfit.planning.workload import planned_lengths
     from bigfit.job.prepare import data_lengths
 
     flags = ["--model", str(model_dirs["t5"]), "--data", str(pairs_file), "--gpus", "2x8GB"]

@@ -265,7 +265,7 @@ def test_a_fault_point_fires_inside_a_probe_step_above_its_size_only(monkeypatch
 
 
 def test_the_launcher_stops_workers_that_overstay_their_deadline_and_says_so(tmp_path):
-    from bigfit.common import launch
+    from bigfit.commands import launch
 
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     asked = []
@@ -316,7 +316,7 @@ def test_each_end_of_a_worker_set_goes_on_or_is_one_line(tmp_path, capsys):
     from bigfit.commands import autobatch
     from bigfit.settings.config import TrainConfig
     from bigfit.errors import BigfitError
-    from bigfit.common.launch import STOPPED
+    from bigfit.commands.launch import STOPPED
 
     where = probefile.path(str(tmp_path))
     where.parent.mkdir(parents=True)

@@ -12,7 +12,7 @@ import difflib
 import os
 import sys
 
-from .common.launch import interrupt_in, interrupt_name, launched_job, stamp_start
+from .common.processes import interrupt_in, interrupt_name, launched_job, stamp_start
 from .errors import BigfitError
 from .job.checks import validate
 from .settings.bench import BenchSettings

@@ -30,7 +30,7 @@ def train(config: TrainConfig | None = None, /, *, tokenizer=None, **settings) -
     "model_dir" / "adapter_dir" where the run wrote one}. A bad setting raises BigfitError with the
     one line the command prints, before any work."""
     from ..job.checks import validate
-    from ..common.launch import stamp_start
+    from ..common.processes import stamp_start
     from ..settings.reading import check_keys
 
     if config is not None and settings:

@@ -19,7 +19,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 from rich import box
 from rich.table import Table
 
-from ..common.launch import interrupt_name, stop_on_sigterm
+from ..common.processes import interrupt_name, stop_on_sigterm
 from ..errors import BigfitError
 from ..settings.bench import BenchSettings
 from ..settings.config import PIPELINE_STRATEGIES, PRECISIONS, SPLIT_STRATEGIES, STRATEGIES, TrainConfig

@@ -165,7 +165,7 @@ def _jsonl(p: Path) -> list[dict]:
 
 
 if __name__ == "__main__":
-    from ..common.launch import stamp_start
+    from ..common.processes import stamp_start
 
     stamp_start()  # the row's own start (the bench's stamp is inherited): its first step's breakdown from here
     sys.exit(run(json.loads(Path(sys.argv[1]).read_text())))

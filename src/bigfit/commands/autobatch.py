@@ -23,7 +23,7 @@ import torch
 
 from ..common import waits
 from ..common.distributed import launched_by_torchrun_env
-from ..common.launch import STOPPED, launch_local
+from .launch import STOPPED, launch_local
 from ..errors import BigfitError
 from ..job.autoplan import auto_micro_batch
 from ..job.resolution import DataRef, resolve, write
@@ -33,7 +33,7 @@ from ..settings.config import SPLIT_STRATEGIES, TrainConfig
 from ..training import probefile
 from ..training.probefile import OOM_EXIT, RETRY_EXIT, STUCK_EXIT, load, path, save
 
-# a worker killed by SIGKILL (common/launch.py: 128 + 9): on a machine without GPUs, where the micro-batch
+# a worker killed by SIGKILL (commands/launch.py: 128 + 9): on a machine without GPUs, where the micro-batch
 # fills host RAM, that is the kernel's OOM killer, not a CUDA out-of-memory error
 KILLED = 128 + signal.SIGKILL
 # how long past the deadline its workers set themselves (training/probewatch.py) a worker set may run

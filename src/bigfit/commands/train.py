@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from ..common import launch  # modules, not names: tests stub launch.launch_local and planner.auto_plan
+from ..common import processes
+from . import launch  # modules, not names: tests stub launch.launch_local and planner.auto_plan
 from ..common.distributed import launched_by_torchrun_env
 from ..errors import BigfitError
 from ..job import autoplan as planner
@@ -77,7 +78,7 @@ def train_command(argv: list[str], cfg: TrainConfig) -> int:
         write(ready.job.with_data(data or ready.job.data), Path(cfg.output_dir) / JOB_FILE)
         if nproc == 1:
             # `kill`, `timeout`, a scheduler's stop: as Ctrl-C, one line (cli.main), as for several processes
-            with launch.stop_on_sigterm():
+            with processes.stop_on_sigterm():
                 _train(ready.job, ready)
             return 0
         return launch.launch_local(argv, nproc, Path(cfg.output_dir) / "logs", lock_fd=lock.fd if lock else None,
@@ -118,7 +119,7 @@ def run_worker(path: str) -> int:
     try:
         _train(read(Path(path)))
     except Exception as e:
-        launch.write_error(e)  # bigfit's launcher shows the first failure, once
+        processes.write_error(e)  # bigfit's launcher shows the first failure, once
         return autobatch.exit_status(e)
     return 0
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .launch import allowed_cores
+from .processes import allowed_cores
 from .units import gpu_cap
 
 

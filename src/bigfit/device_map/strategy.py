@@ -22,7 +22,7 @@ from ..layout.maps import canonical_device, real_device, resolve_map
 from ..loading import Weights, fill
 from ..machine.hardware import Hardware, host_ram
 from ..planning.automap import assign, costs, parse_budgets, plan_budgets
-from ..planning.job import Workload, planned_lengths
+from ..planning.workload import Workload, planned_lengths
 from ..settings.userfiles import read_text
 from .casts import cast_once
 from .hooks import find_stacks, module_devices, parallelize

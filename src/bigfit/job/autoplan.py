@@ -18,7 +18,7 @@ from ..machine.hardware import GLOO_LOCAL_GBPS, Hardware, cpu_host_figures, dete
 from ..models.source import load_config, locate
 from ..planning.devicecost import cpu_device_rates
 from ..planning.estimate import CACHE_SLACK, RESERVE
-from ..planning.job import planned_lengths
+from ..planning.workload import planned_lengths
 from ..planning.rows import gpu_cap
 from ..planning.search import SPLIT_MARGIN, WHOLE, Workload, plan_for_config
 from ..planning.sizes import MAX_MICRO, Prediction, divisors, largest_true
@@ -60,7 +60,7 @@ def _with_map_budgets(hw: Hardware, cfg) -> Hardware:
 def _job(cfg, config, batch: int, micro: int | None, lengths: tuple[int, int] | None = None) -> Workload:
     """The planner's Job of TrainConfig `cfg` at these sizes: made here alone, for `bigfit plan` (planner_job)
     and for every decision `bigfit train` asks the planner. `lengths`: the data's longest sample
-    (planning/job.py planned_lengths)."""
+    (planning/workload.py planned_lengths)."""
     source, target = planned_lengths(cfg, lengths)
     return Workload(batch_size=batch, seq_len=source, target_len=target if config.is_encoder_decoder else 0, micro_batch=micro,
                precision=cfg.precision or auto_precision(), checkpointing=cfg.activation_checkpointing,

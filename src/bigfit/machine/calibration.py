@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from ..common.launch import allowed_cores  # the same cores launch.py shares among its workers
+from ..common.processes import allowed_cores  # the same cores the launcher shares among its workers
 from .hardware import calibration_path, keep_unkept, unkept
 
 def read_cache() -> dict:

@@ -3,4 +3,4 @@ a ranked list and a recommendation. No processes are started and no weights are 
 
 Entry points: search.py (`plan`, `plan_for_config`), job.py (`Workload`), commands/plan.py (`bigfit plan`).
 Nothing is imported here, so that planning/automap.py, which the cost modules build on, can import
-planning.job without loading the search above it."""
+planning.workload without loading the search above it."""

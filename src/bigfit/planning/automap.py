@@ -23,7 +23,7 @@ from ..models.source import block_lists
 from .adapters import frozen_costs
 from .balance import balance, loads, size
 from .estimate import RESERVE
-from .job import Workload
+from .workload import Workload
 from .profile import as_compiled, profile_model
 
 

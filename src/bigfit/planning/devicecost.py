@@ -107,7 +107,7 @@ CPU_COPY_REACH = 0.7
 def cpu_device_rates(tflops: float, mem_gbps: float, world: int) -> dict:
     """Hardware's rate fields for `world` processes on a machine without GPUs, from its measured fp32
     matmul TFLOP/s and memory GB/s on all its cores (calibration.cpu_rates): each process computes on
-    its share of the cores (common/launch.py gives each cores // world threads), so on 1 / world of both rates
+    its share of the cores (commands/launch.py gives each cores // world threads), so on 1 / world of both rates
     (on 2 cores of 2026-12-05, 1 thread had 0.13 of 2 threads' 0.23 TFLOP/s and 12 of their 27 GB/s).
     The planner rates matmuls at MFU of gpu_tflops and the other operators at MEM_EFFICIENCY of
     gpu_mem_gbps, a GPU's shares of its peaks: here the fields are set so that those shares come to

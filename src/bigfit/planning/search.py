@@ -13,7 +13,7 @@ from .automap import profile_for
 from .devicecost import parameter_seconds, step_traffic
 from .estimate import CACHE_SLACK, Estimate, combine, grad_bytes, memory, nvme_bytes, nvme_fill, step_time
 from .hostcost import step_seconds as issue_seconds
-from .job import Workload
+from .workload import Workload
 from .layouts import LayoutCandidate, Rejected, choose, layout_rows
 from .profile import as_compiled, profile_model
 from .rows import Candidate, fit_problem as _fit, gb as _gb, gpu_cap, host_problem as _host_fit

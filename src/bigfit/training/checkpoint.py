@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from ..common.distributed import Runtime, gather_objects
 from ..common.faults import maybe_die, maybe_full
-from ..common.launch import interrupt_in
+from ..common.processes import interrupt_in
 from ..engine import Engine
 from ..errors import BigfitError
 from ..outputs import manifest, safeload

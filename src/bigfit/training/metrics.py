@@ -13,7 +13,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from ..common.launch import LAUNCHED_ENV, STARTED_ENV
+from ..common.processes import LAUNCHED_ENV, STARTED_ENV
 
 console = Console(highlight=False)
 

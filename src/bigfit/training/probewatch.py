@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..common import waits
-from ..common.launch import write_error
+from ..common.processes import write_error
 from . import probefile
 
 STUCK_FACTOR, STUCK_MIN_S = 10.0, 60.0
