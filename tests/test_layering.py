@@ -1,7 +1,7 @@
 """Imports point one way: every module of src/bigfit imports only from its own package or from packages
 below it in ORDER, at module level and inside functions alike (a function-local import that reaches
-up only hides a function that lives in the wrong place), so no two packages import each other.
-Read with ast, nothing imported: well under a second."""
+up only hides a function that lives in the wrong place), so no two packages import each other; and no
+two classes share a name. Read with ast, nothing imported: well under a second."""
 from __future__ import annotations
 
 import ast
@@ -109,3 +109,15 @@ def test_no_two_packages_import_each_other():
                 edges.setdefault((a, b), f"{path.relative_to(SRC.parent)}:{line} imports {target}")
     mutual = sorted(f"{a} <-> {b}: {edges[a, b]}; {edges[b, a]}" for a, b in edges if a < b and (b, a) in edges)
     assert not mutual, "packages that import each other:\n" + "\n".join(mutual)
+
+
+def test_no_two_classes_share_a_name():
+    """A class is found by its name: two of one name in different modules (two `Job`s, two `Plan`s)
+    leave a reader to ask which one a signature means."""
+    where: dict[str, list[str]] = {}
+    for module, path in modules().items():
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ClassDef):
+                where.setdefault(node.name, []).append(module)
+    shared = sorted(f"{name}: {', '.join(mods)}" for name, mods in where.items() if len(mods) > 1)
+    assert not shared, "class names defined more than once:\n" + "\n".join(shared)

@@ -155,6 +155,12 @@ def _unrecognized(args: list[str], command: str, p: argparse.ArgumentParser) -> 
     return f"unrecognized arguments: {' '.join(args)}; {hint}"
 
 
+def given_files(ns: argparse.Namespace) -> dict[str, str]:
+    """The settings files the command line named ({"--config": path}): read into the settings before
+    the output directory is claimed, they keep no trace there, and an --overwrite must spare them."""
+    return {f"--{k.replace('_', '-')}": v for k in ("config", "deepspeed_config") if (v := getattr(ns, k, None))}
+
+
 def config_from_args(ns: argparse.Namespace) -> TrainConfig:
     """Defaults <- --config file <- --deepspeed-config <- flags given on the command line."""
     flags = {k: v for k, v in vars(ns).items() if k not in ("command", "config", "deepspeed_config")}
@@ -210,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg = config_from_args(ns)  # its mistakes before torch loads
             from .commands.train import train_command
 
-            return train_command(argv, cfg)
+            return train_command(argv, cfg, given_files(ns))
         if ns.command == "plan":
             from .commands.plan import plan_command
 

@@ -125,7 +125,7 @@ def plan_json(p, rated: dict) -> dict:
 
 def compute_plan(cfg: TrainConfig, machine: PlanHardware):
     """(the plan, the hardware, the degrees fixed by flags, the job it rated in words) of `bigfit plan`'s
-    settings: the planner's Job made from `cfg` as for `bigfit train` (auto.planner_job)."""
+    settings: the planner's Job made from `cfg` as for `bigfit train` (job/autoplan.py planner_job)."""
     config = load_config(locate(cfg.model))  # a bad --model is reported before any measuring
     if machine.calibrate:
         print(_calibrated(calibrate()))

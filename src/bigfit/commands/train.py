@@ -28,7 +28,6 @@ from ..job.prepare import Prepared, data_lengths, handed_over, prepare
 from ..job.resolution import JOB_FILE, Job, read, resolve, write
 from ..layout.plan import ALIASES
 from ..outputs.ckptdir import resolve_resume
-from ..outputs.overwrite import given_files
 from ..outputs.ownership import claim
 from ..settings.config import SPLIT_STRATEGIES, TrainConfig
 from . import autobatch
@@ -57,9 +56,10 @@ def check_gpus(nproc: int) -> None:
                           "or fewer (or CUDA_VISIBLE_DEVICES= to run on the CPU)")
 
 
-def train_command(argv: list[str], cfg: TrainConfig) -> int:
+def train_command(argv: list[str], cfg: TrainConfig, given: dict[str, str] | None = None) -> int:
     """Run `bigfit train` with `argv` parsed into the validated `cfg`: as the job's starter, or
-    under torchrun as one of its ranks."""
+    under torchrun as one of its ranks. `given`: the settings files the command line named
+    ({"--config": path}), which the settings keep no trace of (an --overwrite must not remove them)."""
     if launched_by_torchrun_env():
         return _torchrun_rank(cfg, argv)
     cfg, lengths = _decided(cfg)
@@ -70,7 +70,7 @@ def train_command(argv: list[str], cfg: TrainConfig) -> int:
     ready = prepare(resolve(_checkable(cfg, nproc), nproc, undecided))
     _check_split(ready, nproc)
     # the output directory is this run's from here on, or one line says why not
-    with claim(ready, given=given_files(argv)) as lock, _handoff(ready, nproc > 1 or bool(undecided)) as data:
+    with claim(ready, given=given or {}) as lock, _handoff(ready, nproc > 1 or bool(undecided)) as data:
         if undecided:
             cfg = _auto_batch(cfg, argv, nproc, ready.job.data.lengths, data)  # probe jobs, under this claim
             ready = dataclasses.replace(ready, job=resolve(cfg, nproc).with_data(ready.job.data))

@@ -206,8 +206,8 @@ def host_ram() -> int:
 
 def detect() -> Hardware:
     """This machine: its CUDA devices and host RAM (one node)."""
-    # imported here: the host Adam kernel's module brings the strategies package (torch.distributed.tensor),
-    # which `bigfit plan --gpus ...` and the planner's importers (the launcher, device_map) need not load
+    # imported here: torch and the host Adam kernel's module (which builds or finds the kernel), which
+    # `bigfit plan --gpus ...` and the planner's importers (the launcher, device_map) need not load
     import torch
 
     from ..kernels import cpu_adam

@@ -6,7 +6,7 @@ optimizer-state format with bf16 gradients, as the offload engine steps under bf
 Measured because the bytes a parameter moves do not rate the compact formats on every host: on the
 CPU machine's 2 cores the int8 kernel computes rather than waits for memory (0.58-0.66 of the fp32
 kernel's rate where its bytes say 1.6x), and a 16-core host may be memory-bound. Each format steps one
-bucket of Llama-like rows (ROW a row) through the engine's own calls (strategies/statefmt.step,
+bucket of Llama-like rows (ROW a row) through the engine's own calls (offload/statefmt.step,
 cpu_adam.step), untimed steps first, then the median; the working set (about 14 bytes a parameter)
 is far past a host's caches at the calibration's size."""
 from __future__ import annotations

@@ -10,7 +10,6 @@ model, then failed for want of it). Each is one line, before anything is removed
 """
 from __future__ import annotations
 
-import argparse
 import os
 from pathlib import Path
 
@@ -20,16 +19,6 @@ from .ckptdir import NAME
 from .records import model_named
 
 SHOWN = 4  # kept files named in a line, then how many more
-
-
-def given_files(argv: list[str]) -> dict[str, str]:
-    """The --config and --deepspeed-config files `argv` names (read into the settings before any
-    claim, which keep no trace of them), as argparse reads them: `--config=F`, abbreviations."""
-    p = argparse.ArgumentParser(add_help=False)
-    p.add_argument("--config")
-    p.add_argument("--deepspeed-config")
-    ns, _ = p.parse_known_args(argv)
-    return {f"--{k.replace('_', '-')}": v for k, v in vars(ns).items() if v}
 
 
 def slot(job) -> str | None:

@@ -39,7 +39,7 @@ def claim(job, rt: Runtime | None = None, speak=print, given: dict[str, str] | N
     """Own `job`'s output directory for the duration (see the module's docstring); yields the lock
     (None where a parent holds it) so that a launcher can hand it to its workers. `rt`: the job's
     ranks (rank 0 claims, the others learn how it went); None: this process alone. `given`: input
-    files the settings keep no trace of ({"--config": path}: overwrite.given_files)."""
+    files the settings keep no trace of ({"--config": path}: cli.given_files)."""
     out = output_path(job.cfg)
     if os.environ.get(CLAIMED) == str(out):
         yield None

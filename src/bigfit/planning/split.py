@@ -6,7 +6,7 @@ Memory: the balancer fits each device's blocks' fp32 weights, gradients, AdamW m
 compute-dtype copy and saved activations all at once (the main device adds the non-block parameters,
 what is saved outside blocks and the logits' gradient); the plan's `device_map` section shows every
 device at its peak moment, when its gradients and activations are not all alive together
-(device_map.auto.device_parts). The row's per-GPU figure is the GPU holding the most. Time
+(planning.automap.device_parts). The row's per-GPU figure is the GPU holding the most. Time
 (docs/planning.md): the devices take turns, so a step is the sum of each device's compute, plus the
 copies at each change of device, plus the host's AdamW for parameters mapped to `cpu`; with GPipe
 chunks the slowest stage sets the pace; the one host computes its own blocks and issues every GPU's
@@ -37,7 +37,7 @@ HOST_SWEEP_S = 1.5e-9
 @dataclass
 class SplitRow:
     estimate: Estimate
-    section: dict  # what the plan shows as its device map (device_map.auto.split_plan), with the chunks
+    section: dict  # what the plan shows as its device map (planning.automap.split_plan), with the chunks
     no_fit: str | None  # why no map fits the devices' budgets (the balancer's words)
     not_candidate: str | None  # why it cannot be recommended although it fits (no split, several nodes)
 

@@ -152,7 +152,7 @@ def received(prof, layout, runs) -> list[int]:
 
 def holders(prof, layout, runs) -> list[tuple[int, set[int]]]:
     """(elements, the ranks holding it) of each parameter outside the blocks, where the cut puts it
-    (profile.outside, from pipeline.split.anchors). No placement (a model the pipeline cannot cut,
+    (profile.outside, from layout.split.anchors). No placement (a model the pipeline cannot cut,
     shown as one stage): the one stage holds them."""
     where = prof.outside or [(prof.root_params, (0,), 0)]
     stage_of = {g: s for s, (a, b) in enumerate(runs) for g in range(a, b)}
