@@ -222,13 +222,13 @@ def test_an_interrupt_inside_a_checkpoint_save_is_one_line_too(monkeypatch, caps
     from bigfit import cli
     from bigfit.commands import train as command
 
-    def save_interrupted(argv, cfg):
+    def save_interrupted(argv, cfg, given=None):
         raise CheckpointException("save", {0: (KeyboardInterrupt("SIGTERM"), None)})
 
     monkeypatch.setattr(command, "train_command", save_interrupted)
     assert cli.main(["train", "--strategy", "single"]) == 130
     assert one_line(capsys.readouterr().err) == "interrupted (SIGTERM): stopped"
-    monkeypatch.setattr(command, "train_command", lambda argv, cfg: 1 / 0)
+    monkeypatch.setattr(command, "train_command", lambda argv, cfg, given=None: 1 / 0)
     with pytest.raises(ZeroDivisionError):  # anything else keeps its traceback
         cli.main(["train", "--strategy", "single"])
 

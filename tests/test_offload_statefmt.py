@@ -219,7 +219,7 @@ def test_int8_resumes_exactly_at_one_process_and_converts_to_another_format(runs
             assert resumed == pytest.approx(whole[2:], rel=1e-3)
     # `bigfit train --resume` without --optimizer-states (auto) keeps the checkpoint's compact format
     from bigfit.settings.config import TrainConfig
-    from bigfit.commands.train import _resumed_states
+    from bigfit.commands.decide import resumed_states as _resumed_states
 
     cfg = TrainConfig(strategy="zero2-offload", resume=str(step2), output_dir=str(runs / "resumed-auto"))
     assert _resumed_states(cfg).optimizer_states == "int8"
@@ -281,11 +281,11 @@ def test_strategy_auto_hands_the_format_it_rated_to_the_run(model_dirs, monkeypa
     from bigfit.errors import BigfitError
     from bigfit.job import autoplan as planner
     from bigfit.job.resolution import resolve
-    from bigfit.commands import train as command
+    from bigfit.commands import decide
 
     monkeypatch.setattr(planner, "auto_plan", lambda cfg, world, one, lengths: ("zero2-offload", {"dp_shard": 1}, "planned"))
     monkeypatch.setattr(planner, "optimizer_states", lambda cfg, world, name, lengths: "int8")
-    cfg = command._auto_strategy(TrainConfig(model=str(model_dirs["llama"]), strategy="auto", nproc=1), None)
+    cfg = decide.auto_strategy(TrainConfig(model=str(model_dirs["llama"]), strategy="auto", nproc=1), None)
     assert (cfg.strategy, cfg.optimizer_states) == ("zero2-offload", "int8")
     assert resolve(TrainConfig(strategy="zero2-offload", batch_size=4), 1).cfg.optimizer_states == "fp32"
     with pytest.raises(BigfitError, match="--optimizer-states int8 belongs to --strategy zero2-offload"):

@@ -188,7 +188,7 @@ def bench_from_args(ns: argparse.Namespace) -> tuple[BenchSettings, TrainConfig]
 
 
 def _deepspeed(path: str, so_far: dict) -> dict:
-    from .commands.train import speaks, world  # imported here, as in main: world() asks torch for the GPUs
+    from .commands.decide import speaks, world  # imported here, as in main: world() asks torch for the GPUs
 
     mapping = load_deepspeed_config(path, world(so_far.get("nproc"), TrainConfig()))
     if speaks():

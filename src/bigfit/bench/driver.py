@@ -111,7 +111,7 @@ def _runnable(processes: int) -> tuple[str, ...]:
 
 
 def _strategies(text: str, base: TrainConfig, lengths: tuple[int, int]) -> list[str]:
-    from ..commands.train import default_nproc
+    from ..commands.decide import default_nproc
 
     every = _runnable(base.nproc or default_nproc(dataclasses.replace(base, strategy="zero3")))
     if text == "all":
@@ -137,7 +137,7 @@ def _strategies(text: str, base: TrainConfig, lengths: tuple[int, int]) -> list[
 
 
 def _world(base: TrainConfig, strategy: str) -> int:
-    from ..commands.train import default_nproc
+    from ..commands.decide import default_nproc
 
     return base.nproc or default_nproc(dataclasses.replace(base, strategy=strategy))
 
