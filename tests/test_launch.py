@@ -57,6 +57,8 @@ def test_two_torchrun_nodes_on_loopback(tmp_path, model_dirs, pairs_file):
     assert "on 2 x cpu" in outputs[0]  # node 0 holds rank 0, which prints
     assert [m["step"] for m in read_jsonl(out / "metrics.jsonl")] == [1, 2, 3]
     assert (out / "model" / "model.safetensors").is_file()
+    job = json.loads((out / "job.json").read_text())  # the job each node's local rank 0 resolved, kept by rank 0
+    assert (job["batching"]["world_size"], job["plan"]["dp_shard"]) == (2, 2)
 
 
 def test_accelerate_launch_starts_the_workers_itself(tmp_path, model_dirs, pairs_file):

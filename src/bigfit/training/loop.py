@@ -18,7 +18,7 @@ from ..data import Batcher
 from ..engine import Engine, build_optimizer
 from ..job.checks import reporters
 from ..job.prepare import Prepared, describe, load
-from ..job.resolution import Job
+from ..job.resolution import JOB_FILE, Job, write
 from ..layout.mesh import release_run_groups, with_mesh
 from ..loading import loads_per_rank
 from ..models.source import build_model, count_parameters
@@ -46,7 +46,9 @@ def train(job: Job, ready: Prepared | None = None) -> dict:
     try:
         rt = with_mesh(rt, job.plan)
         clock.mark("runtime")
-        with claim(ready, rt), _collector_paused():  # the output directory is this run's (a launcher may have claimed it)
+        with claim(ready, rt) as lock, _collector_paused():  # the output directory is this run's (a launcher may have claimed it)
+            if lock is not None:  # claimed here (torchrun's rank 0): the run directory holds its job, as a starter's does
+                write(job, Path(job.cfg.output_dir) / JOB_FILE)
             return _train(ready, rt, clock)
     finally:
         release_run_groups()
