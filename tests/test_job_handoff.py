@@ -60,6 +60,14 @@ def test_workers_run_the_job_their_launcher_resolved(model_dirs, pairs_file, tmp
     assert job["data"]["lengths"] and job["data"]["tokenized"]  # the mapped data's directory, gone with the job
     assert not os.path.exists(job["data"]["tokenized"])
     assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == [1, 2]
+    # what train printed as its prediction is `bigfit plan`'s row for its strategy, given the same settings
+    from bigfit import plan
+    from bigfit.job.autoplan import row_text
+
+    rows = plan(model=str(model_dirs["gpt2"]), data=str(pairs_file), nproc=2, strategy="zero2", batch_size=4,
+                eval_samples=4)["strategies"]
+    assert job["prediction"] == row_text(next(r for r in rows if r["name"] == "zero2"))
+    assert "prediction" in done.stdout and job["prediction"].split(":")[0] == "zero2"
 
 
 def test_handed_over_samples_are_the_tokenized_ones(model_dirs, pairs_file, tmp_path):
