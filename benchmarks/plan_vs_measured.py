@@ -7,7 +7,7 @@ rates from bigfit/machine/gpus.py where the record's machine is one) and plans t
 record's strategy alone with `plan_for_config`, then prints the measured and predicted step time and peak
 GPU bytes side by side. Peers (plain PyTorch, FSDP2, DeepSpeed) are rated as the closest bigfit strategy
 (PEERS below) and shown as such. device_map rows are rated on the map that was measured (flat, split, tail),
-with the same arithmetic as the plan's device_map row (planning/split.py), which would otherwise rate the
+with the same arithmetic as the plan's device_map row (planning/device_map_row.py), which would otherwise rate the
 balancer's own map; the balancer's row is given as a note. Where several strategies were measured together
 (a record's `group`), a second table puts the fastest measured beside the fastest predicted row and beside
 what `--strategy auto` (plan_for_config over the strategies measured) picks.
@@ -120,7 +120,7 @@ def measured_map(prof, layout: dict, main: str = "cuda:0") -> list[str]:
 
 
 def rate_map(config, hw, jb, layout: dict) -> tuple[float, int, str]:
-    """A measured device map rated as planning/split.py rates the balancer's: (step s, bytes of the fullest
+    """A measured device map rated as planning/device_map_row.py rates the balancer's: (step s, bytes of the fullest
     GPU, bottleneck)."""
     from bigfit.planning.automap import device_parts, profile_costs, profile_for
     from bigfit.planning import split
@@ -152,7 +152,7 @@ def predict(r: dict) -> dict:
         try:
             step, gpu, neck = rate_map(config, hw, jb, layout)
             out.update(step_s=step, gpu_bytes=gpu, bottleneck=neck, rated="measured map", why_not=balancer)
-        except Exception as err:  # planning/split.py's helpers changed: keep the balancer's row
+        except Exception as err:  # planning/device_map_row.py's helpers changed: keep the balancer's row
             out["why_not"] = f"{balancer}; measured map not rated ({type(err).__name__}: {err})"
     return out
 

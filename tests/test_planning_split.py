@@ -1,5 +1,5 @@
-"""`bigfit plan`'s split rows: device_map (one process over a node's devices, planning/split.py) and
-pipeline (one stage per process, planning/stages.py): their bytes against the balancer's map and the
+"""`bigfit plan`'s split rows: device_map (one process over a node's devices, planning/device_map_row.py) and
+pipeline (one stage per process, planning/pipeline_row.py): their bytes against the balancer's map and the
 pipeline's own cut, their step times, when they are candidates, and what `--strategy auto` launches
 when it picks one. The data-parallel rows and accuracy are tests/test_planning.py."""
 from __future__ import annotations
@@ -110,7 +110,7 @@ def test_device_map_loses_to_data_parallel_when_that_fits():
 
 
 def test_device_map_step_time_sequential_or_gpipe():
-    from bigfit.planning.split import _compute
+    from bigfit.planning.device_map_row import _compute
 
     stages = {"cuda:0": 3.0, "cuda:1": 1.0}
     assert _compute(stages, 1) == 4.0  # one device at a time
@@ -126,7 +126,7 @@ def test_the_hosts_blocks_are_host_work_beside_the_gpus_issuing(mixed_plan):
     step is at least the two together."""
     from dataclasses import replace
 
-    from bigfit.planning.split import HOST_SWEEP_S, map_costs
+    from bigfit.planning.device_map_row import HOST_SWEEP_S, map_costs
 
     hw, job, _, prof = mixed_plan
     cpu_blocks = list(range(8, 12))
@@ -268,8 +268,8 @@ def test_pipeline_bubble_gpipe_1f1b_and_interleaved(llama4, monkeypatch):
     PIPELINE_ACTION_S, so interleaved, with v times the actions, issues longer."""
     from dataclasses import replace
 
-    from bigfit.planning import stages
-    from bigfit.planning.stages import pipeline_row
+    from bigfit.planning import pipeline_row as stages
+    from bigfit.planning.pipeline_row import pipeline_row
 
     _, job, prof = llama4
     hw = Hardware(gpu_bytes=(80 * GB,) * 2)
@@ -301,7 +301,7 @@ def test_interleaved_in_flight_follows_torchs_warmup():
     from torch.distributed.pipelining.schedules import _get_warmup_ops
 
     from bigfit.layout.cut import PipelineLayout
-    from bigfit.planning.stages import in_flight
+    from bigfit.planning.pipeline_row import in_flight
 
     for w, v, m in [(2, 2, 2), (2, 2, 8), (4, 2, 4), (4, 3, 8), (3, 2, 12)]:
         layout = PipelineLayout(world=w, stages_per_rank=v, schedule="interleaved", chunks=m)
@@ -315,7 +315,7 @@ def test_interleaved_in_flight_follows_torchs_warmup():
 
 def test_pipeline_is_a_candidate_on_several_gpus_of_one_node(llama4):
     from bigfit.planning.search import plan
-    from bigfit.planning.stages import pipeline_row
+    from bigfit.planning.pipeline_row import pipeline_row
 
     _, job, prof = llama4
     why = {name: pipeline_row(prof, hw, job).not_candidate for name, hw in {
@@ -366,7 +366,7 @@ def test_strategy_auto_choosing_pipeline_launches_its_resolved_layout(monkeypatc
     from bigfit.job.resolution import read
     from bigfit.planning.automap import profile_for
     from bigfit.planning.search import Workload
-    from bigfit.planning.stages import pipeline_row
+    from bigfit.planning.pipeline_row import pipeline_row
     from tiny import tiny_config
 
     launched = []

@@ -29,7 +29,7 @@ def measure(device: torch.device, config=None, seq: int = SEQ, steps: int = STEP
     """Seconds per forward-and-backward of the small model (or of `config`, benchmarks/host_issue.py), over
     the traced forward operators, and the forward's share of them: autograd issues each GPU's backward
     from a thread of its own, so a device map's GPUs issue their backwards at once but their forwards in
-    turn (planning/split.py). On a GPU under bf16 autocast with fp32 weights (as `single` trains), on a
+    turn (planning/device_map_row.py). On a GPU under bf16 autocast with fp32 weights (as `single` trains), on a
     CPU in fp32; `compile`: each block compiled as `--compile` does (hostcost.COMPILED's measure)."""
     gpu = device.type == "cuda"
     config = config or LlamaConfig(**CONFIG)

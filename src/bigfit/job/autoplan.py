@@ -22,7 +22,7 @@ from ..planning.workload import planned_lengths
 from ..planning.rows import gpu_cap
 from ..planning.search import SPLIT_MARGIN, WHOLE, Workload, plan_for_config
 from ..planning.sizes import MAX_MICRO, Prediction, divisors, largest_true
-from ..planning.split import NAME as DEVICE_MAP
+from ..planning.device_map_row import NAME as DEVICE_MAP
 from ..settings.config import PIPELINE_STRATEGIES, SPLIT_STRATEGIES, STRATEGIES, auto_precision
 
 

@@ -15,7 +15,7 @@ from . import gpus as known_gpus
 # Defaults for what cannot be detected, from measurements on the lent H200 machine (NOTES-machines.md):
 # pinned PCIe ~55 GB/s each way, bf16 dense matmul ~760 TFLOP/s, fused CPU AdamW ~4 G params/s on 16 cores,
 # 2.2 TFLOP/s of training (forward + backward, bf16 autocast) on those cores beside a sweep of the blocks'
-# weights each pass (planning/split.py HOST_SWEEP_S), fitted together on T5-large's device maps over
+# weights each pass (planning/device_map_row.py HOST_SWEEP_S), fitted together on T5-large's device maps over
 # cuda:0 + cpu at batch 8-128 (benchmarks/RESULTS.md, 2026-12-04).
 # host_op_us: the host's microseconds per forward operator of an eager training step, its backward
 # included (planning/hostcost.py): T5-large's ~10,300 traced forward operators took the H200 machine's
@@ -92,7 +92,7 @@ class Hardware:
     # () rates its step by the bytes it moves against cpu_adam_params_per_s (planning/estimate.py)
     host_adam_rates: tuple[tuple[str, float], ...] = ()
     # `--device-map {"auto": budgets}`: the devices and bytes device_map's balancer may use, in place
-    # of this machine's GPUs and RAM (planning/split.py budgets)
+    # of this machine's GPUs and RAM (planning/device_map_row.py budgets)
     map_budgets: tuple[tuple[str, int], ...] = ()
     notes: tuple[str, ...] = field(default_factory=tuple)
 

@@ -9,7 +9,7 @@ Pure, from the data-parallel ModelProfile (traced at job.micro(world)), scaled t
 - Without a pipeline a rank is a data-parallel rank of that smaller model: estimate.memory of the
   engine that runs it over dp_shard (HSDP's replicas each hold what dp_shard alone holds), so a
   composed row with tp 1 counts exactly as the named rows do.
-- With a pipeline each position holds what stages.py counts for its stages (the same cut, the
+- With a pipeline each position holds what pipeline_row.py counts for its stages (the same cut, the
   chunks its schedule keeps in flight), of that smaller model, divided over dp_shard by ZeRO stage;
   under the offload engine only compute-dtype parameters and fp32 gradient accumulators stay on the
   GPU, the rest is host RAM.
@@ -29,8 +29,8 @@ from ..layout.cut import PipelineLayout
 from .adapters import outside_frozen_share, scaled_frozen
 from .estimate import FSDP_HOST_ADAM, KEYS, Estimate, _bytes, grad_bytes, host_adam_rate, memory
 from .hostcost import PIPELINE_ACTION_S
-from .split import stage_seconds
-from .stages import holders, rank_bytes, received
+from .device_map_row import stage_seconds
+from .pipeline_row import holders, rank_bytes, received
 
 # The fraction of a block's compute speed kept per doubling of tp, its matmuls 1/tp as wide: an
 # assumption awaiting a multi-GPU measurement (none was available); Megatron-LM's published
@@ -114,7 +114,7 @@ def _row_of(plan) -> str:
 
 
 def _positions(plan, rank, job, c: int, pipe: Pipe) -> dict[str, int]:
-    """The fullest position: stages.py's bytes (fp32 states, autocast's compute-dtype copy, chunks in
+    """The fullest position: pipeline_row.py's bytes (fp32 states, autocast's compute-dtype copy, chunks in
     flight, receive buffers, the loss), the states divided over dp_shard by the ZeRO stage. FSDP2's
     units are the blocks (pipeline/runner.py shard_stages) and torch's stage does not wrap them, so
     they reshard after each chunk as outside a pipeline: zero2 keeps the position's parameters

@@ -112,7 +112,7 @@ def cpu_device_rates(tflops: float, mem_gbps: float, world: int) -> dict:
     The planner rates matmuls at MFU of gpu_tflops and the other operators at MEM_EFFICIENCY of
     gpu_mem_gbps, a GPU's shares of its peaks: here the fields are set so that those shares come to
     CPU_MATMUL_REACH and CPU_COPY_REACH of the measured rates. cpu_tflops: device_map's one process,
-    its blocks all on the host (planning/split.py), on every core. (gloo's links: hardware.GLOO_LOCAL_GBPS.)"""
+    its blocks all on the host (planning/device_map_row.py), on every core. (gloo's links: hardware.GLOO_LOCAL_GBPS.)"""
     return dict(gpu_tflops=tflops * CPU_MATMUL_REACH / MFU / world,
                 gpu_mem_gbps=mem_gbps * CPU_COPY_REACH / MEM_EFFICIENCY / world,
                 cpu_tflops=tflops * CPU_MATMUL_REACH)

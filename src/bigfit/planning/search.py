@@ -17,8 +17,8 @@ from .workload import Workload
 from .layouts import LayoutCandidate, Rejected, choose, layout_rows
 from .profile import as_compiled, profile_model
 from .rows import Candidate, fit_problem as _fit, gb as _gb, gpu_cap, host_problem as _host_fit
-from .split import device_map_row
-from .stages import pipeline_row
+from .device_map_row import device_map_row
+from .pipeline_row import pipeline_row
 
 ALL = STRATEGIES + SPLIT_STRATEGIES + PIPELINE_STRATEGIES
 # rows traced at one process's whole micro-batch, each device with its own bytes (not one share per GPU)
@@ -34,7 +34,7 @@ class Recommendation:
     job: Workload
     notes: list[str] = field(default_factory=list)
     device_map: dict | None = None  # the device_map row's map and every device's bytes (planning/automap.py)
-    pipeline: dict | None = None  # the pipeline row's layout, cut and every rank's bytes (stages.py)
+    pipeline: dict | None = None  # the pipeline row's layout, cut and every rank's bytes (pipeline_row.py)
     # composed plans (layouts.py), when asked for: every rated one (fitting first, fastest first), the
     # rejected ones, and the one recommended over every named row (None: a named row stays the pick)
     layouts: list[LayoutCandidate] | None = None

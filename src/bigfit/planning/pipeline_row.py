@@ -28,7 +28,7 @@ from .balance import size
 from .estimate import KEYS, RESERVE, Estimate, _bytes
 from .hostcost import PIPELINE_ACTION_S
 from .quantized import transient
-from .split import stage_seconds
+from .device_map_row import stage_seconds
 
 NAME = "pipeline"
 ADAM_BYTES = 28  # torch's AdamW per fp32 parameter: weight, gradient and two moments read; three written
