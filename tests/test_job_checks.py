@@ -187,7 +187,7 @@ def test_every_flag_of_every_command_has_help_in_words():
         assert text.strip(), f"bigfit {command} {flag} has no help"
         words = set(re.findall(r"(?<![-/.\w])[A-Za-z]\w*", text))
         assert not words & (_CONSTANTS | _FIELDS | {"None"}), f"bigfit {command} {flag}: {text}"
-    from bigfit.cli import _field_help
+    from bigfit.settings.reading import field_help as _field_help
 
     helps = _field_help()
     assert helps["strategy"].startswith("one of single, ddp, zero1, zero2, zero3, zero2-offload, zero3-offload, "

@@ -19,8 +19,8 @@ from .settings.bench import BenchSettings
 from .settings.config import BENCH_DECIDES, CHOICES, FLAG_ALONE, TrainConfig
 from .settings.deepspeed import load_deepspeed_config
 from .settings.planflags import ALIASES
-from .settings.reading import (COMMANDS, INTERNAL, field_help, field_type, load_config_file, normalise, refusal,
-                               schema, setting_value)
+from .settings.reading import (COMMANDS, INTERNAL, field_type, load_config_file, normalise, refusal, schema,
+                               setting_value)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -44,9 +44,6 @@ def _flag_type(name: str):
 
     convert.__name__ = field_type(name)[0].__name__  # what argparse calls the type, should it ever say
     return convert
-
-
-_field_help = field_help  # each field's --help text, from its comment (settings/reading.py)
 
 
 def _add_settings(p: argparse.ArgumentParser, command: str) -> None:

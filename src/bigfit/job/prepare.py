@@ -119,7 +119,7 @@ def data_lengths(cfg: TrainConfig) -> tuple[int, int]:
 
 
 # The last dataset tokenized in this process, by what it depends on: `--strategy auto` and micro-batch
-# auto plan at the data's lengths (with_data_lengths) before `prepare` reads the same data. Only data
+# auto plan at the data's lengths (data_lengths) before `prepare` reads the same data. Only data
 # named by a file's path, size and time (or the embedded task) is reused: a directory or a hub name is
 # read again.
 _LAST: dict = {}
