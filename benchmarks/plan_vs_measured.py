@@ -123,7 +123,7 @@ def rate_map(config, hw, jb, layout: dict) -> tuple[float, int, str]:
     """A measured device map rated as planning/device_map_row.py rates the balancer's: (step s, bytes of the fullest
     GPU, bottleneck)."""
     from bigfit.planning.automap import device_parts, profile_costs, profile_for
-    from bigfit.planning import split
+    from bigfit.planning import device_map_row as split
 
     prof, main = profile_for(config, jb), "cuda:0"
     assignment = measured_map(prof, layout, main)
