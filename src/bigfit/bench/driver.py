@@ -111,9 +111,9 @@ def _runnable(processes: int) -> tuple[str, ...]:
 
 
 def _strategies(text: str, base: TrainConfig, lengths: tuple[int, int]) -> list[str]:
-    from ..commands.decide import default_nproc
+    from ..job.autoplan import default_processes
 
-    every = _runnable(base.nproc or default_nproc(dataclasses.replace(base, strategy="zero3")))
+    every = _runnable(base.nproc or default_processes(dataclasses.replace(base, strategy="zero3")))
     if text == "all":
         return list(every)
     if text == "auto":  # the planner's: those predicted to fit here at one sample a process
@@ -137,9 +137,9 @@ def _strategies(text: str, base: TrainConfig, lengths: tuple[int, int]) -> list[
 
 
 def _world(base: TrainConfig, strategy: str) -> int:
-    from ..commands.decide import default_nproc
+    from ..job.autoplan import default_processes
 
-    return base.nproc or default_nproc(dataclasses.replace(base, strategy=strategy))
+    return base.nproc or default_processes(dataclasses.replace(base, strategy=strategy))
 
 
 def _host_figure() -> dict:

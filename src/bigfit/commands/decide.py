@@ -8,8 +8,6 @@ import dataclasses
 import json
 import os
 
-import torch
-
 from ..common.distributed import launched_by_torchrun_env
 from ..errors import BigfitError
 from ..job import autoplan as planner
@@ -28,13 +26,7 @@ def speaks() -> bool:
 
 def world(nproc: int | None, cfg: TrainConfig) -> int:
     """Processes in the job: torchrun's WORLD_SIZE, else --nproc, else the default for the strategy."""
-    return int(os.environ.get("WORLD_SIZE", 0)) or nproc or default_nproc(cfg)
-
-
-def default_nproc(cfg: TrainConfig) -> int:
-    if cfg.strategy in ("single", *SPLIT_STRATEGIES):
-        return 1
-    return torch.cuda.device_count() or 2
+    return int(os.environ.get("WORLD_SIZE", 0)) or nproc or planner.default_processes(cfg)
 
 
 def decided(cfg: TrainConfig) -> tuple[TrainConfig, tuple[int, int] | None]:

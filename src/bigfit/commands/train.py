@@ -25,6 +25,7 @@ import torch
 from ..common import processes
 from ..common.distributed import launched_by_torchrun_env
 from ..errors import BigfitError
+from ..job import autoplan as planner
 from ..job.prepare import Prepared, handed_over, prepare
 from ..job.resolution import JOB_FILE, Job, read, resolve, write
 from ..outputs.ownership import claim
@@ -46,7 +47,7 @@ def train_command(argv: list[str], cfg: TrainConfig, given: dict[str, str] | Non
     if launched_by_torchrun_env():
         return _torchrun_rank(cfg, argv)
     cfg, lengths = decide.decided(cfg)
-    nproc = cfg.nproc or decide.default_nproc(cfg)
+    nproc = cfg.nproc or planner.default_processes(cfg)
     check_gpus(nproc)
     undecided = tuple(n for n in ("batch_size", "micro_batch_size") if getattr(cfg, n) == "auto")
     # every check that needs no process, before any process starts

@@ -84,8 +84,8 @@ def planner_job(cfg, config, world: int, lengths: tuple[int, int] | None = None)
 
 def default_processes(cfg) -> int:
     """The processes a job runs on this machine without --nproc: one for single and device_map (one
-    process drives every GPU), else one per GPU, or 2 on a machine without GPUs (commands/train.py's
-    default_nproc says the same)."""
+    process drives every GPU), else one per GPU, or 2 on a machine without GPUs: `bigfit train`'s
+    processes and `bigfit plan`'s alike."""
     if cfg.strategy in ("single", *SPLIT_STRATEGIES):
         return 1
     return torch.cuda.device_count() or 2

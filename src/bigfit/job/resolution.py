@@ -100,10 +100,10 @@ def resolve(cfg: TrainConfig, world_size: int, undecided: tuple[str, ...] = ()) 
                               optimizer_states="fp32" if cfg.optimizer_states == "auto" else cfg.optimizer_states)
     if degrees.pp > 1:
         out = _resolve_pipeline(out, degrees.pp, micro)
-    plan = plan_for(cfg.strategy, world_size, tp=cfg.tp, pp=cfg.pp, dp_shard=cfg.dp_shard,
-                    dp_replicate=cfg.dp_replicate, chunks=out.chunks or 1, schedule=out.pipeline_schedule,
-                    stages_per_rank=out.stages_per_rank or 1, sequence_parallel=cfg.sequence_parallel,
-                    checkpointing=cfg.activation_checkpointing, compile=cfg.compile)
+    # the degrees' plan with what the micro-batch decided (checked again as a whole)
+    plan = dataclasses.replace(degrees, chunks=out.chunks or 1, schedule=out.pipeline_schedule,
+                               stages_per_rank=out.stages_per_rank or 1, sequence_parallel=cfg.sequence_parallel,
+                               checkpointing=cfg.activation_checkpointing, compile=cfg.compile)
     out = dataclasses.replace(out, chunks=plan.chunks)
     return Job(out, plan, Batching(world_size, data_ranks, per_rank, per_rank // micro), undecided=undecided)
 
