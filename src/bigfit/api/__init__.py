@@ -39,12 +39,14 @@ def train(config: TrainConfig | None = None, /, *, tokenizer=None, **settings) -
         check_keys(settings, "bigfit.train()")  # the settings schema's names: a plan-only one is said to be so
         settings = {k.replace("-", "_"): v for k, v in settings.items()}
         objects = {k: None for k in ("model", "data") if not isinstance(settings.get(k), (str, type(None)))}
-        validate(TrainConfig(**{**settings, **objects}))  # every other setting's mistake before an object is written
+        # every setting's mistake before an object is written; the objects' paths are bigfit's own
+        validate(TrainConfig(**{**settings, **objects}))
         settings.update(_paths(settings, tokenizer))
         config = TrainConfig(**settings)
     elif tokenizer is not None:
         raise BigfitError("bigfit.train(): tokenizer= goes with model= given as a model object, not with a TrainConfig")
-    validate(config)
+    else:
+        validate(config)  # validated once, as the command line's settings are
     stamp_start()
     from ..commands.train import train_command  # the training stack, imported when a run starts
 
