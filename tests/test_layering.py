@@ -35,6 +35,7 @@ ORDER = [
     "job",            # the resolved job: checks, resolution, prepare, what auto asks the planner
     "training",       # the loop, step, evaluation, checkpoints, metrics, the in-worker probe
     "commands",       # what train / plan run once parsed, micro-batch auto's launcher side
+    "userloop",       # bigfit inside the user's own loop: prepare, its engine, launch, Trainer and TRL
     "bench",          # bigfit bench
     "cli",            # the parsers and dispatch
     "api",            # bigfit from Python

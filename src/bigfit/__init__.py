@@ -4,7 +4,9 @@ Public API: `train` and `plan` (bigfit train and bigfit plan from Python, return
 `run` is `train`),
 `TrainConfig`, `consolidate` (sharded checkpoint -> Hugging Face directory), `ParallelPlan` / `plan_for` (a job's
 parallel layout, from a strategy name and degrees) and `apply_plan` (its transforms, in order),
-`parallelize` / `deparallelize` (device-map model parallelism in one process, bigfit.device_map).
+`parallelize` / `deparallelize` (device-map model parallelism in one process, bigfit.device_map),
+`prepare` (bigfit's engines in the user's own loop: bigfit.userloop), `launch` (a function on N new processes of
+this machine, each a rank: from a notebook).
 """
 import logging
 
@@ -20,8 +22,8 @@ from .layout.plan import ParallelPlan, plan_for
 for _name in ("torchao", "torch.utils._pytree", "bitsandbytes.backends.cpu"):
     logging.getLogger(_name).setLevel(logging.ERROR)
 
-__all__ = ["BigfitError", "ParallelPlan", "TrainConfig", "apply_plan", "consolidate", "deparallelize", "parallelize",
-           "plan", "plan_for", "run", "train"]
+__all__ = ["BigfitError", "ParallelPlan", "TrainConfig", "apply_plan", "consolidate", "deparallelize", "launch",
+           "parallelize", "plan", "plan_for", "prepare", "run", "train"]
 
 
 def __getattr__(name):  # heavy imports (torch, transformers) only when used
@@ -29,6 +31,14 @@ def __getattr__(name):  # heavy imports (torch, transformers) only when used
         from . import api
 
         return getattr(api, name)
+    if name == "prepare":
+        from .userloop.prepare import prepare
+
+        return prepare
+    if name == "launch":  # bigfit.launch(fn, nproc=N): userloop/launch.py
+        from .userloop.launch import launch
+
+        return launch
     if name == "consolidate":
         from .outputs.consolidate import consolidate
 

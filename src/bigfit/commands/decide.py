@@ -47,11 +47,15 @@ def decided(cfg: TrainConfig) -> tuple[TrainConfig, tuple[int, int] | None]:
     return cfg, lengths
 
 
-def auto_strategy(cfg: TrainConfig, lengths: tuple[int, int] | None) -> TrainConfig:
-    """`--strategy auto`: the planner's pick over the named strategies and the composed plans."""
+def auto_strategy(cfg: TrainConfig, lengths: tuple[int, int] | None, processes: int | None = None,
+                  one_process: bool | None = None) -> TrainConfig:
+    """`--strategy auto`: the planner's pick over the named strategies and the composed plans, for the
+    job's processes (`processes`: bigfit.prepare's, already running; else bigfit train's to start)."""
     # device_map is one process driving every GPU: a candidate unless --nproc or torchrun fix the processes
-    one_process = cfg.nproc is None and not launched_by_torchrun_env()
-    name, degrees, reason = planner.auto_plan(cfg, world(cfg.nproc, cfg), one_process, lengths)
+    if one_process is None:
+        one_process = cfg.nproc is None and not launched_by_torchrun_env()
+    processes = processes or world(cfg.nproc, cfg)
+    name, degrees, reason = planner.auto_plan(cfg, processes, one_process, lengths)
     # the degrees the alias does not fill by itself (plan.py ALIASES), so the workers resolve the same plan
     given = {d: v for d, v in degrees.items() if v > 1 and d != ALIASES[name].fills}
     if speaks():
@@ -59,7 +63,7 @@ def auto_strategy(cfg: TrainConfig, lengths: tuple[int, int] | None) -> TrainCon
         print(f"--strategy auto -> {name}{shown}: {reason}")
     split = {"device_map": "auto"} if name in SPLIT_STRATEGIES else {}  # balanced as the plan was
     if name.startswith("zero2-offload") and cfg.optimizer_states == "auto":  # the format it was rated with
-        given["optimizer_states"] = planner.optimizer_states(cfg, world(cfg.nproc, cfg), name, lengths)
+        given["optimizer_states"] = planner.optimizer_states(cfg, processes, name, lengths)
         if speaks() and given["optimizer_states"] != "fp32":
             print(f"--optimizer-states {given['optimizer_states']}: the most exact that fits the host RAM")
     return dataclasses.replace(cfg, strategy=name, **split, **given)  # workers start from the decision, not from "auto"

@@ -120,6 +120,10 @@ class Engine(Protocol):
 
     def forward_context(self): ...
 
+    def accumulation_context(self, sync: bool):
+        """Around a micro-batch's forward and backward: `sync` False skips the gradient reduction that
+        the last micro-batch of the step does (DDP's no_sync, the offload engine's buckets)."""
+
     def generation_context(self): ...
 
     def reshard(self) -> None: ...

@@ -16,6 +16,7 @@ metadata, its non-tensor entries and rank-N.pt go through outputs/safeload.py.
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import json
 import os
@@ -35,7 +36,7 @@ from ..common.processes import interrupt_in
 from ..engine import Engine
 from ..errors import BigfitError
 from ..outputs import manifest, safeload
-from ..outputs.ckptdir import MARKER, frozen_record, is_checkpoint, steps, trainer_state
+from ..outputs.ckptdir import MARKER, frozen_record, is_checkpoint, steps, trainer_state, verify
 from . import savefail
 
 
@@ -63,6 +64,29 @@ def save(root: Path, step: int, engine: Engine, rt: Runtime, trainer_state: dict
         for old in [p for p in steps(root) if is_checkpoint(p)][keep:]:
             shutil.rmtree(old)
     return final
+
+
+def assets_writer(module, tokenizer=None):
+    """`save`'s `write_assets`: the model's config (its KV cache on again: off only while training),
+    generation config and tokenizer files, so that `bigfit consolidate` needs nothing else."""
+    def write(directory: Path) -> None:
+        config = copy.deepcopy(module.config)
+        config.use_cache = True
+        config.save_pretrained(directory)
+        if getattr(module, "generation_config", None) is not None:
+            module.generation_config.save_pretrained(directory)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(directory)
+    return write
+
+
+def newest(path: Path) -> Path:
+    """Checkpoint `path` itself, or the newest complete step-N in it; verified (one line for damage)."""
+    found = path if is_checkpoint(path) else next((p for p in steps(path) if is_checkpoint(p)), None)
+    if found is None:
+        raise BigfitError(f"{str(path)!r} holds no complete checkpoint (a step-N directory with its {MARKER} marker)")
+    verify(found, "load {} instead")
+    return found
 
 
 def _start(tmp: Path, rt: Runtime) -> None:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import contextlib
-import copy
 import gc
 import resource
 import time
@@ -77,17 +76,6 @@ def _collector_paused():
         gc.enable()
 
 
-def _assets_writer(job: Prepared, module):
-    def write(directory: Path) -> None:
-        config = copy.deepcopy(module.config)
-        config.use_cache = True  # off only while training
-        config.save_pretrained(directory)
-        if getattr(module, "generation_config", None) is not None:
-            module.generation_config.save_pretrained(directory)
-        job.tokenizer.save_pretrained(directory)
-    return write
-
-
 def _train(job: Prepared, rt: Runtime, clock: StartClock) -> dict:
     cfg, ds = job.cfg, job.dataset
     out_dir = Path(cfg.output_dir)
@@ -121,7 +109,7 @@ def _train(job: Prepared, rt: Runtime, clock: StartClock) -> dict:
     metrics = MetricsLog(out_dir / "metrics.jsonl", resumed_at) if rt.is_main else None
     evals = MetricsLog(out_dir / "eval.jsonl", resumed_at) if rt.is_main else None
     batcher = Batcher(len(ds.train), cfg.batch_size, cfg.seed)
-    write_assets = _assets_writer(job, applied.module)
+    write_assets = checkpoint.assets_writer(applied.module, job.tokenizer)
     run = runinfo.read(out_dir) if rt.is_main else {}  # written by the claim: checkpoints carry the run's identity
     boards = _boards(job, out_dir, run, rt) if rt.is_main else None  # dashboards beside metrics.jsonl (--report-to)
 

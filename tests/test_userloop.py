@@ -1,0 +1,135 @@
+"""bigfit.prepare in a loop of the user's own: the same losses as `bigfit train` on the same data and
+seed, strategy by strategy, on gloo ranks (fp32); checkpoints it saves load at another process count
+and resume exactly; each mistake one line before any work.
+
+The user's loop here computes bigfit train's loss itself (summed token loss over the global batch's
+target tokens, times the data-parallel ranks that the engines average over) on the batches bigfit
+train takes (its Batcher), so the two must agree to the order of floating-point sums."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import read_jsonl
+from dist import run_ranks, train
+
+# (strategy, processes, family, extra settings). LoRA on zero2 and on one process; tensor parallel on
+# Llama (GPT-2's Conv1D is not split); the device map is one process.
+CASES = [("single", 1, "t5", {}), ("device_map", 1, "gpt2", {}), ("single", 1, "llama", {"lora": True}),
+         ("ddp", 2, "gpt2", {}), ("zero1", 2, "llama", {}), ("zero2", 2, "t5", {}), ("zero3", 2, "llama", {}),
+         ("zero2-offload", 2, "gpt2", {}), ("zero3-offload", 2, "t5", {}), ("ddp", 2, "llama", {"tp": 2, "sequence_parallel": True}),
+         ("zero2", 2, "gpt2", {"lora": True})]
+STEPS = 3
+# relative loss difference: the same sums in another order (bigfit train's loss is summed on the device
+# in float64, the user's here per micro-batch); worst seen 3e-8
+TOL = 1e-6
+
+
+def settings(strategy: str, extra: dict) -> dict:
+    return dict(strategy=strategy, precision="fp32", max_steps=STEPS, batch_size=8, micro_batch_size=2,
+                warmup_steps=0, seed=0, **extra)
+
+
+def reference(model_dir, data, out, strategy, extra):
+    from bigfit.settings.config import TrainConfig
+
+    train(TrainConfig(model=str(model_dir), data=str(data), output_dir=str(out), eval_every=0, eval_on_start=False,
+                      eval_samples=0, save_every=0, checkpoints=False, **settings(strategy, extra)))
+
+
+def own_loop(model_dir, data, strategy, extra, save=None, load=None, steps=STEPS):
+    """The user's loop: bigfit train's batches, its loss computed here. Returns each step's loss."""
+    import bigfit
+    from bigfit.data import Batcher, collate
+    from bigfit.engine.losses import model_logits, sample_targets, token_loss
+    from bigfit.common.distributed import all_reduce_sum
+
+    ready = _dataset(model_dir, data, strategy, extra)
+    engine = bigfit.prepare(str(model_dir), **settings(strategy, extra))
+    start = engine.load(load)["step"] if load else 0
+    ds, seq2seq, data_rt = ready.dataset, ready.seq2seq, engine.rt.data
+    batcher, losses = Batcher(len(ds.train), 8, 0), []
+    for step in range(start, steps):
+        total = sum(sample_targets(ds.train[i], seq2seq) for i in batcher.global_batch(step))
+        local = 0.0
+        for mb in batcher.micro_batches(step, data_rt.rank, data_rt.world_size, 2):
+            batch = {k: v.to(engine.device) for k, v in collate([ds.train[i] for i in mb], ds.pad_id).items()}
+            summed = token_loss(model_logits(engine.model, engine.module, batch, seq2seq), batch["labels"], seq2seq)
+            engine.backward(summed * data_rt.world_size / total, scale_by_accumulation=False)
+            engine.step()
+            local += summed.item() if engine.engine.counts else 0.0
+        losses.append(all_reduce_sum([local], engine.rt)[0] / total)
+    path = engine.save(save) if save else None
+    engine.close()
+    return losses, path
+
+
+def _dataset(model_dir, data, strategy, extra):
+    from bigfit.job.prepare import prepare
+    from bigfit.job.resolution import resolve
+    from bigfit.settings.config import TrainConfig
+
+    return prepare(resolve(TrainConfig(model=str(model_dir), data=str(data), eval_samples=0, **settings("single", {})), 1))
+
+
+def both(model_dir, data, out, strategy, extra):
+    reference(model_dir, data, out, strategy, extra)
+    return own_loop(model_dir, data, strategy, extra)[0]
+
+
+@pytest.mark.parametrize("strategy,world,family,extra", CASES,
+                         ids=[f"{s}-{f}" + "".join(f"-{k}" for k in e) for s, _, f, e in CASES])
+def test_own_loop_matches_bigfit_train(model_dirs, pairs_file, tmp_path, strategy, world, family, extra):
+    mine = run_ranks(both, world, model_dirs[family], pairs_file, tmp_path / "run", strategy, extra)[0]
+    theirs = [r["loss"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")]
+    assert len(mine) == len(theirs) == STEPS
+    for a, b in zip(mine, theirs):
+        assert abs(a - b) <= TOL * abs(b), (mine, theirs)
+
+
+def test_saved_at_two_processes_resumes_at_one(model_dirs, pairs_file, tmp_path):
+    """zero2 on 2 ranks saves after 2 steps; one process (single) loads it and takes step 3: the loss
+    of an uninterrupted run's step 3 (DCP reshards by parameter name)."""
+    whole = run_ranks(own_loop, 2, model_dirs["llama"], pairs_file, "zero2", {})[0][0]
+    _, path = run_ranks(own_loop, 2, model_dirs["llama"], pairs_file, "zero2", {}, tmp_path / "ck", None, 2)[0]
+    resumed = run_ranks(own_loop, 1, model_dirs["llama"], pairs_file, "single", {}, None, path)[0][0]
+    assert resumed[0] == pytest.approx(whole[2], rel=1e-6)
+
+
+def test_mistakes_are_one_line_before_any_work(model_dirs):
+    import bigfit
+    from bigfit.errors import BigfitError
+    from tiny import twin_models
+
+    model, _ = twin_models("llama")
+    cases = [((42,), {}, "model must be a torch.nn.Module"),
+             ((model,), {"strategy": "zero9"}, "strategy"),
+             ((model,), {"learning_rate": 1e-4}, "unknown setting"),
+             ((model,), {"lr": "fast"}, "lr"),
+             ((model,), {"data": "x.jsonl"}, "data= is bigfit train's"),
+             ((torch.nn.DataParallel(model),), {}, "already wrapped by DataParallel"),
+             ((model,), {"strategy": "auto"}, "pass sample="),
+             ((model,), {"optimizer": torch.optim.SGD(model.parameters(), lr=0.1), "strategy": "zero2-offload"},
+              "builds its own optimizer"),
+             ((model,), {"strategy": "zero2-offload", "delayed_update": "yes"}, "delayed")]
+    for args, kw, words in cases:
+        with pytest.raises(BigfitError, match=words) as e:
+            bigfit.prepare(*args, **kw)
+        assert "\n" not in str(e.value)
+
+
+def test_step_before_backward_is_one_line():
+    import bigfit
+    from bigfit.errors import BigfitError
+    from tiny import twin_models
+
+    model, _ = twin_models("gpt2")
+    with bigfit.prepare(model, precision="fp32") as engine:
+        with pytest.raises(BigfitError, match="before engine.backward"):
+            engine.step()
+        with pytest.raises(BigfitError, match="requires grad"):
+            engine.backward(torch.tensor(1.0))
+        x = torch.randint(2, 300, (2, 8))
+        engine.backward(engine.model(input_ids=x, labels=x).loss)
+        engine.step()
+        assert engine.global_step == 1 and engine.grad_norm > 0
