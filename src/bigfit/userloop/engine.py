@@ -18,6 +18,7 @@ ranks, so a loss that is each rank's mean gives the global mean's gradients.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -52,8 +53,13 @@ class UserEngine:
         # bigfit's lr schedule (training/step.py lr_at) where the settings gave one (max_steps, warmup_steps,
         # lr_schedule): a loop's length is the user's; else the lr stays as set (engine.lr = ..., a scheduler)
         self._scheduled = scheduled
-        self.lr = lr_at(0, self.cfg) if scheduled else self.cfg.lr
-        self._forward = Forward(self.model, engine, lambda: self._micro + 1 >= self.gradient_accumulation_steps)
+        # the lr and weight decay of the next step, as an optimizer's param group: a facade optimizer
+        # (hf.py) shares this dict, so a torch lr scheduler that edits its group sets the engine's lr
+        self.param_group = {"lr": lr_at(0, self.cfg) if scheduled else self.cfg.lr}
+        # whether the micro-step under way ends the accumulation (its gradients are reduced): by the
+        # engine's own count, or by the caller's (Trainer knows when an epoch ends early: hf.py)
+        self.syncs: Callable[[], bool] = lambda: self._micro + 1 >= self.gradient_accumulation_steps
+        self._forward = Forward(self.model, engine, lambda: self.syncs())
 
     # -- what was applied ----------------------------------------------------------------------
     @property
@@ -109,14 +115,26 @@ class UserEngine:
             raise BigfitError("engine.step() before engine.backward(loss): each micro-batch is forward, "
                               "engine.backward(loss), then engine.step()")
         self._stepped = True
-        if self._micro < self.gradient_accumulation_steps:
-            return
+        if self._micro >= self.gradient_accumulation_steps:
+            self.update()
+
+    def update(self) -> None:
+        """The optimizer step now, whatever the accumulation count (step() calls it at the count; a
+        caller that counts itself, Trainer's facade optimizer, calls it directly)."""
         self.grad_norm = self.engine.update(self.cfg.max_grad_norm, self.scaler.scale if self.scaler else 1.0)
         if self.scaler:
             self.scaler.update(not math.isfinite(self.grad_norm))
         self._micro, self.global_step = 0, self.global_step + 1
         if self._scheduled:
             self.lr = lr_at(self.global_step, self.cfg)
+
+    @property
+    def lr(self) -> float:
+        return self.param_group["lr"]
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        self.param_group["lr"] = value
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Nothing to do: step() leaves the gradients zeroed (kept for loops that call it)."""
