@@ -133,3 +133,32 @@ def test_step_before_backward_is_one_line():
         engine.backward(engine.model(input_ids=x, labels=x).loss)
         engine.step()
         assert engine.global_step == 1 and engine.grad_norm > 0
+
+
+def test_auto_picks_what_bigfit_train_picks(model_dirs):
+    """strategy="auto" rates the sample batch as bigfit train rates its data's longest batch: the same pick."""
+    import dataclasses
+
+    import bigfit
+    from bigfit.commands.decide import auto_strategy
+    from bigfit.settings.config import TrainConfig
+
+    ids = torch.zeros(4, 96, dtype=torch.long)
+    with bigfit.prepare(str(model_dirs["llama"]), strategy="auto", sample={"input_ids": ids, "labels": ids}) as engine:
+        picked = engine.plan["strategy"]
+    cfg = TrainConfig(model=str(model_dirs["llama"]), strategy="auto", batch_size=4, micro_batch_size=4, nproc=1)
+    assert picked == auto_strategy(dataclasses.replace(cfg, nproc=None), (96, 96), processes=1, one_process=True).strategy
+
+
+def test_own_loop_example_under_torchrun(tmp_path):
+    """examples/own_loop.py as a user runs it: torchrun, 2 processes, zero2 (its loss its own)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parent.parent / "examples" / "own_loop.py"
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(example),
+                          "--strategy", "zero2", "--steps", "2"], capture_output=True, text=True, timeout=240,
+                         cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "FSDP2 over" in out.stdout and "step 2: loss" in out.stdout
