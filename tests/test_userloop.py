@@ -162,3 +162,46 @@ def test_own_loop_example_under_torchrun(tmp_path):
                          cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "FSDP2 over" in out.stdout and "step 2: loss" in out.stdout
+
+
+def mean_loss(logits, labels):
+    """A user's loss: the mean next-token cross-entropy of the batch (its padded positions -100)."""
+    logits, labels = logits[:, :-1].float(), labels[:, 1:]
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def through_loss_fn(model_dir, strategy, extra):
+    """engine.forward_backward with prepare's loss_fn, 3 steps of 2 micro-batches of 4 rows: each rank's
+    losses (a pipeline's last stage holds them)."""
+    import bigfit
+
+    g = torch.Generator().manual_seed(0)
+    data = torch.randint(3, 380, (24, 16), generator=g)
+    engine = bigfit.prepare(str(model_dir), strategy=strategy, precision="fp32", batch_size=8, micro_batch_size=4,
+                            max_steps=3, warmup_steps=0, seed=0, loss_fn=mean_loss, **extra)
+    losses = []
+    for step in range(3):
+        total = 0.0
+        for micro in range(2):
+            ids = data[step * 8 + micro * 4: step * 8 + micro * 4 + 4]
+            total += engine.forward_backward({"input_ids": ids, "labels": ids}).item() / 2
+            engine.step()
+        losses.append(total)
+    engine.close()
+    return losses
+
+
+def test_pipeline_takes_the_users_loss(model_dirs):
+    """Pipeline stages (2 ranks, the loss inside torch's schedule, 2 chunks) give the losses of one
+    process running the same loss_fn; without loss_fn they are refused in one line."""
+    one = run_ranks(through_loss_fn, 1, model_dirs["llama"], "single", {})[0]
+    stages = run_ranks(through_loss_fn, 2, model_dirs["llama"], "pipeline", {"chunks": 2})[1]  # the last stage
+    assert stages == pytest.approx(one, rel=1e-6)
+    with pytest.raises(AssertionError, match="BigfitError: .* pass loss_fn="):  # each rank's line, as run_ranks reports it
+        run_ranks(_pipeline_without_loss, 2, model_dirs["llama"])
+
+
+def _pipeline_without_loss(model_dir):
+    import bigfit
+
+    bigfit.prepare(str(model_dir), strategy="pipeline", micro_batch_size=2, chunks=2)

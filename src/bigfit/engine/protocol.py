@@ -91,6 +91,9 @@ class Engine(Protocol):
     def attach_optimizer(self, cls: type, **kw) -> None:
         """Build the optimizer over the parameters, where the strategy keeps its states."""
 
+    def set_loss(self, fn: Callable | None) -> None:
+        """`run_batch` computes each micro-batch's loss with `fn(logits, labels)` (the user's loop)."""
+
     def set_lr(self, lr: float) -> None: ...
 
     def run_batch(self, batch: dict, seq2seq: bool, factor: float, sync: bool) -> torch.Tensor:
@@ -151,6 +154,12 @@ class Applied:
     norm_ranks: int = 0  # > 0: ranks whose gradients mix DTensors and plain tensors (tensor parallel)
     frozen_in_checkpoints: bool = True  # False: checkpoints hold the trainable parameters only (a LoRA run)
     optimizer: torch.optim.Optimizer | None = None
+    # the user's loss, (logits, labels) -> loss (bigfit.prepare's loss_fn), in place of the summed token loss
+    loss_fn: Callable | None = None
+
+    def set_loss(self, fn: Callable | None) -> None:
+        """Compute each micro-batch's loss with `fn` (the user's, run inside a pipeline's schedule)."""
+        self.loss_fn = fn
 
     # -- the optimizer -------------------------------------------------------------------------
     def recover_from_oom(self) -> None:
@@ -172,7 +181,7 @@ class Applied:
     def loss_sum(self, batch: dict, seq2seq: bool) -> torch.Tensor:
         with self.forward_context():
             logits = model_logits(self.model, self.module, batch, seq2seq)
-        return token_loss(logits, batch["labels"], seq2seq)
+        return (self.loss_fn or token_loss)(logits, batch["labels"], **({} if self.loss_fn else {"seq2seq": seq2seq}))
 
     def run_batch(self, batch: dict, seq2seq: bool, factor: float, sync: bool) -> torch.Tensor:
         with self.accumulation_context(sync):

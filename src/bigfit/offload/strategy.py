@@ -55,6 +55,11 @@ class OffloadApplied(Applied):
     def attach_optimizer(self, cls, **kw) -> None:
         self.engine.attach(cls, **kw)
 
+    def set_loss(self, fn) -> None:
+        super().set_loss(fn)
+        if self.stages is not None:  # they run the micro-batches
+            self.stages.set_loss(fn)
+
     def set_lr(self, lr: float) -> None:
         self.engine.param_groups[0]["lr"] = lr  # before backward: the engine may step during it
 

@@ -146,6 +146,10 @@ class PipelineApplied(Applied):
                 p.grad = g if p.grad is None else p.grad + g
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor, seq2seq: bool) -> torch.Tensor:
+        if self.loss_fn is not None:  # the user's loss of one chunk: the micro-batch's is their mean
+            loss = self.loss_fn(logits, labels)
+            self._sums.append(loss.detach() / self.layout.chunks)
+            return loss * self._factor / self.layout.chunks
         loss = token_loss(logits, labels, seq2seq)
         self._sums.append(loss.detach())
         return loss * self._factor

@@ -108,6 +108,24 @@ class UserEngine:
             (loss * factor).backward()
         self._micro, self._stepped = self._micro + 1, False
 
+    def forward_backward(self, batch: dict) -> torch.Tensor:
+        """Forward and backward of one micro-batch (a dict of tensors with labels) with prepare's
+        `loss_fn(logits, labels)`: the way in for pipeline stages, whose schedule runs the loss itself
+        (any strategy takes it). Returns the loss, detached: on a pipeline, the last stage's rank holds
+        it and the others 0."""
+        if self.engine.loss_fn is None:
+            raise BigfitError("engine.forward_backward(batch) computes the loss with bigfit.prepare(loss_fn=...): "
+                              "pass loss_fn=(logits, labels) -> loss to prepare")
+        if self._micro == 0:
+            self.engine.set_lr(self.lr)
+        factor = (self.scaler.scale if self.scaler else 1.0) / self.gradient_accumulation_steps
+        batch = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.items()}
+        if "attention_mask" not in batch:  # every position attended (the engines' forward passes it on)
+            batch["attention_mask"] = torch.ones_like(batch["input_ids"])
+        loss = self.engine.run_batch(batch, self.module.config.is_encoder_decoder, factor, sync=self.syncs())
+        self._micro, self._stepped = self._micro + 1, False
+        return loss
+
     def step(self) -> None:
         """After each backward: on every gradient_accumulation_steps-th, unscale, clip to max_grad_norm,
         step (skipped when fp16 gradients overflowed), zero the gradients and move the lr schedule."""

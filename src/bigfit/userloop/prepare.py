@@ -67,6 +67,7 @@ def prepare(model, /, *, tokenizer=None, optimizer: torch.optim.Optimizer | None
     rt = with_mesh(rt, job.plan)
     module = _model(model, job.cfg, rt)
     engine = apply(module, job.plan, job.cfg, rt, _lengths(sample))
+    engine.set_loss(loss_fn)
     if optimizer is not None:
         engine.optimizer = optimizer
     else:
@@ -123,10 +124,10 @@ def _check_fit(job: Job, optimizer, loss_fn) -> None:
         raise BigfitError(f"bigfit.prepare(): optimizer= must be a torch.optim.Optimizer, not {type(optimizer).__name__}")
     if plan.pp > 1 and loss_fn is None:
         raise BigfitError(f"bigfit.prepare(): strategy {plan.name} runs pipeline stages, whose schedule computes the "
-                          "loss inside it: pass loss_fn=(logits, labels) -> loss")
-    if plan.pp > 1:
-        raise BigfitError(f"bigfit.prepare(): strategy {plan.name} (pipeline stages) runs in bigfit train's loop only "
-                          "for now; pick a strategy without --pp, or run bigfit train")
+                          "loss inside it: pass loss_fn=(logits, labels) -> loss and call engine.forward_backward(batch)")
+    if loss_fn is not None and not callable(loss_fn):
+        raise BigfitError(f"bigfit.prepare(): loss_fn must be a function (logits, labels) -> loss, not "
+                          f"{type(loss_fn).__name__}")
 
 
 def _model(model, cfg: TrainConfig, rt) -> torch.nn.Module:

@@ -10,6 +10,7 @@ backward closes. `remove` restores the forward there was.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 
 import torch
@@ -51,6 +52,7 @@ class Forward:
         self.before = model.__dict__.get("forward")  # an instance forward already there (restored by remove)
         original = model.forward
 
+        @functools.wraps(original)  # its signature: Trainer keeps the dataset columns that forward names
         def forward(*args, **kwargs):
             if self.open is None and torch.is_grad_enabled() and model.training:
                 self._open()
