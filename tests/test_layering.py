@@ -29,6 +29,7 @@ ORDER = [
     "engine",         # the protocol the loop talks to, per-block transforms
     "data_parallel",  # FSDP2, DDP + ZeRO-1, zero3-offload's streamed steps
     "offload",        # the offload engine
+    "optim",          # OffloadAdamW: the offload engine's host step as a torch optimizer
     "pipeline",       # pipeline parallelism
     "device_map",     # device-map model parallelism
     "parallel",       # the transforms of a plan, in order (apply.py)
@@ -39,6 +40,7 @@ ORDER = [
     "bench",          # bigfit bench
     "cli",            # the parsers and dispatch
     "api",            # bigfit from Python
+    "hf",             # bigfit.hf: Trainer and TRL on bigfit (userloop/hf.py)
     "bigfit",         # the package's __init__ and __main__
 ]
 RANK = {name: i for i, name in enumerate(ORDER)}

@@ -31,6 +31,10 @@ def __getattr__(name):  # heavy imports (torch, transformers) only when used
         from . import api
 
         return getattr(api, name)
+    if name in ("optim", "hf"):  # bigfit.optim.OffloadAdamW; bigfit.hf.use(trainer): submodules, imported when used
+        import importlib
+
+        return importlib.import_module(f".{name}", __name__)
     if name == "prepare":
         from .userloop.prepare import prepare
 
