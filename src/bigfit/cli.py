@@ -12,6 +12,7 @@ import difflib
 import os
 import sys
 
+from .common.launchers import from_slurm
 from .common.processes import interrupt_in, interrupt_name, launched_job, stamp_start
 from .errors import BigfitError
 from .job.checks import validate
@@ -199,6 +200,7 @@ def _deepspeed(path: str, so_far: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     stamp_start()
+    from_slurm()  # a task of an srun step is a rank, as under torchrun: before anything reads RANK
     argv = sys.argv[1:] if argv is None else argv
     job = launched_job()  # a worker of bigfit's launcher runs the job its launcher resolved: no argv to read
     ns = None if job else parse_args(argv)

@@ -2,8 +2,9 @@
 
 One process with no process group is the natural special case: every helper here works with
 `world_size == 1` and then does no communication at all. Several processes are found through the
-torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), which both torchrun
-and bigfit's own launcher set.
+torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), which torchrun,
+accelerate and bigfit's own launchers set, and which launchers.from_slurm fills from SLURM's for the
+tasks of an srun step: each helper that reads it first calls from_slurm.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .launchers import from_slurm
 from .processes import allowed_cores
 from .units import gpu_cap
 
@@ -45,7 +47,8 @@ class Runtime:
 
 
 def launched_by_torchrun_env() -> bool:
-    """True when this process is one worker of a multi-process job (torchrun or bigfit's launcher)."""
+    """True when this process is one worker of a multi-process job (torchrun, bigfit's launcher, srun)."""
+    from_slurm()
     return "WORLD_SIZE" in os.environ and "RANK" in os.environ
 
 
@@ -54,6 +57,7 @@ def cores_per_rank() -> int:
     share of the cores it may run on. Not torch's intra-op count: torchrun sets OMP_NUM_THREADS=1
     when a node runs several ranks, which would leave each rank on one core. Ranks already pinned to
     fewer cores than the machine's get them all."""
+    from_slurm()
     allowed = allowed_cores()
     if allowed < (os.cpu_count() or 1):
         return allowed
@@ -62,6 +66,7 @@ def cores_per_rank() -> int:
 
 def world_size() -> int:
     """Processes in this job, from the torchrun environment (1 without one)."""
+    from_slurm()
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
