@@ -14,11 +14,12 @@ from conftest import read_jsonl
 from dist import run_ranks, train
 
 # (strategy, processes, family, extra settings). LoRA on zero2 and on one process; tensor parallel on
-# Llama (GPT-2's Conv1D is not split); the device map is one process.
+# Llama (GPT-2's Conv1D is not split), alone and under FSDP2 (4 ranks); HSDP (2 replicas of 2 shards);
+# the device map is one process.
 CASES = [("single", 1, "t5", {}), ("device_map", 1, "gpt2", {}), ("single", 1, "llama", {"lora": True}),
          ("ddp", 2, "gpt2", {}), ("zero1", 2, "llama", {}), ("zero2", 2, "t5", {}), ("zero3", 2, "llama", {}),
          ("zero2-offload", 2, "gpt2", {}), ("zero3-offload", 2, "t5", {}), ("ddp", 2, "llama", {"tp": 2, "sequence_parallel": True}),
-         ("zero2", 2, "gpt2", {"lora": True})]
+         ("zero2", 2, "gpt2", {"lora": True}), ("zero3", 4, "llama", {"tp": 2}), ("zero3", 4, "gpt2", {"dp_replicate": 2})]
 STEPS = 3
 # relative loss difference: the same sums in another order (bigfit train's loss is summed on the device
 # in float64, the user's here per micro-batch); worst seen 3e-8
@@ -108,6 +109,7 @@ def test_mistakes_are_one_line_before_any_work(model_dirs):
              ((model,), {"lr": "fast"}, "lr"),
              ((model,), {"data": "x.jsonl"}, "data= is bigfit train's"),
              ((torch.nn.DataParallel(model),), {}, "already wrapped by DataParallel"),
+             ((type("DeepSpeedEngine", (torch.nn.Module,), {})(),), {}, "already wrapped by DeepSpeed"),
              ((model,), {"strategy": "auto"}, "pass sample="),
              ((model,), {"optimizer": torch.optim.SGD(model.parameters(), lr=0.1), "strategy": "zero2-offload"},
               "builds its own optimizer"),
@@ -150,16 +152,22 @@ def test_auto_picks_what_bigfit_train_picks(model_dirs):
     assert picked == auto_strategy(dataclasses.replace(cfg, nproc=None), (96, 96), processes=1, one_process=True).strategy
 
 
-def test_own_loop_example_under_torchrun(tmp_path):
-    """examples/own_loop.py as a user runs it: torchrun, 2 processes, zero2 (its loss its own)."""
+# accelerate launch --multi_gpu runs torchrun's launcher (torch.distributed.run) with accelerate's environment
+# on top: one run covers both. Without GPUs accelerate starts several processes only with --multi_gpu.
+LAUNCHERS = {"accelerate": ["-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines",
+                            "1", "--mixed_precision", "no", "--dynamo_backend", "no"]}
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_own_loop_example_under_launchers(tmp_path, launcher):
+    """examples/own_loop.py as a user runs it: accelerate launch (torchrun inside), 2 processes, zero2 (its loss its own)."""
     import subprocess
     import sys
     from pathlib import Path
 
     example = Path(__file__).resolve().parent.parent / "examples" / "own_loop.py"
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(example),
-                          "--strategy", "zero2", "--steps", "2"], capture_output=True, text=True, timeout=240,
-                         cwd=tmp_path)
+    out = subprocess.run([sys.executable, *LAUNCHERS[launcher], str(example), "--strategy", "zero2", "--steps", "2"],
+                         capture_output=True, text=True, timeout=240, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "FSDP2 over" in out.stdout and "step 2: loss" in out.stdout
 
