@@ -16,14 +16,16 @@ from dist import run_ranks, train
 # (strategy, processes, family, extra settings). LoRA on zero2 and on one process; tensor parallel on
 # Llama (GPT-2's Conv1D is not split), alone and under FSDP2 (4 ranks); HSDP (2 replicas of 2 shards);
 # the device map is one process.
-CASES = [("single", 1, "t5", {}), ("device_map", 1, "gpt2", {}), ("single", 1, "llama", {"lora": True}),
+LORA = {"lora": True, "lora_dropout": 0.0}  # dropout draws differ between one process and several
+CASES = [("single", 1, "t5", {}), ("device_map", 1, "gpt2", {}), ("single", 1, "llama", LORA),
          ("ddp", 2, "gpt2", {}), ("zero1", 2, "llama", {}), ("zero2", 2, "t5", {}), ("zero3", 2, "llama", {}),
          ("zero2-offload", 2, "gpt2", {}), ("zero3-offload", 2, "t5", {}), ("ddp", 2, "llama", {"tp": 2, "sequence_parallel": True}),
-         ("zero2", 2, "gpt2", {"lora": True}), ("zero3", 4, "llama", {"tp": 2}), ("zero3", 4, "gpt2", {"dp_replicate": 2})]
+         ("zero2", 2, "gpt2", LORA), ("zero3", 4, "llama", {"tp": 2}), ("zero3", 4, "gpt2", {"dp_replicate": 2})]
 STEPS = 3
-# relative loss difference: the same sums in another order (bigfit train's loss is summed on the device
-# in float64, the user's here per micro-batch); worst seen 3e-8
-TOL = 1e-6
+# relative loss difference against bigfit train on one process: the same sums in another order (bigfit
+# train's loss summed on the device in float64, the user's here per micro-batch; gradients reduced over
+# ranks); test_parity.py's fp32 tolerance for bigfit train's own strategies is 1e-6, and this adds its own
+TOL = 2e-6
 
 
 def settings(strategy: str, extra: dict) -> dict:
@@ -73,16 +75,31 @@ def _dataset(model_dir, data, strategy, extra):
     return prepare(resolve(TrainConfig(model=str(model_dir), data=str(data), eval_samples=0, **settings("single", {})), 1))
 
 
-def both(model_dir, data, out, strategy, extra):
-    reference(model_dir, data, out, strategy, extra)
+def own_losses(model_dir, data, strategy, extra):
     return own_loop(model_dir, data, strategy, extra)[0]
 
 
+@pytest.fixture(scope="module")
+def bigfit_train_losses(model_dirs, pairs_file, tmp_path_factory):
+    """bigfit train's losses on one process, per (family, LoRA), made once: test_parity.py holds every
+    strategy of bigfit train to them (fp32: 1e-6 relative), so a loop through prepare that matches them
+    matches bigfit train under its own strategy."""
+    made = {}
+
+    def losses(family: str, lora: bool) -> list[float]:
+        if (family, lora) not in made:
+            out = tmp_path_factory.mktemp(f"{family}-{int(lora)}") / "run"
+            run_ranks(reference, 1, model_dirs[family], pairs_file, out, "single", LORA if lora else {})
+            made[family, lora] = [r["loss"] for r in read_jsonl(out / "metrics.jsonl")]
+        return made[family, lora]
+    return losses
+
+
 @pytest.mark.parametrize("strategy,world,family,extra", CASES,
-                         ids=[f"{s}-{f}" + "".join(f"-{k}" for k in e) for s, _, f, e in CASES])
-def test_own_loop_matches_bigfit_train(model_dirs, pairs_file, tmp_path, strategy, world, family, extra):
-    mine = run_ranks(both, world, model_dirs[family], pairs_file, tmp_path / "run", strategy, extra)[0]
-    theirs = [r["loss"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")]
+                         ids=[f"{s}-{f}" + "".join(f"-{k}" for k in e if k != "lora_dropout") for s, _, f, e in CASES])
+def test_own_loop_matches_bigfit_train(model_dirs, pairs_file, bigfit_train_losses, strategy, world, family, extra):
+    mine = run_ranks(own_losses, world, model_dirs[family], pairs_file, strategy, extra)[0]
+    theirs = bigfit_train_losses(family, bool(extra.get("lora")))
     assert len(mine) == len(theirs) == STEPS
     for a, b in zip(mine, theirs):
         assert abs(a - b) <= TOL * abs(b), (mine, theirs)
@@ -205,11 +222,16 @@ def test_pipeline_takes_the_users_loss(model_dirs):
     one = run_ranks(through_loss_fn, 1, model_dirs["llama"], "single", {})[0]
     stages = run_ranks(through_loss_fn, 2, model_dirs["llama"], "pipeline", {"chunks": 2})[1]  # the last stage
     assert stages == pytest.approx(one, rel=1e-6)
-    with pytest.raises(AssertionError, match="BigfitError: .* pass loss_fn="):  # each rank's line, as run_ranks reports it
-        run_ranks(_pipeline_without_loss, 2, model_dirs["llama"])
+    said = run_ranks(_pipeline_without_loss, 2, model_dirs["llama"])  # caught on the ranks: their pool is kept
+    assert all("pass loss_fn=" in line and "\n" not in line for line in said), said
 
 
-def _pipeline_without_loss(model_dir):
+def _pipeline_without_loss(model_dir) -> str:
     import bigfit
+    from bigfit.errors import BigfitError
 
-    bigfit.prepare(str(model_dir), strategy="pipeline", micro_batch_size=2, chunks=2)
+    try:
+        bigfit.prepare(str(model_dir), strategy="pipeline", micro_batch_size=2, chunks=2)
+    except BigfitError as e:
+        return str(e)
+    return "no error"
