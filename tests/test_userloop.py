@@ -235,3 +235,23 @@ def _pipeline_without_loss(model_dir) -> str:
     except BigfitError as e:
         return str(e)
     return "no error"
+
+
+def test_users_own_optimizer_keeps_its_lr():
+    """optimizer= (single, ddp): the user's optimizer steps the model, at its own lr (bigfit sets none),
+    after bigfit's clipping: the same parameters as the plain loop's."""
+    import bigfit
+    from tiny import twin_models
+
+    model, twin = twin_models("gpt2")
+    x = torch.randint(2, 300, (2, 8))
+    with bigfit.prepare(model, strategy="single", precision="fp32", max_grad_norm=0.0,
+                        optimizer=torch.optim.SGD(model.parameters(), lr=0.5)) as engine:
+        engine.backward(engine.model(input_ids=x, labels=x).loss)
+        engine.step()
+        assert engine.engine.optimizer.param_groups[0]["lr"] == 0.5
+    plain = torch.optim.SGD(twin.parameters(), lr=0.5)
+    twin(input_ids=x, labels=x).loss.backward()
+    plain.step()
+    for a, b in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(a, b)

@@ -41,7 +41,7 @@ class UserEngine:
     Hugging Face model itself (config, generate, save_pretrained names)."""
 
     def __init__(self, engine: Engine, job: Job, rt: Runtime, scaler: LossScaler | None = None, tokenizer=None,
-                 scheduled: bool = False):
+                 scheduled: bool = False, sets_lr: bool = True):
         self.engine, self.job, self.rt, self.scaler, self.tokenizer = engine, job, rt, scaler, tokenizer
         self.cfg = job.cfg
         self.model, self.module = engine.model, engine.module
@@ -53,6 +53,7 @@ class UserEngine:
         # bigfit's lr schedule (training/step.py lr_at) where the settings gave one (max_steps, warmup_steps,
         # lr_schedule): a loop's length is the user's; else the lr stays as set (engine.lr = ..., a scheduler)
         self._scheduled = scheduled
+        self._sets_lr = sets_lr  # False: the user's own optimizer (prepare's optimizer=) keeps its lr and scheduler
         # the lr and weight decay of the next step, as an optimizer's param group: a facade optimizer
         # (hf.py) shares this dict, so a torch lr scheduler that edits its group sets the engine's lr
         self.param_group = {"lr": lr_at(0, self.cfg) if scheduled else self.cfg.lr}
@@ -100,7 +101,7 @@ class UserEngine:
         if not (torch.is_tensor(loss) and loss.numel() == 1 and loss.requires_grad):
             raise BigfitError("engine.backward(loss): loss must be a one-element tensor that requires grad (computed "
                               f"from engine.model's outputs), got {_what(loss)}")
-        if self._micro == 0:
+        if self._micro == 0 and self._sets_lr:
             self.engine.set_lr(self.lr)  # before backward: an engine may step during it (the offload engine)
         factor = (self.scaler.scale if self.scaler else 1.0) / (
             self.gradient_accumulation_steps if scale_by_accumulation else 1)
@@ -116,7 +117,7 @@ class UserEngine:
         if self.engine.loss_fn is None:
             raise BigfitError("engine.forward_backward(batch) computes the loss with bigfit.prepare(loss_fn=...): "
                               "pass loss_fn=(logits, labels) -> loss to prepare")
-        if self._micro == 0:
+        if self._micro == 0 and self._sets_lr:
             self.engine.set_lr(self.lr)
         factor = (self.scaler.scale if self.scaler else 1.0) / self.gradient_accumulation_steps
         batch = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.items()}

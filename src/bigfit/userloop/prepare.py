@@ -74,7 +74,8 @@ def prepare(model, /, *, tokenizer=None, optimizer: torch.optim.Optimizer | None
         build_optimizer(engine, job.cfg)
     scaler = LossScaler.from_config(job.cfg) if job.cfg.precision == "fp16" else None
     scheduled = any(k.replace("-", "_") in SCHEDULE for k in settings)
-    return UserEngine(engine, _predicted(job, model, sample), rt, scaler=scaler, tokenizer=tokenizer, scheduled=scheduled)
+    return UserEngine(engine, _predicted(job, model, sample), rt, scaler=scaler, tokenizer=tokenizer, scheduled=scheduled,
+                      sets_lr=optimizer is None)
 
 
 def _settings(model, settings: dict, sample: dict | None) -> TrainConfig:
@@ -119,7 +120,7 @@ def _check_fit(job: Job, optimizer, loss_fn) -> None:
     if optimizer is not None and (plan.engine in OWN_OPTIMIZER or plan.tp > 1 or plan.pp > 1):
         raise BigfitError(f"bigfit.prepare(): strategy {plan.name} builds its own optimizer over the parameters it "
                           "shards or keeps in host RAM: pass the optimizer's settings by name (optimizer='adamw', "
-                          "lr=..., weight_decay=...) instead of optimizer=")
+                          "lr=..., weight_decay=...), or strategy='single' / 'ddp', which take optimizer=")
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise BigfitError(f"bigfit.prepare(): optimizer= must be a torch.optim.Optimizer, not {type(optimizer).__name__}")
     if plan.pp > 1 and loss_fn is None:
