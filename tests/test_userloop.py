@@ -11,7 +11,16 @@ import pytest
 import torch
 
 from conftest import read_jsonl
-from dist import run_ranks, train
+from dist import release, run_ranks, train
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _ranks_ended_after():
+    """This file's calls end their kept ranks with it (tests/dist.py release): its prepare() calls leave the gloo groups of
+    their meshes in them (a later file's collectives would share the cores with their polling threads)."""
+    yield
+    release(1, 2, 4)
+
 
 # (strategy, processes, family, extra settings). LoRA on zero2 and on one process; tensor parallel on
 # Llama (GPT-2's Conv1D is not split), alone and under FSDP2 (4 ranks); HSDP (2 replicas of 2 shards);

@@ -14,7 +14,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from dist import run_ranks
+from dist import release, run_ranks
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _ranks_ended_after():
+    """This file's calls end their kept ranks with it (tests/dist.py release): its trainers leave their process groups
+    in them (a later file's collectives would share the cores with their polling threads)."""
+    yield
+    release(1, 2)
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 # relative loss difference, bigfit against plain Trainer at one process: single and zero2 (FSDP2) were
