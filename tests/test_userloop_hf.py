@@ -19,8 +19,8 @@ from dist import release, run_ranks
 
 @pytest.fixture(scope="module", autouse=True)
 def _ranks_ended_after():
-    """This file's calls end their kept ranks with it (tests/dist.py release): its trainers leave their process groups
-    in them (a later file's collectives would share the cores with their polling threads)."""
+    """This file's calls end their kept ranks with it (tests/dist.py release): its trainers leave their
+    process groups in them (a later file's collectives would share the cores with their polling threads)."""
     yield
     release(1, 2)
 
