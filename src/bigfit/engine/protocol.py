@@ -158,7 +158,7 @@ class Applied:
     loss_fn: Callable | None = None
 
     def set_loss(self, fn: Callable | None) -> None:
-        """Compute each micro-batch's loss with `fn` (the user's, run inside a pipeline's schedule)."""
+        """Compute each micro-batch's loss with `fn` (the user's: engine.forward_backward, a pipeline's schedule)."""
         self.loss_fn = fn
 
     # -- the optimizer -------------------------------------------------------------------------
@@ -181,7 +181,9 @@ class Applied:
     def loss_sum(self, batch: dict, seq2seq: bool) -> torch.Tensor:
         with self.forward_context():
             logits = model_logits(self.model, self.module, batch, seq2seq)
-        return (self.loss_fn or token_loss)(logits, batch["labels"], **({} if self.loss_fn else {"seq2seq": seq2seq}))
+        if self.loss_fn is not None:  # the user's (bigfit.prepare's loss_fn)
+            return self.loss_fn(logits, batch["labels"])
+        return token_loss(logits, batch["labels"], seq2seq)
 
     def run_batch(self, batch: dict, seq2seq: bool, factor: float, sync: bool) -> torch.Tensor:
         with self.accumulation_context(sync):
