@@ -54,8 +54,9 @@ from tiny import FAMILIES, write_model_dirs, write_pairs  # noqa: E402
 # that order (--no-loadscope-reorder): the many short files come last and even out the workers' ends,
 # where a long file started last would keep one worker busy while the other has nothing left.
 LONGEST = ("test_parallel_apply.py", "test_launch.py", "test_bench.py", "test_commands_autobatch.py", "test_parity.py", "test_adapters_lora.py",
-           "test_resume.py", "test_loading.py", "test_planning.py", "test_plan_accuracy.py", "test_tensor_adapters.py",
-           "test_outputs_ownership.py", "test_tensor.py", "test_qlora_strategies.py")
+           "test_resume.py", "test_userloop.py", "test_loading.py", "test_planning.py", "test_plan_accuracy.py",
+           "test_tensor_adapters.py", "test_outputs_ownership.py", "test_tensor.py", "test_qlora_strategies.py",
+           "test_userloop_hf.py", "test_launchers.py")
 
 
 def pytest_collection_modifyitems(items) -> None:
