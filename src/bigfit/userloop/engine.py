@@ -70,7 +70,8 @@ class UserEngine:
         return {"strategy": self.job.plan.name, "plan": self.job.plan.describe(), "degrees": self.job.plan.to_dict(),
                 "applied": list(self.engine.notes), "precision": self.cfg.precision,
                 "gradient_accumulation_steps": self.gradient_accumulation_steps,
-                "data_parallel_ranks": self.rt.data.world_size, "prediction": self.job.prediction}
+                "data_parallel_ranks": self.rt.data.world_size,
+                "prediction": self.job.prediction}  # rated on the job's rank 0 only (None elsewhere)
 
     @property
     def is_main(self) -> bool:

@@ -74,7 +74,9 @@ def prepare(model, /, *, tokenizer=None, optimizer: torch.optim.Optimizer | None
         build_optimizer(engine, job.cfg)
     scaler = LossScaler.from_config(job.cfg) if job.cfg.precision == "fp16" else None
     scheduled = any(k.replace("-", "_") in SCHEDULE for k in settings)
-    return UserEngine(engine, _predicted(job, model, sample), rt, scaler=scaler, tokenizer=tokenizer, scheduled=scheduled,
+    # the planner's row for engine.plan, rated once (rank 0 of the job; a large model's trace takes seconds)
+    job = _predicted(job, model, sample) if rt.is_main else job
+    return UserEngine(engine, job, rt, scaler=scaler, tokenizer=tokenizer, scheduled=scheduled,
                       sets_lr=optimizer is None)
 
 
