@@ -23,6 +23,7 @@ ORDER = [
     "adapters",       # LoRA, 4-bit bases
     "layout",         # the parallel plan, mesh, pipeline cut and split, device maps: pure layout
     "tensor",         # tensor parallelism's plans and styles (the planner traces them)
+    "context",        # context parallelism: sequences split over ranks, attention over the whole sequence
     "loading",        # per-rank loading
     "outputs",        # checkpoint directories, run directories, consolidation
     "planning",       # the planner, device maps' balancer and auto map

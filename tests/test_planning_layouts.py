@@ -202,7 +202,7 @@ def test_tiny_t5_on_two_gpus_still_takes_a_named_strategy(model_dirs, monkeypatc
     cfg = TrainConfig(model=str(model_dirs["t5"]), strategy="auto", batch_size=8, max_source_len=32)
     name, degrees, reason = auto.auto_plan(cfg, 2, one_process=False)
     assert name in ALL and "composed plans:" in reason
-    assert plan_for(name, 2, **degrees).name == name and set(degrees) == {"pp", "dp_replicate", "dp_shard", "tp"}
+    assert plan_for(name, 2, **degrees).name == name and set(degrees) == {"pp", "dp_replicate", "dp_shard", "cp", "tp"}
 
 
 def test_plan_command_restricts_the_search_to_the_degrees_given(model_dirs, capsys):
@@ -222,7 +222,7 @@ def test_plan_command_restricts_the_search_to_the_degrees_given(model_dirs, caps
     assert all("tp2" in r["name"] for r in p["composed_rejected"])
     assert set(p["strategies"][0]) == {"name", "fits", "per_gpu_bytes", "per_host_bytes", "step_time_s",
                                        "tokens_per_s", "bottleneck", "why_not", "per_node_nvme_bytes",
-                                       "optimizer_states"}
+                                       "optimizer_states", "activations", "checkpoint_blocks"}
 
 
 @pytest.mark.parametrize("flags, named", [(["--tp", "3"], "--tp 3"), (["--tp", "4"], "--tp 4"),

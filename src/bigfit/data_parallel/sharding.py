@@ -33,7 +33,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..adapters.quantize import is_quantized
 from ..common.distributed import Runtime
 from ..engine.protocol import Applied, trainable
-from ..layout.mesh import fsdp_mesh
+from ..layout.mesh import fsdp_mesh, grad_group
 from ..layout.plan import ParallelPlan
 from ..models.source import block_lists
 
@@ -152,9 +152,10 @@ def _init_optimizer_state(optimizer) -> None:
 
 def apply_ddp(model: torch.nn.Module, plan: ParallelPlan, rt: Runtime, autocast: torch.dtype | None,
               bucket_mb: float) -> Applied:
-    """DDP over the data-parallel ranks (their own group when pipeline ranks share the world)."""
+    """DDP over the data-parallel ranks (their own group when pipeline ranks share the world), and
+    the context-parallel ones beside them."""
     ids = [rt.device.index] if rt.device.type == "cuda" else None
-    group = rt.data.group
+    group = grad_group(rt, plan)
     # a 4-bit base is quantized alike on every rank from one source; DDP's broadcast of it as dense
     # tensors would quantize torchao's NF4 again (other values) and move the whole base for nothing
     four_bit = [n for n, p in model.named_parameters() if is_quantized(p)]

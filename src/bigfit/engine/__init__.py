@@ -1,8 +1,10 @@
 """What every engine shares: the protocol the loop talks to and the plain engine (protocol.py), the
-per-block transforms (checkpointing.py, compiling.py), the loss (losses.py), norms over sharded
+per-block transforms (checkpointing.py, with actoffload.py's inputs in host RAM; compiling.py), the loss
+(losses.py; chunkloss.py, the head's loss in chunks of tokens), norms over sharded
 gradients (norms.py), measured model-state memory (memory.py), and the optimizer every engine attaches
 (`build_optimizer`). The engines themselves are one package per dimension above this one
-(data_parallel/, offload/, pipeline/, device_map/, with tensor/'s plans below the planner), applied in
+(data_parallel/, offload/, pipeline/, device_map/, with tensor/'s plans below the planner and context/
+below this one), applied in
 order by parallel/apply.py."""
 from __future__ import annotations
 

@@ -23,10 +23,12 @@ def model_logits(model: torch.nn.Module, module: torch.nn.Module, batch: dict, s
     return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
 
 
-def token_loss(logits: torch.Tensor, labels: torch.Tensor, seq2seq: bool) -> torch.Tensor:
+def token_loss(logits: torch.Tensor, labels: torch.Tensor, seq2seq: bool, shifted: bool = False) -> torch.Tensor:
     """Summed token cross-entropy in fp32, from the logits (some models compute their own loss in
-    the low-precision compute dtype). A decoder-only model predicts position t+1 from t. Logits split
-    by vocabulary (a tensor-parallel LM head's DTensor) go to the vocabulary-parallel loss."""
+    the low-precision compute dtype). A decoder-only model predicts position t+1 from t (`shifted`:
+    the labels are already each position's target, as a sequence cut into slices or chunks needs).
+    Logits split by vocabulary (a tensor-parallel LM head's DTensor) go to the vocabulary-parallel loss."""
+    seq2seq = seq2seq or shifted  # nothing left to shift
     if isinstance(logits, DTensor):
         return _vocab_parallel_loss(logits, labels, seq2seq)
     if not seq2seq:

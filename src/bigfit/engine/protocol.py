@@ -19,7 +19,10 @@ import torch
 import torch.distributed.tensor
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from ..context import ContextParallel
+from ..context.split import shifted_labels
 from ..tensor import param_groups, whole_logits
+from .chunkloss import ChunkedHead
 from .losses import model_logits, target_tokens, token_loss
 from .norms import clip_by, global_norm
 
@@ -156,6 +159,10 @@ class Applied:
     optimizer: torch.optim.Optimizer | None = None
     # the user's loss, (logits, labels) -> loss (bigfit.prepare's loss_fn), in place of the summed token loss
     loss_fn: Callable | None = None
+    # long sequences (decoder-only): each sequence split over context-parallel ranks; the head's loss in chunks
+    context: ContextParallel | None = None
+    chunked: ChunkedHead | None = None
+    context_ranks: int = 1  # ranks that split each sequence: gradients are averaged over them too (step.py)
 
     def set_loss(self, fn: Callable | None) -> None:
         """Compute each micro-batch's loss with `fn` (the user's: engine.forward_backward, a pipeline's schedule)."""
@@ -179,11 +186,28 @@ class Applied:
 
     # -- forward and backward ------------------------------------------------------------------
     def loss_sum(self, batch: dict, seq2seq: bool) -> torch.Tensor:
+        chunk = self.chunked.tokens_for(batch["labels"].numel() // self.context_ranks) if self.chunked else 0
+        if self.loss_fn is None and not seq2seq and (self.context is not None or chunk):
+            return self.sliced_loss(batch, chunk)
         with self.forward_context():
             logits = model_logits(self.model, self.module, batch, seq2seq)
         if self.loss_fn is not None:  # the user's (bigfit.prepare's loss_fn)
             return self.loss_fn(logits, batch["labels"])
         return token_loss(logits, batch["labels"], seq2seq)
+
+    def sliced_loss(self, batch: dict, chunk: int) -> torch.Tensor:
+        """A decoder-only micro-batch's summed loss over this rank's slice of every sequence (context
+        parallelism: its tokens' part of the sum) and, with `chunk` tokens, the head's loss computed
+        chunk by chunk (engine/chunkloss.py)."""
+        piece = self.context.split(batch) if self.context is not None else None
+        inputs = piece.inputs if piece is not None else batch
+        targets = piece.targets if piece is not None else shifted_labels(batch["labels"])
+        with contextlib.ExitStack() as inside:
+            inside.enter_context(self.forward_context())
+            if chunk:
+                inside.enter_context(self.chunked.computing(targets, chunk))
+            out = model_logits(self.model, self.module, inputs, False)
+        return out.reshape(()) if chunk else token_loss(out, targets, False, shifted=True)
 
     def run_batch(self, batch: dict, seq2seq: bool, factor: float, sync: bool) -> torch.Tensor:
         with self.accumulation_context(sync):
@@ -192,7 +216,9 @@ class Applied:
         return loss.detach()
 
     def eval_batch(self, batch: dict, seq2seq: bool) -> tuple[float, int]:
-        return self.loss_sum(batch, seq2seq).item(), target_tokens(batch["labels"], seq2seq)
+        # context-parallel ranks each sum their slice's losses; the batch's targets are counted once
+        counted = self.context is None or self.context.rank == 0
+        return self.loss_sum(batch, seq2seq).item(), target_tokens(batch["labels"], seq2seq) if counted else 0
 
     def forward_context(self):
         if self.autocast is None:
@@ -208,8 +234,13 @@ class Applied:
 
     def generation_context(self):
         """What generate() needs around it: whole logits from a vocabulary-parallel LM head (it reads
-        rows of them); FSDP2 adds its root group's parameters (data_parallel/sharding.py)."""
-        return whole_logits(self.module)
+        rows of them) and the model's own attention (whole sequences on every context-parallel rank);
+        FSDP2 adds its root group's parameters (data_parallel/sharding.py)."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(whole_logits(self.module))
+        if self.context is not None:
+            stack.enter_context(self.context.whole())
+        return stack
 
     def reshard(self) -> None:
         """Return parameters to their at-rest layout after forward passes without backward."""

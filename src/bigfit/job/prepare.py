@@ -16,6 +16,7 @@ from ..data import cache, handoff
 from ..data.arrays import first, longest
 from ..data.chat import require_template
 from ..data.digest import examples_digest
+from ..context import check_context_model
 from ..data.tokenize import check_enough
 from ..errors import BigfitError
 from ..layout.plan import ParallelPlan
@@ -82,6 +83,8 @@ def _load(job: Job, source: ModelSource, model_config) -> Prepared:
     if cfg.pack and seq2seq:
         raise BigfitError(f"--pack lays samples end to end for decoder-only models; {cfg.model or 'the embedded T5'} is "
                           "an encoder-decoder, whose sources and targets are separate sequences: leave --pack out")
+    if (cfg.cp or 1) > 1:
+        check_context_model(model_config, cfg.cp)
     resume_from = ckptdir.resolve_resume(cfg.resume, cfg.output_dir) if cfg.resume else None
     if job.data.tokenized:  # the starter's: mapped, not read again
         dataset, digest = handoff.read(Path(job.data.tokenized), tokenizer), job.data.sha256
@@ -198,6 +201,8 @@ def _shared(job: Prepared) -> str:
     p, parts = job.plan, []
     if p.pp > 1:
         parts.append(f"all {p.pp} pipeline stages see it whole, in {p.chunks} chunks")
+    if p.cp > 1:
+        parts.append(f"{p.cp} context-parallel ranks each take a slice of every sequence")
     if p.tp > 1:
         parts.append(f"{p.tp} tensor-parallel ranks compute each sample together")
     return f" ({'; '.join(parts)})" if parts else ""

@@ -92,8 +92,8 @@ def resolve(cfg: TrainConfig, world_size: int, undecided: tuple[str, ...] = ()) 
     if "auto" in (cfg.strategy, cfg.batch_size, cfg.micro_batch_size):
         raise BigfitError("'auto' strategy and batch sizes are planned before the job is resolved (bigfit train does)")
     degrees = plan_for(cfg.strategy, world_size, tp=cfg.tp, pp=cfg.pp, dp_shard=cfg.dp_shard,
-                       dp_replicate=cfg.dp_replicate)
-    data_ranks = degrees.dp  # pipeline and tensor-parallel peers see the same samples
+                       dp_replicate=cfg.dp_replicate, cp=cfg.cp)
+    data_ranks = degrees.dp  # pipeline, context- and tensor-parallel peers see the same samples
     per_rank, micro = _split(cfg, data_ranks)
     out = dataclasses.replace(cfg, micro_batch_size=micro, precision=cfg.precision or auto_precision(),
                               # auto is --strategy auto's to decide (commands/train.py); a named strategy keeps fp32
@@ -103,9 +103,17 @@ def resolve(cfg: TrainConfig, world_size: int, undecided: tuple[str, ...] = ()) 
     # the degrees' plan with what the micro-batch decided (checked again as a whole)
     plan = dataclasses.replace(degrees, chunks=out.chunks or 1, schedule=out.pipeline_schedule,
                                stages_per_rank=out.stages_per_rank or 1, sequence_parallel=cfg.sequence_parallel,
-                               checkpointing=cfg.activation_checkpointing, compile=cfg.compile)
+                               compile=cfg.compile, **activation_plan(cfg))
     out = dataclasses.replace(out, chunks=plan.chunks)
     return Job(out, plan, Batching(world_size, data_ranks, per_rank, per_rank // micro), undecided=undecided)
+
+
+def activation_plan(cfg: TrainConfig) -> dict:
+    """The plan's fields for how activations are kept. --activation-checkpointing is checkpoint; an
+    "auto" still undecided here (the planner decides it before resolving: commands/decide.py) keeps them."""
+    how = "checkpoint" if cfg.activation_checkpointing and cfg.activations in ("auto", "keep") else cfg.activations
+    return dict(checkpointing=how in ("checkpoint", "offload"), offload_activations=how == "offload",
+                checkpoint_blocks=cfg.checkpoint_blocks if how in ("checkpoint", "offload") else None)
 
 
 def _split(cfg: TrainConfig, data_ranks: int) -> tuple[int, int]:

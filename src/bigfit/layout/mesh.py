@@ -1,9 +1,9 @@
 """The named DeviceMesh of a plan, and the data-parallel view of this rank inside it.
 
-The mesh has every dimension of the plan (`pp`, `dp_replicate`, `dp_shard`, `tp`, outermost first),
+The mesh has every dimension of the plan (`pp`, `dp_replicate`, `dp_shard`, `cp`, `tp`, outermost first),
 degree 1 included, so that code asks for a dimension by name whatever the layout: FSDP2 shards over
-`dp_shard` (HSDP: `dp_replicate` x `dp_shard`), DTensor splits over `tp`, pipeline stages talk over
-`pp`. Neighbouring ranks share the innermost dimension: tensor parallelism, the most talkative,
+`dp_shard` (HSDP: `dp_replicate` x `dp_shard`; with context parallelism `dp_shard` x `cp`), DTensor
+splits over `tp`, pipeline stages talk over `pp`, attention gathers keys and values over `cp`. Neighbouring ranks share the innermost dimension: tensor parallelism, the most talkative,
 stays inside a node. One process without a process group has no mesh: its data view is itself.
 """
 from __future__ import annotations
@@ -41,16 +41,16 @@ def _data_view(rt: Runtime, plan: ParallelPlan, mesh) -> Runtime | None:
     """Among the data-parallel ranks of this rank's (pp, tp) position: rank = replica x shards + shard."""
     if plan.dp == plan.world:
         return None  # every rank holds its own data shard: the world is the view
-    pp, rep, shard, tp = mesh.get_coordinate()
+    pp, rep, shard, cp, tp = mesh.get_coordinate()
     group = dist.new_subgroups_by_enumeration(_data_ranks(mesh))[0] if plan.dp > 1 else None  # collective
     return Runtime(rank=rep * plan.dp_shard + shard, world_size=plan.dp, local_rank=rt.local_rank, device=rt.device,
                    group=group)
 
 
 def _data_ranks(mesh) -> list[list[int]]:
-    """Each (pp, tp) position's data-parallel ranks, in the same order on every rank."""
-    pp, _, _, tp = mesh.mesh.shape
-    return [mesh.mesh[p, :, :, t].flatten().tolist() for p in range(pp) for t in range(tp)]
+    """Each (pp, cp, tp) position's data-parallel ranks, in the same order on every rank."""
+    pp, _, _, cp, tp = mesh.mesh.shape
+    return [mesh.mesh[p, :, :, c, t].flatten().tolist() for p in range(pp) for c in range(cp) for t in range(tp)]
 
 
 def new_data_group(rt: Runtime):
@@ -92,5 +92,26 @@ def data_ranks(rt: Runtime) -> list[int]:
 
 
 def fsdp_mesh(rt: Runtime, plan: ParallelPlan):
-    """FSDP2's mesh: `dp_shard`, or (`dp_replicate`, `dp_shard`) for HSDP (replicas reduce with each other)."""
-    return rt.mesh["dp_replicate", "dp_shard"] if plan.dp_replicate > 1 else rt.mesh["dp_shard"]
+    """FSDP2's mesh: `dp_shard`, or (`dp_replicate`, `dp_shard`) for HSDP (replicas reduce with each other).
+    Context-parallel ranks shard too (`dp_shard` x `cp` flattened, torchtitan's `dp_shard_cp`): each
+    holds part of every sequence, so their gradients are reduced together, and sharding over them costs
+    no more traffic than reducing."""
+    shard = _flat(rt.mesh, ("dp_shard", "cp"), "dp_shard_cp") if plan.cp > 1 else "dp_shard"
+    return rt.mesh["dp_replicate", shard] if plan.dp_replicate > 1 else rt.mesh[shard]
+
+
+def grad_group(rt: Runtime, plan: ParallelPlan):
+    """The process group whose gradients DDP averages: the data-parallel ranks, with context
+    parallelism also the context-parallel ones (`dp_replicate` x `dp_shard` x `cp` flattened)."""
+    if plan.cp == 1:
+        return rt.data.group
+    return rt.mesh[_flat(rt.mesh, ("dp_replicate", "dp_shard", "cp"), "dp_cp")].get_group()
+
+
+def _flat(mesh, dims: tuple[str, ...], name: str) -> str:
+    """`name`, a dimension of the root mesh that flattens `dims` (made once per mesh: collective)."""
+    try:
+        mesh[name]
+    except (KeyError, RuntimeError, ValueError):
+        mesh[dims]._flatten(name)
+    return name

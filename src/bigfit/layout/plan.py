@@ -1,9 +1,11 @@
 """`ParallelPlan`: how one job spreads its model over processes and devices, as one validated value.
 
-Four degrees multiply to the world size, in the mesh's order (outermost first):
+Five degrees multiply to the world size, in the mesh's order (outermost first):
     pp            pipeline positions (torch.distributed.pipelining), each a contiguous run of blocks
     dp_replicate  data-parallel replicas that hold whole copies (DDP; HSDP's outer dimension)
     dp_shard      data-parallel ranks that shard the model states among them (ZeRO-1/2/3)
+    cp            context-parallel ranks that split each sequence (they read the same samples; their
+                  gradients are reduced, and FSDP2 shards, over dp_shard x cp, as torchtitan does)
     tp            tensor-parallel ranks that split each block's matrices (DTensor)
 What the data-parallel ranks shard is the ZeRO stage (0 nothing, 1 optimizer states, 2 + gradients,
 3 + parameters), and where the optimizer lives is the offload tier (none, host, nvme). A one-process
@@ -21,7 +23,7 @@ from dataclasses import dataclass, fields
 
 from ..errors import BigfitError
 
-DIMS = ("pp", "dp_replicate", "dp_shard", "tp")  # the mesh's dimensions, outermost first
+DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # the mesh's dimensions, outermost first
 OFFLOAD_TIERS = ("none", "host", "nvme")
 
 
@@ -55,6 +57,7 @@ class ParallelPlan:
     pp: int = 1
     dp_replicate: int = 1
     dp_shard: int = 1
+    cp: int = 1
     tp: int = 1
     zero: int = 0  # 0: nothing sharded, 1: optimizer states, 2: + gradients, 3: + parameters
     offload: str = "none"  # none, host (RAM) or nvme: where optimizer states and the update live
@@ -64,7 +67,9 @@ class ParallelPlan:
     schedule: str | None = None  # pipeline schedule (gpipe, 1f1b, interleaved) when pp > 1
     stages_per_rank: int = 1  # pipeline stages per position (interleaved: 2 or more)
     sequence_parallel: bool = False  # tp's residual stream, norms and dropout split by sequence (tp > 1)
-    checkpointing: bool = False  # activation checkpointing of every block
+    checkpointing: bool = False  # activation checkpointing of blocks (all, or the first `checkpoint_blocks`)
+    checkpoint_blocks: int | None = None  # how many blocks are checkpointed (the first of each stack); None: all
+    offload_activations: bool = False  # checkpointed blocks' inputs kept in host RAM (engine/actoffload.py)
     compile: bool = False  # torch.compile of every block
     name: str = "zero3"  # the alias it was resolved from, for messages and the start-of-run table
 
@@ -83,12 +88,18 @@ class ParallelPlan:
 
     @property
     def product(self) -> int:
-        return self.pp * self.dp_replicate * self.dp_shard * self.tp
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
 
     @property
     def dp(self) -> int:
         """Data-parallel ranks: the global batch is divided over these (replicas x shards)."""
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def grad_ranks(self) -> int:
+        """Ranks whose gradients are reduced together: the data-parallel ones and, since each holds
+        part of every sequence, the context-parallel ones."""
+        return self.dp * self.cp
 
     @property
     def engine(self) -> str:
@@ -99,7 +110,7 @@ class ParallelPlan:
             return "offload"
         if self.zero >= 2 or self.offload_params:
             return "fsdp"
-        return "ddp" if self.dp > 1 else "local"
+        return "ddp" if self.grad_ranks > 1 else "local"
 
     def describe(self) -> str:
         """One line for the start-of-run table: the degrees that are on, and what data parallelism does."""
@@ -151,6 +162,9 @@ def _unsupported(p: ParallelPlan) -> list[str]:
     if p.sequence_parallel and p.pp > 1:
         out.append(f"--sequence-parallel with --pp {p.pp} is not supported yet (stages exchange whole hidden states); "
                    "use --tp alone or with --dp-shard, or drop --sequence-parallel")
+    out += _context_unsupported(p)
+    if p.offload_activations and not p.checkpointing:
+        out.append("offloaded activations are the checkpointed blocks' inputs: turn checkpointing on (--activations offload)")
     if p.pp == 1 and (p.schedule is not None or p.stages_per_rank != 1):
         given = ", ".join(f for f, on in (("--pipeline-schedule", p.schedule is not None),
                                           ("--stages-per-rank", p.stages_per_rank != 1)) if on)
@@ -160,8 +174,28 @@ def _unsupported(p: ParallelPlan) -> list[str]:
     return out
 
 
+def _context_unsupported(p: ParallelPlan) -> list[str]:
+    """The layouts context parallelism does not compose with yet, each with what would."""
+    if p.cp == 1:
+        return []
+    out = []
+    if p.engine == "offload":
+        out.append(f"--cp {p.cp} with {p.name}: the offload engine reduces over data-parallel ranks only; use zero2, "
+                   "zero3 or zero3-offload (FSDP2 shards over dp_shard x cp)")
+    if p.zero == 1:
+        out.append(f"--cp {p.cp} with zero1: use zero2 or zero3 (FSDP2 shards over dp_shard x cp)")
+    if p.pp > 1:
+        out.append(f"--cp {p.cp} with --pp {p.pp} is not supported yet (stages exchange whole sequences); use --cp with "
+                   "--dp-shard, --dp-replicate or --tp")
+    if p.sequence_parallel:
+        out.append("--sequence-parallel with --cp: the sequence is already split over the context-parallel ranks; "
+                   "drop --sequence-parallel")
+    return out
+
+
 def plan_for(strategy: str, world: int, *, tp: int | None = None, pp: int | None = None,
-             dp_shard: int | None = None, dp_replicate: int | None = None, **rest) -> ParallelPlan:
+             dp_shard: int | None = None, dp_replicate: int | None = None, cp: int | None = None,
+             **rest) -> ParallelPlan:
     """The plan of `strategy` (an alias) on `world` processes, with any degree given explicitly.
     The alias's `fills` degree takes what the others leave; an explicit value of it is checked."""
     if strategy not in ALIASES:
@@ -172,21 +206,23 @@ def plan_for(strategy: str, world: int, *, tp: int | None = None, pp: int | None
             f": it splits the model over the devices of one process, but the plan has {world} processes; use "
             "--nproc 1, or --pp for a pipeline across processes" if alias.split else
             f", but --nproc is {world}; use --nproc 1, or ddp / zero3 for several processes"))
-    given = {"tp": tp, "pp": pp, "dp_shard": dp_shard, "dp_replicate": dp_replicate}
+    given = {"tp": tp, "pp": pp, "dp_shard": dp_shard, "dp_replicate": dp_replicate, "cp": cp}
     for d, v in given.items():
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             raise BigfitError(f"--{d.replace('_', '-')} must be a positive integer, got {v!r}")
     degrees = {d: v or 1 for d, v in given.items()}
     if given[alias.fills] is None:
         rest_product = math.prod(v for d, v in degrees.items() if d != alias.fills)
+        named = {d: v for d, v in degrees.items() if d != alias.fills and (d != "cp" or cp is not None)}
         if world % rest_product:
-            raise BigfitError(f"{_named({d: v for d, v in degrees.items() if d != alias.fills})} = {rest_product} "
+            raise BigfitError(f"{_named(named)} = {rest_product} "
                               f"does not divide the {world} processes; choose degrees whose product divides {world}")
         degrees[alias.fills] = world // rest_product
     if alias.fills == "pp" and degrees["pp"] < 2:
         raise BigfitError(f"a pipeline runs one process per stage, but the job has {world} process(es) for it; use "
                           "--nproc 2 or more (or device_map, which splits the model over the devices of one process)")
-    zero = alias.zero if degrees["dp_shard"] * degrees["dp_replicate"] > 1 or _one_rank_fsdp(alias, degrees) else 0
+    zero = alias.zero if degrees["dp_shard"] * degrees["dp_replicate"] * degrees["cp"] > 1 or _one_rank_fsdp(
+        alias, degrees) else 0
     return ParallelPlan(world=world, **degrees, zero=zero, offload=alias.offload, offload_params=alias.offload_params,
                         split=alias.split, name=strategy, **rest)
 

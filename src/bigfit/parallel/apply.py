@@ -1,6 +1,7 @@
 """`apply`: the plan's transforms on an unmodified model, in their one order (torchtitan's):
 
-    4-bit base -> split -> tensor parallel -> activation checkpointing -> compile -> sharding -> materialise -> offload
+    4-bit base -> split -> tensor parallel -> context parallel -> activation checkpointing -> compile -> sharding
+    -> materialise -> offload
 
 The model comes on the meta device on every rank (bigfit.loading): each transform cuts shapes, not
 weights, and each rank then fills only what it stores, from its slices of the safetensors weights
@@ -16,6 +17,10 @@ model handed in with real weights) rank 0 brings the whole model and the others 
   schedules); first, because every later transform works on the blocks this rank keeps.
 - tensor parallel: each kept block's matrices split over the mesh's `tp` ranks (DTensor); before
   checkpointing and compile, so that both see the parallel block.
+- context parallel: bigfit's attention named in the model's config (context/), which gathers the
+  sequence's keys and values over the mesh's `cp` ranks; before checkpointing, so that a block's
+  recompute gathers them again rather than keeping them. The head's chunked loss (engine/chunkloss.py)
+  is installed on the engine at the end: it reads the head the engine drives.
 - activation checkpointing, then compile, of every kept block: inside the units FSDP2 makes next,
   so a block's parameters are gathered around its recompute.
 - sharding over the data-parallel ranks: FSDP2 units (ZeRO-2/3, HSDP), DDP (+ ZeRO-1; its
@@ -42,8 +47,10 @@ from ..common.distributed import Runtime
 from ..common.precision import DTYPES, compute_dtype
 from ..data_parallel.sharding import apply_ddp, apply_fsdp
 from ..data_parallel.streamed import stream_host_steps
+from ..context import ContextParallel, apply_context_parallel
 from ..device_map.strategy import apply_device_map
 from ..engine.checkpointing import apply_activation_checkpointing
+from ..engine.chunkloss import chunked_head
 from ..engine.compiling import apply_compile
 from ..engine.protocol import Applied
 from ..errors import BigfitError
@@ -67,12 +74,16 @@ def apply(model: torch.nn.Module, plan: ParallelPlan, cfg, rt: Runtime,
     quantized = apply_4bit(model, plan, cfg, rt, weights)
     split = apply_split(model, plan, cfg, rt, weights, lengths)
     notes = apply_tp(split.module, plan, rt)
+    context = apply_context(split.module, plan, rt)
     notes += apply_per_block(split.module, plan, cfg)
     engine = apply_sharding(model, split, plan, cfg, rt, weights, quantized)
     engine = apply_materialise(engine, full, plan, rt, weights)
     engine = apply_offloading(engine, plan, cfg, rt, weights)
     engine.notes[:0] = notes + ([weights.describe()] if weights else []) + _described(quantized)
     engine.frozen_in_checkpoints = not cfg.lora  # a LoRA base is made again from its source on every start
+    engine.context, engine.context_ranks = context, plan.cp
+    if plan.pp == 1:  # a pipeline's last stage computes its loss in the schedule (pipeline/runner.py)
+        engine.chunked = chunked_head(engine.module, cfg.loss_chunk)
     if plan.sequence_parallel:  # torch 2.11 gathers uneven sequence splits into views its backward cannot use
         engine.sequence_multiple = plan.tp
     if plan.tp > 1:
@@ -130,11 +141,19 @@ def apply_tp(model, plan: ParallelPlan, rt: Runtime) -> list[str]:
     return apply_tensor_parallel(model, rt.mesh["tp"], plan.sequence_parallel)
 
 
+def apply_context(model, plan: ParallelPlan, rt: Runtime) -> ContextParallel | None:
+    if plan.cp == 1:
+        return None
+    return apply_context_parallel(model, rt.mesh["cp"])
+
+
 def apply_per_block(model, plan: ParallelPlan, cfg) -> list[str]:
     """Activation checkpointing, then compile, of each block this rank keeps."""
     notes = []
     if plan.checkpointing:
-        notes.append(f"activation checkpointing on {apply_activation_checkpointing(model)} blocks")
+        n = apply_activation_checkpointing(model, plan.checkpoint_blocks, plan.offload_activations)
+        where = ", their inputs in host RAM" if plan.offload_activations else ""
+        notes.append(f"activation checkpointing on {n} blocks{where}")
     if plan.compile:
         notes.append(f"torch.compile ({cfg.compile_backend}) on {apply_compile(model, cfg.compile_backend)} blocks")
     return notes

@@ -76,7 +76,7 @@ def layout_rows(prof, hw, job, fixed: dict[str, int]) -> tuple[list[LayoutCandid
         return [], [Rejected("every layout", "a CPU-only machine", "composed layouts are rated for GPUs only")]
     tokens = job.batch_size * (job.seq_len + job.target_len)
     for pp, dpr, dps, tp in factorisations(world):
-        degrees = dict(zip(DIMS, (pp, dpr, dps, tp)))
+        degrees = dict(zip(DIMS, (pp, dpr, dps, 1, tp)))  # context parallelism: not rated among composed layouts yet
         if any(degrees[d] != v for d, v in fixed.items()):
             continue
         micro = job.micro_batch or job.batch_size // (dpr * dps)

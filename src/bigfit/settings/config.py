@@ -27,6 +27,7 @@ STATE_BYTES = {"fp32": 12.0, "bf16": 8.0, "int8": 6.0 + 8 / 256}  # int8: a 4-by
 SCHEDULES = ("linear", "cosine", "constant")
 WARMUPS = ("linear", "log")
 REDUCE_DTYPES = ("fp32", "bf16", "fp16")
+ACTIVATIONS = ("auto", "keep", "checkpoint", "offload")  # --activations: how each block's activations are kept
 REPORTERS = ("tensorboard", "wandb", "mlflow")  # --report-to: each the name of the package it needs (training/trackers.py)
 # Fields that take "auto": stored as None and derived in `resolve`...
 AUTO = ("nproc", "precision")
@@ -39,7 +40,8 @@ PLANNED = ("strategy", "batch_size", "micro_batch_size")
 PLAN_TAKES = ("model", "data", "data_encoding", "data_columns", "data_split", "data_config", "chat_template",
               "data_cache", "dataset_num_proc", "max_source_len", "max_target_len", "pack", "eval_samples", "seed",
               "batch_size", "micro_batch_size", "nproc", "strategy", "pp", "tp", "dp_shard", "dp_replicate",
-              "sequence_parallel", "precision", "activation_checkpointing", "compile", "chunks", "pipeline_schedule",
+              "sequence_parallel", "cp", "precision", "activation_checkpointing", "activations",
+              "checkpoint_blocks", "loss_chunk", "compile", "chunks", "pipeline_schedule",
               "stages_per_rank", "delayed_update", "offload_grads", "nvme_host_gb", "optimizer_states",
               "max_grad_norm", "lora", "lora_r", "lora_alpha", "lora_dropout", "lora_targets", "load_in_4bit")
 # ...and bigfit bench takes every field but those it decides for each of its rows itself (or names
@@ -51,7 +53,7 @@ BENCH_DECIDES = ("resume", "consolidate", "checkpoints", "eval_on_start", "probe
 # offers (train and bench check them in job/checks.py, for files and flags alike)
 FLAG_ALONE = {"resume": "latest"}
 CHOICES = {"precision": (*PRECISIONS, "auto"), "optimizer_states": (*OPTIMIZER_STATES, "auto"),
-           "offload_grads": ("host", "device"), "pipeline_schedule": PIPELINE_SCHEDULES}
+           "offload_grads": ("host", "device"), "activations": ACTIVATIONS, "pipeline_schedule": PIPELINE_SCHEDULES}
 
 
 def commands_of(name: str) -> tuple[str, ...]:
@@ -96,6 +98,10 @@ class TrainConfig:
     # with --tp: the residual stream, its norms and dropout split by sequence over the TP ranks
     # (Megatron's sequence parallelism: attention and MLP inputs all-gathered, outputs reduce-scattered)
     sequence_parallel: bool = False
+    # context parallel: each sequence split over this many processes (two slices each, one from either end,
+    # so the causal mask gives every rank the same work); attention gathers the whole sequence's keys and
+    # values over them. Decoder-only models (docs/long_sequences.md)
+    cp: int | None = None
     # fp32, bf16 or fp16 (fp32 master weights either way); None: auto, bf16 where the devices compute it (a GPU
     # that has it; bigfit plan: the GPUs it rates), else fp32 (the CPU)
     precision: str | None = None
@@ -106,6 +112,16 @@ class TrainConfig:
     hysteresis: int = 2  # fp16: overflows tolerated before the scale halves
     min_loss_scale: float = 1.0  # fp16: the scale never drops below this
     activation_checkpointing: bool = False  # recompute each block's activations in backward instead of storing them
+    # how each block's activations are kept: keep (stored for backward), checkpoint (only the block's input
+    # stored, the rest recomputed in backward), offload (checkpoint, and each block's input copied to pinned host
+    # RAM during forward, back before its backward); auto: the planner's fastest that fits (keep where it cannot
+    # rate the job). --activation-checkpointing is checkpoint
+    activations: str = "auto"
+    checkpoint_blocks: int | None = None  # checkpoint / offload: how many blocks, the first of each stack; None: every block
+    # tokens per chunk of the LM head and its loss: the logits of one chunk exist at a time, in forward and
+    # backward (the head's matmul runs again in backward); 0: the whole logits; None: auto, chunks of at most
+    # 1 GiB of fp32 logits where the whole would be more (decoder-only models)
+    loss_chunk: int | None = None
     compile: bool = False  # torch.compile each block's forward for training (fused kernels); the first steps compile
     compile_backend: str = "inductor"  # --compile's backend (aot_eager, eager: tracing without code generation)
     optimizer: str = "adamw"  # adamw (decoupled weight decay) or adam (L2 weight decay)
@@ -204,7 +220,8 @@ RANGES = {
     "dataset_num_proc": AT_LEAST_1, "max_steps": POSITIVE_INT, "batch_size": POSITIVE_INT,
     "micro_batch_size": ABOVE_0, "nproc": AT_LEAST_1, "chunks": POSITIVE_INT, "stages_per_rank": AT_LEAST_1,
     "seed": Range(0, 2**32 - 1),  # the data order's generator takes seed x 1000003 + epoch as a 64-bit integer
-    **dict.fromkeys(("pp", "tp", "dp_shard", "dp_replicate"), POSITIVE_INT),
+    **dict.fromkeys(("pp", "tp", "cp", "dp_shard", "dp_replicate", "checkpoint_blocks"), POSITIVE_INT),
+    "loss_chunk": Range(0, note="0: the whole logits"),
     "loss_scale": Range(0, note="0: dynamic scaling"),
     "initial_scale_power": Range(0, 127),  # 2**128 is past float32's range: every step would overflow
     "loss_scale_window": AT_LEAST_1, "hysteresis": AT_LEAST_1, "min_loss_scale": ABOVE_0,

@@ -18,8 +18,8 @@ MATH = ("model", "data", "data_encoding", "data_columns", "data_split", "data_co
         "loss_scale", "loss_scale_window", "hysteresis", "min_loss_scale", "delayed_update",
         "lora", "lora_r", "lora_alpha", "lora_dropout", "lora_targets", "load_in_4bit")  # adapters: another model
 LAYOUT = ("nproc", "micro_batch_size", "strategy", "device_map", "chunks", "pipeline_schedule", "stages_per_rank",
-          "pp", "tp", "dp_shard", "dp_replicate", "sequence_parallel", "activation_checkpointing", "compile",
-          "compile_backend", "offload_grads", "nvme_host_gb", "nvme_dir", "ddp_bucket_mb",
+          "pp", "tp", "dp_shard", "dp_replicate", "sequence_parallel", "cp", "activation_checkpointing", "activations",
+          "checkpoint_blocks", "loss_chunk", "compile", "compile_backend", "offload_grads", "nvme_host_gb", "nvme_dir", "ddp_bucket_mb",
           "optimizer_states")  # the moments' format: a checkpoint in another is converted on load
 # initial_scale_power: the loss scaler's state is restored from the checkpoint, so it no longer matters
 FREE = ("output_dir", "overwrite", "report_to", "data_cache", "dataset_num_proc", "resume", "allow_changed", "save_every", "keep_checkpoints", "eval_every",

@@ -59,7 +59,9 @@ def train_step(engine: Engine, micro_batches: list[list[dict]], *, pad_id: int, 
         local_tokens = sum(target_tokens(b["labels"], seq2seq) for b in host)  # counted on the host
         total_tokens, = all_reduce_sum([local_tokens], data)
     loss_scale = scaler.scale if scaler else 1.0
-    factor = loss_scale * data.world_size / max(total_tokens, 1.0)
+    # DDP and FSDP2 average over the data-parallel ranks and the context-parallel ones, whose losses are
+    # each the sum over their slice of the sequences
+    factor = loss_scale * data.world_size * engine.context_ranks / max(total_tokens, 1.0)
     local_loss = torch.zeros((), dtype=torch.float64, device=rt.device)
     engine.set_lr(lr)
     for i, batch in enumerate(batches):

@@ -87,6 +87,9 @@ def _settings(model, settings: dict, sample: dict | None) -> TrainConfig:
     if loop := [k for k in settings if k in LOOP_ONLY]:
         raise BigfitError(f"bigfit.prepare(): {loop[0]}= is bigfit train's (its own loop reads it); in your loop "
                           "you feed the batches, evaluate and save (engine.save): drop it")
+    if (settings.get("cp") or 1) > 1:  # the user's loss reads whole logits, which no rank has
+        raise BigfitError(f"bigfit.prepare(): cp={settings['cp']} splits each sequence over ranks, whose loss bigfit "
+                          "computes itself; in your own loop drop cp (bigfit train takes --cp)")
     if not isinstance(model, (str, torch.nn.Module)):
         raise BigfitError(f"bigfit.prepare(): model must be a torch.nn.Module (a Hugging Face model) or a model "
                           f"directory or hub name, not {type(model).__name__}")
