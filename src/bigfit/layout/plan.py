@@ -201,6 +201,9 @@ def plan_for(strategy: str, world: int, *, tp: int | None = None, pp: int | None
     if strategy not in ALIASES:
         raise BigfitError(f"--strategy {strategy!r} is not valid; choose one of: {', '.join(ALIASES)}")
     alias = ALIASES[strategy]
+    if alias.one_process and (cp or 1) > 1:
+        raise BigfitError(f"--cp {cp} splits each sequence over processes, but {strategy} runs one process; use "
+                          f"--strategy zero3 (or ddp, zero2) with --nproc {cp} or more")
     if alias.one_process and world != 1:
         raise BigfitError(f"strategy {strategy!r} runs one process (which drives every device)" + (
             f": it splits the model over the devices of one process, but the plan has {world} processes; use "
