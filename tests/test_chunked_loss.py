@@ -87,3 +87,17 @@ def test_prepare_refuses_cp_in_the_users_own_loop():
     ref, _ = twin_models("llama")
     with pytest.raises(BigfitError, match="cp=2 splits each sequence"):
         bigfit.prepare(ref, cp=2)
+
+
+@pytest.mark.parametrize("settings,needle", [
+    (dict(activations="bogus"), "--activations"),
+    (dict(activations="keep", activation_checkpointing=True), "give one"),
+    (dict(activations="keep", checkpoint_blocks=2), "--checkpoint-blocks 2"),
+    (dict(loss_chunk=-1), "--loss-chunk must be")])
+def test_activation_settings_mistakes_are_one_line(settings, needle):
+    from bigfit.job.checks import validate
+    from bigfit.settings.config import TrainConfig
+
+    with pytest.raises(BigfitError) as e:
+        validate(TrainConfig(**settings))
+    assert needle in str(e.value) and "\n" not in str(e.value)

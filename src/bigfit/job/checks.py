@@ -7,7 +7,7 @@ from ..data.columns import Columns
 from ..data.files import KINDS
 from ..data.tables import is_table
 from ..errors import BigfitError, one_of
-from ..settings.config import (OPTIMIZER_STATES, OPTIMIZERS, PIPELINE_SCHEDULES, PIPELINE_STRATEGIES, PRECISIONS,
+from ..settings.config import (ACTIVATIONS, OPTIMIZER_STATES, OPTIMIZERS, PIPELINE_SCHEDULES, PIPELINE_STRATEGIES, PRECISIONS,
                                REDUCE_DTYPES, RANGES, REPORTERS, SCHEDULES, SPLIT_STRATEGIES, STRATEGIES, WARMUPS,
                                TrainConfig)
 from ..settings.planflags import LORA_FLAGS
@@ -38,6 +38,7 @@ def validate(cfg: TrainConfig) -> None:
         raise BigfitError(f"--delayed-update needs --strategy zero2-offload (its host optimizer step is what is "
                           f"delayed), not {cfg.strategy}")
     _validate_offload(cfg)
+    _validate_activations(cfg)
     _validate_compile(cfg)
     _validate_lora(cfg)
     if cfg.strategy != "device_map" and cfg.device_map is not None:
@@ -72,6 +73,17 @@ def _validate_ranges(cfg: TrainConfig) -> None:
         value = getattr(cfg, name)
         if isinstance(value, (int, float)) and not valid.holds(value):
             raise BigfitError(f"--{name.replace('_', '-')} must be {valid.describe()}, got {value}")
+
+
+def _validate_activations(cfg: TrainConfig) -> None:
+    if cfg.activations not in ACTIVATIONS:
+        raise one_of("--activations", cfg.activations, ACTIVATIONS)
+    if cfg.activation_checkpointing and cfg.activations == "keep":
+        raise BigfitError("--activation-checkpointing recomputes activations, --activations keep stores them: give one "
+                          "(--activations checkpoint is --activation-checkpointing)")
+    if cfg.checkpoint_blocks is not None and cfg.activations == "keep":
+        raise BigfitError(f"--checkpoint-blocks {cfg.checkpoint_blocks} says how many blocks are checkpointed: it "
+                          "belongs to --activations checkpoint, offload or auto, not keep")
 
 
 def _validate_offload(cfg: TrainConfig) -> None:
