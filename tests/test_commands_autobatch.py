@@ -147,7 +147,9 @@ def test_a_device_maps_prediction_keeps_on_the_gpu_the_blocks_the_smallest_size_
 
     gpu = Hardware(gpu_bytes=(RESERVE + 50 * 2**20,), cpu_ram=8 * 2**30)
     monkeypatch.setattr(auto, "_this_machine", lambda *a, **k: gpu)
-    cfg = TrainConfig(model=str(model_dirs["t5"]), strategy="device_map", batch_size="auto", precision="bf16")
+    # activations kept (--activations auto would weigh checkpointing against the host's blocks)
+    cfg = TrainConfig(model=str(model_dirs["t5"]), strategy="device_map", batch_size="auto", precision="bf16",
+                      activations="keep")
     p = auto.auto_micro_batch(cfg, 1)
     config = load_config(locate(cfg.model))
     slack = Hardware(gpu_bytes=(RESERVE + int((1 - CACHE_SLACK) * 50 * 2**20),), cpu_ram=8 * 2**30)

@@ -54,7 +54,7 @@ def test_t5_3b_on_eight_16gb_gpus():
     assert p.recommended in ("zero2", "zero3") and by[p.recommended].fits
     assert set(p.to_json()["strategies"][0]) == {"name", "fits", "per_gpu_bytes", "per_host_bytes", "step_time_s",
                                                  "tokens_per_s", "bottleneck", "why_not", "per_node_nvme_bytes",
-                                                 "optimizer_states"}
+                                                 "optimizer_states", "activations", "checkpoint_blocks"}
     nvme = by["zero2-offload-nvme"]  # its master weights and moments go to disk: the default --nvme is 0
     assert nvme.estimate.nvme == 12 * n and not nvme.fits and "--nvme" in nvme.why_not
     assert nvme.estimate.per_host["optimizer"] == 0 and nvme.estimate.per_gpu == by["zero2-offload"].estimate.per_gpu

@@ -64,8 +64,9 @@ def plan(**settings) -> dict:
     """`bigfit plan`'s plan as data (what `bigfit plan --json` prints): its settings by name, as on the
     command line and in bigfit.train (model="google-t5/t5-3b", gpus="8x16GB", batch_size=32,
     activation_checkpointing=True); None or False: not given. Checked against the settings schema
-    (settings/reading.py) as the command line checks them, one BigfitError line for a mistake."""
-    from ..commands.plan import compute_plan, plan_json, plan_settings
+    (settings/reading.py) as the command line checks them, one BigfitError line for a mistake.
+    max_seq_len=True: each row's longest sequence instead (`bigfit plan --max-seq-len --json`)."""
+    from ..commands.plan import compute_longest, compute_plan, longest_json, plan_json, plan_settings
     from ..settings.planflags import ALIASES
     from ..settings.reading import refusal, schema, setting_value
 
@@ -80,7 +81,10 @@ def plan(**settings) -> dict:
             setting_value(ALIASES.get(k, k), v, in_file=False)
         except ValueError as e:  # the command line's words: argument --batch-size: 'many' is not an integer
             raise BigfitError(f"bigfit.plan(): argument --{k.replace('_', '-')}: {e}") from None
-    p, _, _, rated = compute_plan(*plan_settings(given)[:2])
+    cfg, machine, out = plan_settings(given)
+    if out.max_seq_len:  # each row's longest sequence, as `bigfit plan --max-seq-len --json` prints it
+        return json.loads(json.dumps(longest_json(*compute_longest(cfg, machine))))
+    p, _, _, rated = compute_plan(cfg, machine)
     return json.loads(json.dumps(plan_json(p, rated)))  # lists and dicts alone, as --json prints it
 
 

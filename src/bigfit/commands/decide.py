@@ -1,7 +1,8 @@
-"""The decisions a job's starter takes before it resolves the job: `--strategy auto`'s pick, the NVMe
-tier's share in RAM, a resumed run's batch and state format, micro-batch auto's size (autobatch.py),
-each at the data's longest sample as the planner rates it; and the planner's row for the resolved job
-(the start-of-run table's "prediction"). Messages about them are printed once (`speaks`)."""
+"""The decisions a job's starter takes before it resolves the job: `--strategy auto`'s pick, how
+activations are kept (`--activations auto`), the NVMe tier's share in RAM, a resumed run's batch and
+state format, micro-batch auto's size (autobatch.py), each at the data's longest sample as the
+planner rates it; and the planner's row for the resolved job (the start-of-run table's "prediction").
+Messages about them are printed once (`speaks`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -34,10 +35,12 @@ def decided(cfg: TrainConfig) -> tuple[TrainConfig, tuple[int, int] | None]:
     NVMe tier's share in RAM, a resumed run's batch and state format), and the data's longest sample
     where the planner rated it (the data read here is kept for `prepare`)."""
     lengths = None
-    if cfg.strategy == "auto" or "auto" in (cfg.batch_size, cfg.micro_batch_size):
+    if cfg.strategy == "auto" or "auto" in (cfg.batch_size, cfg.micro_batch_size) or undecided_activations(cfg):
         lengths = data_lengths(cfg)  # the planner rates the data's longest batch, not the length limits
     if cfg.strategy == "auto":
         cfg = auto_strategy(cfg, lengths)
+    if undecided_activations(cfg):  # a named strategy: its row's way (auto_strategy decides its pick's)
+        cfg = auto_activations(cfg, lengths)
     if cfg.strategy == "zero2-offload-nvme" and cfg.nvme_host_gb is None:
         cfg = nvme_fill(cfg, lengths)
     if cfg.resume and cfg.batch_size == "auto":
@@ -66,7 +69,31 @@ def auto_strategy(cfg: TrainConfig, lengths: tuple[int, int] | None, processes: 
         given["optimizer_states"] = planner.optimizer_states(cfg, processes, name, lengths)
         if speaks() and given["optimizer_states"] != "fp32":
             print(f"--optimizer-states {given['optimizer_states']}: the most exact that fits the host RAM")
-    return dataclasses.replace(cfg, strategy=name, **split, **given)  # workers start from the decision, not from "auto"
+    cfg = dataclasses.replace(cfg, strategy=name, **split, **given)  # workers start from the decision, not from "auto"
+    if undecided_activations(cfg):  # the pick's way of keeping activations, on the processes it runs
+        cfg = auto_activations(cfg, lengths, 1 if ALIASES[name].one_process else processes)
+    return cfg
+
+
+def undecided_activations(cfg: TrainConfig) -> bool:
+    """--activations auto, with no --activation-checkpointing standing for checkpoint."""
+    return cfg.activations == "auto" and not cfg.activation_checkpointing
+
+
+def auto_activations(cfg: TrainConfig, lengths: tuple[int, int] | None, processes: int | None = None) -> TrainConfig:
+    """`--activations auto`: the way the planner's row for the run's strategy and degrees keeps them
+    (planning/keeping.py: keep, checkpoint the fewest blocks that fits, checkpoint all, or offload), at
+    the micro-batch it rates (with micro-batch auto, the way that trains a sample fastest at the largest
+    size it holds). Where the planner cannot rate the job, keep, as before --activations existed."""
+    try:
+        got = planner.planned_activations(cfg, processes or world(cfg.nproc, cfg), lengths)
+    except Exception:  # noqa: BLE001  the run goes on keeping its activations (the prediction says why)
+        got = None
+    settings, why = got or ({"activations": "keep", "checkpoint_blocks": None}, "")
+    if speaks() and settings["activations"] != "keep":  # keep: as every run did before --activations
+        blocks = f" --checkpoint-blocks {settings['checkpoint_blocks']}" if settings["checkpoint_blocks"] else ""
+        print(f"--activations auto -> {settings['activations']}{blocks}: {why}")
+    return dataclasses.replace(cfg, **settings)
 
 
 def nvme_fill(cfg: TrainConfig, lengths: tuple[int, int] | None) -> TrainConfig:

@@ -20,7 +20,9 @@ from ..models.source import load_config, locate
 from ..planning.estimate import RESERVE
 from ..planning.layouts import SHOWN, check_degrees, flag
 from ..planning.quantized import check as check_4bit
-from ..planning.report import device_map_text, layout_table, pipeline_text, plan_table, plot_plan, rejected_text
+from ..planning.longest import longest
+from ..planning.report import (device_map_text, layout_table, longest_notes, longest_table, pipeline_text, plan_table,
+                               plot_plan, rejected_text)
 from ..planning.search import plan_for_config
 from ..planning.tp_trace import split_counts
 from ..settings.config import TrainConfig, auto_precision
@@ -103,6 +105,8 @@ def settings_of_args(ns) -> tuple[TrainConfig, PlanHardware, PlanOutput]:
 def plan_command(ns) -> int:
     """`bigfit plan` of its parsed arguments."""
     cfg, machine, out = settings_of_args(ns)
+    if out.max_seq_len:
+        return _longest_command(cfg, machine, out)
     p, hw, fixed, rated = compute_plan(cfg, machine)
     if out.json:
         print(json.dumps(plan_json(p, rated), indent=1))
@@ -126,6 +130,49 @@ def plan_json(p, rated: dict) -> dict:
 def compute_plan(cfg: TrainConfig, machine: PlanHardware):
     """(the plan, the hardware, the degrees fixed by flags, the job it rated in words) of `bigfit plan`'s
     settings: the planner's Job made from `cfg` as for `bigfit train` (job/autoplan.py planner_job)."""
+    config, hw, fixed, cfg, job = _planned(cfg, machine)
+    p = plan_for_config(config, hw, job, layouts=fixed)
+    if fixed and not p.layouts and p.layout_rejected:  # the degrees asked for rule out every composed plan
+        r = p.layout_rejected[0]
+        raise BigfitError(f"{' '.join(f'--{flag(d)} {v}' for d, v in fixed.items())}: {r.group} ({r.name}: {r.detail})")
+    return p, hw, fixed, rated_job(cfg, job, hw, machine)
+
+
+def compute_longest(cfg: TrainConfig, machine: PlanHardware) -> tuple[list, list, dict]:
+    """`bigfit plan --max-seq-len`: (the named rows' longest sequences a sample, the composed plans',
+    the job rated with its micro-batch and the machine) at the job's micro-batch (1 unless
+    --micro-batch-size gives one): planning/longest.py."""
+    config, hw, fixed, cfg, job = _planned(cfg, machine)
+    named, composed, micro = longest(config, hw, job, fixed)
+    rated = rated_job(cfg, replace(job, micro_batch=micro, batch_size=micro * hw.world_size), hw, machine)
+    rated["text"] = rated["text"].replace(f"{job.seq_len} tokens a sample", "the longest sequence a sample")
+    return named, composed, {**rated, "micro_batch": micro, "hardware": hw.describe()}
+
+
+def longest_json(named: list, composed: list, rated: dict) -> dict:
+    """--max-seq-len as `--json` prints it and bigfit.plan(max_seq_len=True) returns it."""
+    return {"job": rated, "strategies": [r.to_json() for r in named], "composed": [r.to_json() for r in composed]}
+
+
+def _longest_command(cfg: TrainConfig, machine: PlanHardware, out: PlanOutput) -> int:
+    named, composed, rated = compute_longest(cfg, machine)
+    if out.json:
+        print(json.dumps(longest_json(named, composed, rated), indent=1))
+        return 0
+    console = Console(width=150)
+    console.print(rated["text"], markup=False)
+    console.print(longest_table(named, composed, rated["hardware"], rated["micro_batch"], SHOWN))
+    for line in longest_notes(named):
+        console.print(line, markup=False)
+    if composed:
+        fit = sum(1 for r in composed if r.tokens)
+        console.print(f"  composed plans: {fit} of {len(composed)} hold some length; the {min(SHOWN, fit)} that "
+                      "hold the longest are above (--json: every one)")
+    return 0
+
+
+def _planned(cfg: TrainConfig, machine: PlanHardware):
+    """(model config, hardware, fixed degrees, cfg with its precision, the planner's Job) of the settings."""
     config = load_config(locate(cfg.model))  # a bad --model is reported before any measuring
     if machine.calibrate:
         print(_calibrated(calibrate()))
@@ -138,11 +185,7 @@ def compute_plan(cfg: TrainConfig, machine: PlanHardware):
     if cfg.load_in_4bit:  # train's refusals; the composed plans' degrees stand for its --strategy
         check_4bit(lora is not None, cfg.precision, fixed)
     job = planner_job(cfg, config, hw.world_size, _data_lengths(cfg) if cfg.data else None)
-    p = plan_for_config(config, hw, job, layouts=fixed)
-    if fixed and not p.layouts and p.layout_rejected:  # the degrees asked for rule out every composed plan
-        r = p.layout_rejected[0]
-        raise BigfitError(f"{' '.join(f'--{flag(d)} {v}' for d, v in fixed.items())}: {r.group} ({r.name}: {r.detail})")
-    return p, hw, fixed, rated_job(cfg, job, hw, machine)
+    return config, hw, fixed, cfg, job
 
 
 def _data_lengths(cfg: TrainConfig) -> tuple[int, int]:
@@ -162,7 +205,8 @@ def rated_job(cfg: TrainConfig, job, hw: Hardware, machine: PlanHardware) -> dic
     text = (f"job: {cfg.model or 'the embedded tiny T5'}, global batch {job.batch_size} / micro-batch "
             f"{job.micro(hw.world_size)}, {tokens} tokens a sample ("
             + (f"the longest of {cfg.data}" if cfg.data else "--max-source-len / --max-target-len")
-            + f"), {job.precision}, activation checkpointing {'on' if job.checkpointing else 'off'}, {lora}, "
+            + f"), {job.precision}, activations "
+            f"{'auto (each row its own)' if job.choose_activations else job.keeping}, {lora}, "
             f"strategy {cfg.strategy}, {where}")
     return {"model": cfg.model, "data": cfg.data, "strategy": cfg.strategy, "processes": hw.world_size,
             "text": text}

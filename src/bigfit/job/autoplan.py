@@ -17,9 +17,9 @@ from ..machine.calibration import cpu_rates, disk
 from ..machine.hardware import GLOO_LOCAL_GBPS, Hardware, cpu_host_figures, detect, host_ram
 from ..models.source import load_config, locate
 from ..planning.devicecost import cpu_device_rates
-from ..planning.estimate import CACHE_SLACK, RESERVE
+from ..planning.keeping import OFFLOAD_MARGIN, fixed, keeping_text, settings_of
 from ..planning.workload import planned_lengths
-from ..planning.rows import gpu_cap
+from ..planning.rows import gpu_cap, with_slack
 from ..planning.search import SPLIT_MARGIN, WHOLE, Workload, plan_for_config
 from ..planning.sizes import MAX_MICRO, Prediction, divisors, largest_true
 from ..planning.device_map_row import NAME as DEVICE_MAP
@@ -62,8 +62,12 @@ def _job(cfg, config, batch: int, micro: int | None, lengths: tuple[int, int] | 
     and for every decision `bigfit train` asks the planner. `lengths`: the data's longest sample
     (planning/workload.py planned_lengths)."""
     source, target = planned_lengths(cfg, lengths)
+    how = activations_of(cfg)
     return Workload(batch_size=batch, seq_len=source, target_len=target if config.is_encoder_decoder else 0, micro_batch=micro,
-               precision=cfg.precision or auto_precision(), checkpointing=cfg.activation_checkpointing,
+               precision=cfg.precision or auto_precision(), checkpointing=how in ("checkpoint", "offload"),
+               checkpoint_blocks=cfg.checkpoint_blocks if how in ("checkpoint", "offload") else None,
+               offload_activations=how == "offload", choose_activations=how == "auto", loss_chunk=cfg.loss_chunk,
+               context_parallel=True,  # the composed plans rate cp degrees for decoder-only models (layouts.py)
                delayed_update=cfg.delayed_update, offload_grads=cfg.offload_grads, nvme_host_gb=cfg.nvme_host_gb,
                clipping=cfg.max_grad_norm > 0, chunks=cfg.chunks,
                pipeline_schedule=cfg.pipeline_schedule, stages_per_rank=cfg.stages_per_rank,
@@ -73,6 +77,15 @@ def _job(cfg, config, batch: int, micro: int | None, lengths: tuple[int, int] | 
                # named offload strategy runs fp32 (resolution.resolve), and the other strategies keep no such states
                optimizer_states=planned_states(cfg.optimizer_states)
                if cfg.optimizer_states != "auto" or not cfg.strategy.startswith("zero2-offload") else "fp32")
+
+
+def activations_of(cfg) -> str:
+    """How cfg keeps activations for the planner: --activations, --activation-checkpointing standing for
+    checkpoint where --activations is auto or keep (resolution.activation_plan's rule); "auto" is
+    for the planner to choose, row by row (planning/keeping.py)."""
+    if cfg.activation_checkpointing and cfg.activations in ("auto", "keep"):
+        return "checkpoint"
+    return cfg.activations
 
 
 def planner_job(cfg, config, world: int, lengths: tuple[int, int] | None = None) -> Workload:
@@ -176,10 +189,30 @@ def _largest_micro(planned, name: str, sizes: list[int], job_at) -> tuple[int, o
     H100: 4.3 ms a sample at 128 with every block on the GPU, 47 ms at 160 with 7 on the host), so the
     largest that fits would be the slowest. The bytes grow with the micro-batch, so sizes.largest_true
     plans about 2 log2(answer) sizes, and the trace of each is drawn from two (profile.py)."""
-    config, hw, job = planned
+    config, full, job = planned
     # each GPU less its share for the allocator's cache (mixed sizes: each its own; a device map's or a
     # pipeline's parts are checked device by device)
-    hw = replace(hw, gpu_bytes=tuple(RESERVE + int((1 - CACHE_SLACK) * (b - RESERVE)) for b in hw.gpu_bytes))
+    hw = with_slack(full)
+    if not job.choose_activations:
+        return _largest_kept(config, hw, job, name, sizes, job_at)
+    # --activations auto: each way's largest micro-batch (checkpointing and offload hold more samples),
+    # rated there with the way the row takes at that size (the fewest checkpointed blocks that fit: on
+    # the whole GPUs, where the choice leaves the allocator's share itself, rows.roomy), and the one that
+    # trains a sample fastest (offload's copies unmeasured: OFFLOAD_MARGIN on a near tie)
+    ways = ("keep", "checkpoint") + (("offload",) if hw.device == "cuda" and name not in WHOLE else ())
+    found = []
+    for i, how in enumerate(ways):
+        kept = _largest_kept(config, hw, fixed(job, how), name, sizes, job_at)
+        if kept is not None:
+            # device maps and pipelines: the way's own row (their choice weighs host blocks by their time)
+            m, c = kept if name in WHOLE else _largest_kept(config, full, job, name, [kept[0]], job_at) or kept
+            per_sample = c.estimate.step_time_s / job_at(m)["batch_size"] * (OFFLOAD_MARGIN if how == "offload" else 1)
+            found.append((round(per_sample, 12), i, m, c))
+    return min(found, key=lambda f: f[:2])[2:] if found else None
+
+
+def _largest_kept(config, hw, job, name: str, sizes: list[int], job_at) -> tuple[int, object] | None:
+    """_largest_micro for one way of keeping activations (or --activations auto's choice at each size)."""
     rows = {}
 
     def row(m: int):
@@ -301,16 +334,46 @@ def auto_micro_batch(cfg, world: int, lengths: tuple[int, int] | None = None) ->
     for cfg.strategy, among any size up to MAX_MICRO for --batch-size auto (no accumulation: the
     global batch is micro x processes) or the divisors of each process's share of a fixed batch
     (accumulation steps are whole), at least --chunks."""
+    sizes, hw, rated = _micro_rated(cfg, world, lengths)
+    if rated is None:
+        raise BigfitError(f"--micro-batch-size auto: not even micro-batch {sizes[0] if sizes else cfg.chunks or 1} is "
+                          f"predicted to fit with {cfg.strategy}; see `bigfit plan` for what would")
+    best, c = rated
+    return Prediction(best, c.estimate.per_gpu["total"], gpu_cap(hw), sizes, c.estimate.step_time_s)
+
+
+def _micro_rated(cfg, world: int, lengths: tuple[int, int] | None, choose: bool = False):
+    """(the sizes micro-batch auto may take, the machine, (the largest predicted to fit, its row) or None).
+    Activations kept as cfg's run keeps them, which --activations auto still undecided keeps (resolution:
+    the probe runs the job as resolved); `choose`: --activations auto's own choice (planned_activations)."""
     sizes = _micro_sizes(cfg, world)
     auto = cfg.batch_size == "auto"
     config = load_config(locate(cfg.model))
     # the NVMe tier's disk, as `--strategy auto` rated it: without it no size of zero2-offload-nvme fits
     nvme_dir = (cfg.nvme_dir or os.path.join(cfg.output_dir, "nvme")) if cfg.strategy == "zero2-offload-nvme" else None
     hw = _with_map_budgets(_this_machine(world, cfg.strategy, nvme_dir=nvme_dir), cfg)
-    rated = _largest_micro((config, hw, _job(cfg, config, 1, None, lengths)), cfg.strategy, sizes,
+    job = _job(cfg, config, 1, None, lengths)
+    job = job if choose or not job.choose_activations else fixed(job, "keep")
+    rated = _largest_micro((config, hw, job), cfg.strategy, sizes,
                            lambda m: {"batch_size": m * world if auto else cfg.batch_size, "micro_batch": m})
-    if rated is None:
-        raise BigfitError(f"--micro-batch-size auto: not even micro-batch {sizes[0] if sizes else cfg.chunks or 1} is "
-                          f"predicted to fit with {cfg.strategy}; see `bigfit plan` for what would")
-    best, c = rated
-    return Prediction(best, c.estimate.per_gpu["total"], gpu_cap(hw), sizes, c.estimate.step_time_s)
+    return sizes, hw, rated
+
+
+def planned_activations(cfg, world: int, lengths: tuple[int, int] | None = None) -> tuple[dict, str] | None:
+    """`--activations auto` for the run's own strategy and degrees on this machine: (the settings that
+    run the way its row keeps activations, {"activations", "checkpoint_blocks"}; why), or None where the
+    planner rates no such row. With micro-batch auto, the way that trains a sample fastest at the largest
+    micro-batch it holds (_largest_micro), which the probe then confirms; else the row's at the sizes
+    given. The row's way is the most frugal one where nothing fits (its reason says by how much)."""
+    if "auto" in (cfg.batch_size, cfg.micro_batch_size):
+        _, _, rated = _micro_rated(cfg, world, lengths, choose=True)
+        row, micro = (rated[1], rated[0]) if rated else (None, None)
+    else:
+        row, micro = predicted_row(cfg, world, lengths), cfg.micro_batch_size
+    if row is None:
+        return None
+    e, at = row.estimate, f" at micro-batch {micro}" if micro else ""
+    said = keeping_text(e) or "keep"
+    why = (f"{e.name}{at}: {e.per_gpu['total'] / 1e9:.3g} GB per device, {e.step_time_s:.3g} s a step"
+           + ("" if row.fits else f"; the most frugal way, and still it {row.why_not}"))
+    return settings_of(e), f"{said} ({why})"

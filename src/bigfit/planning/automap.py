@@ -103,13 +103,16 @@ def profile_costs(prof, job, params=None, root=None, sizes=None) -> Costs:
     root = prof.root_params if root is None else root
     sizes = [n for _, n in prof.stacks] if sizes is None else sizes
     c = DTYPES[job.precision].itemsize
-    saved = prof.block_inputs if job.checkpointing else prof.block_saved
+    saved, again = prof.block_saved, job.checkpointed(prof.stacks, prof.n_blocks)
+    if job.checkpointing:  # checkpointed blocks keep their inputs
+        saved = [i if on else a for i, a, on in zip(prof.block_inputs, prof.block_saved, again)]
     parts = [{**state_bytes(n, c), "activations": a} for n, a in zip(params, saved)]
     main = {**state_bytes(root, c), "activations": prof.other_saved}
     main["buffers"] += prof.logits_bytes // c * (4 + c) if c < 4 else prof.logits_bytes  # the logits' gradient
     bounds = [sum(sizes[:i + 1]) for i in range(len(sizes) - 1)]
     return frozen_costs(Costs(parts=parts, main_parts=main, boundaries=bounds,
-                              per_device=max(prof.block_saved, default=0) if job.checkpointing else 0), prof, job)
+                              per_device=max((a for a, on in zip(prof.block_saved, again) if on), default=0)
+                              if job.checkpointing else 0), prof, job)
 
 
 def assign(stacks, cost: Costs, budgets: list[tuple[str, int]], main=None) -> tuple[dict, list[str], str]:

@@ -1,6 +1,8 @@
 """Memory and step time of a composed layout: a ParallelPlan whose pipeline (pp), data-parallel
-(dp_replicate x dp_shard) and tensor-parallel (tp) degrees are not those of one named strategy.
-Pure, from the data-parallel ModelProfile (traced at job.micro(world)), scaled to one rank's part.
+(dp_replicate x dp_shard), context-parallel (cp) and tensor-parallel (tp) degrees are not those of one
+named strategy. Pure, from the data-parallel ModelProfile (traced at job.micro(world)), scaled to one
+rank's part (a context-parallel rank: 1/cp of every sequence and the keys and values it gathers,
+keeping.context_share), its activations kept as the job says (keeping.py).
 
 - `share`: one TP rank's view of the model: the blocks' split parameters and divided activations
   over tp (tp_trace.py), embeddings, head, logits and loss over tp where the vocabulary splits,
@@ -27,7 +29,8 @@ from dataclasses import dataclass, replace
 from ..common.precision import DTYPES
 from ..layout.cut import PipelineLayout
 from .adapters import outside_frozen_share, scaled_frozen
-from .estimate import FSDP_HOST_ADAM, KEYS, Estimate, _bytes, grad_bytes, host_adam_rate, memory
+from .estimate import FSDP_HOST_ADAM, KEYS, Estimate, _bytes, activation_copies, grad_bytes, host_adam_rate, memory
+from .keeping import chunk_loss, context_seconds, context_share
 from .hostcost import PIPELINE_ACTION_S
 from .device_map_row import stage_seconds
 from .pipeline_row import holders, rank_bytes, received
@@ -89,20 +92,32 @@ def share(prof, tp: int, scale: float, sequence: bool = False):
 
 
 def estimate(name: str, plan, prof, hw, job, micro: int, pipe: Pipe | None = None) -> Estimate:
-    """The row of `plan`: `micro` samples per micro-batch on each data-parallel rank."""
+    """The row of `plan`: `micro` samples per micro-batch on each data-parallel rank, the activations
+    kept as `job` says (keeping.py: checkpointed blocks, their inputs offloaded, the loss in chunks), a
+    context-parallel rank holding 1/cp of every sequence (keeping.context_share)."""
     c = DTYPES[job.precision].itemsize
     accum = job.batch_size // (micro * plan.dp)
-    rank = share(prof, plan.tp, micro / job.micro(hw.world_size), plan.sequence_parallel)
-    if pipe is None:
+    whole = share(prof, plan.tp, micro / job.micro(hw.world_size), plan.sequence_parallel)
+    rank = context_share(whole, plan.tp, plan.cp, c)
+    rank = chunk_loss(rank, job, micro * (job.target_len or job.seq_len) / plan.cp)
+    flags = job.checkpointed(rank.stacks, rank.n_blocks)
+    if pipe is None:  # FSDP2 shards over dp_shard x cp, and DDP reduces over dp x cp (layout/mesh.py)
         gpu, host = memory(_row_of(plan), rank, hw, c, job.checkpointing, accum,
-                           shards=plan.dp_shard if plan.engine == "fsdp" else plan.dp)
+                           shards=plan.dp_shard * plan.cp if plan.engine == "fsdp" else plan.grad_ranks,
+                           blocks=flags, offload=job.offload_activations)
     else:
         gpu, host = _positions(plan, rank, job, c, pipe), _offloaded_host(plan, rank, hw, job, pipe)
     # the host holds rank 0's whole fp32 model while it is spread, as in every multi-process row
     host = _bytes(**{**{k: host[k] for k in KEYS}, "buffers": 4 * prof.params})
     costs, label = _costs(plan, rank, hw, job, c, micro, accum, pipe)
-    gpu_s = max(costs["compute"], costs["communication"])
-    step = gpu_s + sum(v for k, v in costs.items() if k not in ("compute", "communication"))
+    if plan.cp > 1:
+        costs["context parallel"] = context_seconds(whole, job, plan.tp, plan.cp, c, accum,
+                                                    link(hw, plan.tp * plan.cp))
+    if job.checkpointing and job.offload_activations:
+        costs["activation offload"] = activation_copies(rank.offloaded(flags) * accum, hw)
+    # communication and offloaded activations' copies overlap compute; the rest waits or follows
+    beside = ("compute", "communication", "activation offload")
+    step = max(costs.get(k, 0.0) for k in beside) + sum(v for k, v in costs.items() if k not in beside)
     return Estimate(name, gpu, host, step, costs, labels={"compute": label})
 
 
@@ -169,7 +184,8 @@ def link(hw, inner: int) -> float:
 
 
 def _costs(plan, rank, hw, job, c: int, micro: int, accum: int, pipe: Pipe | None) -> tuple[dict, str]:
-    per_rank = replace(job, batch_size=job.batch_size // plan.dp, micro_batch=micro)
+    # one rank's samples, and with context parallelism its 1/cp of each sequence (decoder-only)
+    per_rank = replace(job, batch_size=job.batch_size // plan.dp, micro_batch=micro, seq_len=job.seq_len // plan.cp)
     if pipe:
         layout, runs = pipe.layout, pipe.runs
         where = [layout.rank_of(s) for s, (a, b) in enumerate(runs) for _ in range(a, b)]
@@ -179,7 +195,7 @@ def _costs(plan, rank, hw, job, c: int, micro: int, accum: int, pipe: Pipe | Non
     actions = 2 * pipe.layout.stages_per_rank * PIPELINE_ACTION_S if pipe else 0.0
     busy = stage_seconds(rank, hw, per_rank, [f"cuda:{r}" for r in where], f"cuda:{last}", accum * m, actions)
     stretch = (m + idle) / m  # the fill and drain of the pipeline: its bubble
-    tokens = per_rank.batch_size * (job.seq_len + job.target_len)
+    tokens = per_rank.batch_size * (per_rank.seq_len + job.target_len)
     costs = {"compute": max(busy.values()) / TP_EFFICIENCY ** math.log2(plan.tp) * stretch,
              "tensor parallel": _tp_seconds(rank, hw, job, c, plan.tp, where, tokens) * stretch,
              **_dp_seconds(plan, rank, hw, c, accum, pipe)}
@@ -207,10 +223,10 @@ def _tp_seconds(rank, hw, job, c: int, tp: int, where: list[int], tokens: float)
     input's gradient in backward (tp_trace.py), as a ring on the node's link; they block the next op."""
     if tp == 1 or not rank.tp_reduce:
         return 0.0
-    again = 2 if job.checkpointing else 1
+    again = job.checkpointed(rank.stacks, rank.n_blocks)
     per: dict[int, float] = {}
-    for r, (forward, backward) in zip(where, rank.tp_reduce):
-        per[r] = per.get(r, 0) + forward * again + backward
+    for r, (forward, backward), twice in zip(where, rank.tp_reduce, again):
+        per[r] = per.get(r, 0) + forward * (2 if twice else 1) + backward
     return max(per.values()) * tokens * c * 2 * (tp - 1) / tp / (hw.intra_gbps * 1e9)
 
 
@@ -222,7 +238,8 @@ def _dp_seconds(plan, rank, hw, c: int, accum: int, pipe: Pipe | None) -> dict[s
     broadcast): one all-reduce of fp32 gradients, under backward, or after the schedule in a pipeline."""
     n = rank.params if pipe is None else max(_position_params(rank, pipe))
     t = rank.trainable_params if pipe is None else max(_position_params(rank, pipe, True))  # gradients, updates
-    dps, dpr, out = plan.dp_shard, plan.dp_replicate, {"communication": 0.0}
+    # FSDP2 shards over dp_shard x cp and DDP averages over dp x cp (layout/mesh.py): cp sits inside dp_shard
+    dps, dpr, out = plan.dp_shard * plan.cp, plan.dp_replicate, {"communication": 0.0}
     if plan.engine == "fsdp":
         m = pipe.layout.chunks if pipe else 1
         gathers = (2 if plan.zero == 3 else 1) * m
@@ -232,8 +249,9 @@ def _dp_seconds(plan, rank, hw, c: int, accum: int, pipe: Pipe | None) -> dict[s
             out["communication"] += accum * m * 2 * shard * (dpr - 1) / dpr / link(hw, plan.tp * dps * dpr)
     elif plan.engine == "offload":  # once per step: fp32 gradient rows reduce-scattered, parameters gathered
         out["gradient reduce-scatter"] = (4 + c) * t * (dps - 1) / dps / link(hw, plan.tp * dps)
-    elif plan.dp > 1:
-        moved = (2 * 4 * t + (4 * t if plan.zero == 1 else 0)) * (plan.dp - 1) / plan.dp / link(hw, plan.tp * plan.dp)
+    elif plan.grad_ranks > 1:
+        ranks = plan.grad_ranks
+        moved = (2 * 4 * t + (4 * t if plan.zero == 1 else 0)) * (ranks - 1) / ranks / link(hw, plan.tp * ranks)
         out["gradient all-reduce" if pipe else "communication"] = moved
     return out
 

@@ -22,6 +22,7 @@ from .automap import device_parts, plan_budgets, profile_costs, split_plan
 from .devicecost import matmul_flops_per_s, traffic_seconds
 from .estimate import Estimate, _bytes
 from .hostcost import FORWARD_SHARE, HOOK_S, pass_seconds
+from .keeping import recompute_share
 from .quantized import dequant_seconds
 
 NAME = "device_map"
@@ -109,7 +110,7 @@ def stage_seconds(prof, hw, job, assignment: list[str], main: str, passes: int,
     flops = {main: prof.outside_flops_per_token() * (job.target_len or job.seq_len)}
     for dev, f in zip(assignment, block_flops(prof, job)):
         flops[dev] = flops.get(dev, 0.0) + f
-    recompute = 4 / 3 if job.checkpointing else 1
+    recompute = 1 + recompute_share(prof, job) / 3  # the checkpointed blocks' forward again (4/3 where all are)
     out = {d: f * job.batch_size * recompute / _flops_per_s(d, hw, job.precision) for d, f in flops.items()}
     for d in out:
         mine = [g for g, dev in enumerate(assignment) if dev == d]

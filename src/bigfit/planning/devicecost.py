@@ -48,8 +48,9 @@ def traffic_seconds(prof, hw, job, blocks: Iterable[int], outside: bool, samples
     if not prof.block_traffic:
         return 0.0
     traced = prof.tokens / max(1, job.seq_len + job.target_len)  # the samples of the traced micro-batch
+    blocks = list(blocks)
     moved = sum(prof.block_traffic[g] for g in blocks) * (COMPILED if job.compile else 1.0)
-    moved *= (PASSES + 1) / PASSES if job.checkpointing else 1.0
+    moved *= _recomputed(prof, job, blocks, prof.block_traffic)
     moved += prof.other_traffic if outside else 0
     memory = moved / (hw.gpu_mem_gbps * 1e9 * (LORA_MEM_EFFICIENCY if job.lora else MEM_EFFICIENCY))
     return PASSES * (memory + _fp32_seconds(prof, hw, job, blocks)) * samples / traced
@@ -60,8 +61,18 @@ def _fp32_seconds(prof, hw, job, blocks: Iterable[int]) -> float:
     which flops_per_token already counts them at. Inductor fuses T5's math-path attention too, but
     not onto tensor cores: compiled, the same."""
     flops = sum(prof.block_fp32_flops[g] for g in blocks) if prof.block_fp32_flops else 0
-    flops *= (PASSES + 1) / PASSES if job.checkpointing else 1.0
+    flops *= _recomputed(prof, job, blocks, prof.block_fp32_flops) if flops else 1.0
     return flops * (1 / FP32_SHARE - 1) / (hw.gpu_tflops * 1e12 * MFU)
+
+
+def _recomputed(prof, job, blocks: list[int], per_block: list) -> float:
+    """The factor on `blocks`' forward-and-backward work (PASSES) of the checkpointed ones' forward
+    running again: (PASSES + 1) / PASSES where all are, a share of it where only some are."""
+    again = job.checkpointed(prof.stacks, prof.n_blocks)
+    if all(again[g] for g in blocks):
+        return (PASSES + 1) / PASSES if job.checkpointing else 1.0
+    whole = sum(per_block[g] for g in blocks)
+    return 1.0 + sum(per_block[g] for g in blocks if again[g]) / PASSES / whole if whole else 1.0
 
 
 def step_traffic(prof, hw, job, samples_per_rank: float) -> float:

@@ -89,6 +89,8 @@ class Estimate:
     states: str = "fp32"  # the offload engine's moments' format (zero2-offload rows)
     why_states: str = ""  # why a compact format: what fp32 states would not fit
     labels: dict[str, str] = field(default_factory=dict)  # a cost's name as shown, where it says more (device_map)
+    activations: str = "keep"  # how the row keeps its activations: keep, checkpoint or offload (keeping.py)
+    checkpoint_blocks: int | None = None  # checkpoint / offload: the first blocks of each stack (None: all)
 
     @property
     def bottleneck(self) -> str:
@@ -111,7 +113,21 @@ def _bytes(**kw) -> dict[str, int]:
 def memory(strategy: str, prof, hw, c: int, checkpointing: bool, accum: int = 1, backend: str = "nccl",
            grads_on_device: bool = False, nvme_host: float = 0.0, grad_bytes: int = 4,
            shards: int | None = None, four_bit: bool = False, delayed: bool = False,
-           states: str = "fp32") -> tuple[dict, dict]:
+           states: str = "fp32", blocks: list[bool] | None = None, offload: bool = False) -> tuple[dict, dict]:
+    """(per-GPU bytes, per-host bytes) for one rank's GPU and one node's host RAM (`_memory`), the
+    activations kept as `checkpointing`, `blocks` (which blocks are checkpointed; None: all) and
+    `offload` (their inputs in pinned host RAM, every rank's of the node: profile.activations) say."""
+    gpu, host = _memory(strategy, prof, hw, c, checkpointing, accum, backend, grads_on_device, nvme_host, grad_bytes,
+                        shards, four_bit, delayed, states, blocks, offload)
+    if checkpointing and offload:
+        offloaded = prof.offloaded(blocks) * hw.gpus_per_node  # every rank's of the node
+        host = _bytes(**{**{k: host[k] for k in KEYS}, "activations": host["activations"] + offloaded})
+    return gpu, host
+
+
+def _memory(strategy: str, prof, hw, c: int, checkpointing: bool, accum: int, backend: str, grads_on_device: bool,
+            nvme_host: float, grad_bytes: int, shards: int | None, four_bit: bool, delayed: bool, states: str,
+            blocks: list[bool] | None, offload: bool) -> tuple[dict, dict]:
     """(per-GPU bytes, per-host bytes) for one rank's GPU and one node's host RAM.
 
     The GPU figure is the step's peak: the largest of three moments, each counted with what is alive
@@ -139,7 +155,8 @@ def memory(strategy: str, prof, hw, c: int, checkpointing: bool, accum: int = 1,
     rank's rows of them, gathered in 4 bits, on the host with zero3-offload."""
     n, w, u, r, v = prof.params, shards or hw.world_size, prof.largest_unit_params, prof.root_params, prof.head_params
     t, ut, rt, vt = prof.trainable_params, prof.largest_trainable_unit, prof.root_trainable, prof.trainable_head
-    act, loss_act = prof.activations(checkpointing), prof.activations(checkpointing) - prof.loss_saved
+    act = prof.activations(checkpointing, blocks, offload)
+    loss_act = act - prof.loss_saved
     lc, l32 = prof.logits_bytes, (prof.logits_numel or prof.logits_bytes // c) * 4
     held = 1 if accum > 1 else 0
     init = 0 if four_bit else 4 * n  # a 4-bit base is read and quantized on the device, a layer at a time
@@ -224,16 +241,20 @@ def _peak(common: dict, **moments: dict) -> dict[str, int]:
     return max((_bytes(**{**common, **parts}) for parts in moments.values()), key=lambda m: m["total"])
 
 
-def step_time(strategy: str, prof, hw, c: int, checkpointing: bool, tokens_per_step: int, accum: int,
+def step_time(strategy: str, prof, hw, c: int, checkpointing: float, tokens_per_step: int, accum: int,
               nvme_host: float = 0.0, grad_bytes: int = 4, issue: float = 0.0, traffic: float = 0.0,
-              states: str = "fp32", four_bit: bool = False, precision: str = "bf16") -> dict:
-    """Seconds per optimizer step of each cost; the step is their overlapped combination. `issue`: the
+              states: str = "fp32", four_bit: bool = False, precision: str = "bf16",
+              offloaded: float = 0.0) -> dict:
+    """Seconds per optimizer step of each cost; the step is their overlapped combination. `checkpointing`:
+    the share of the blocks' FLOPs recomputed (True: all; each a third of its FLOPs again); `issue`: the
     host's seconds to issue the step's kernels (hostcost.py), a floor under the GPU's compute;
     `traffic`: the GPU's seconds of memory-bound operators (devicecost.py), on top of its FLOPs.
-    `four_bit`: FSDP2 gathers the LoRA base layers, and zero3-offload copies their shards up, in NF4."""
+    `four_bit`: FSDP2 gathers the LoRA base layers, and zero3-offload copies their shards up, in NF4.
+    `offloaded`: a step's bytes of block inputs --activations offload copies to the host and back on a
+    side stream, overlapped with compute (`combine`)."""
     n, t, w = prof.params, prof.trainable_params, hw.world_size
     q = prof.quantized_params if four_bit else 0
-    flops = prof.flops_per_token * tokens_per_step * (4 / 3 if checkpointing else 1)
+    flops = prof.flops_per_token * tokens_per_step * (1 + checkpointing / 3)
     compute = flops / (w * matmul_flops_per_s(hw, precision)) + traffic
     link = (hw.inter_gbps / hw.gpus_per_node if hw.nodes > 1 else hw.intra_gbps) * 1e9
     ring = (w - 1) / w
@@ -260,8 +281,18 @@ def step_time(strategy: str, prof, hw, c: int, checkpointing: bool, tokens_per_s
             cpu = t / w * hw.gpus_per_node / (hw.cpu_adam_params_per_s * FSDP_HOST_ADAM)
     if strategy.endswith("nvme"):  # read and write back every state on the disk, the node's ranks together
         disk = 2 * nvme_bytes(t, hw, nvme_host, states) / (hw.nvme_gbps * 1e9)
-    return {"compute": compute, "host issue": issue, "communication": comm, "pcie": pcie, "cpu_optimizer": cpu,
-            "nvme": disk}
+    out = {"compute": compute, "host issue": issue, "communication": comm, "pcie": pcie, "cpu_optimizer": cpu,
+           "nvme": disk}
+    if offloaded:
+        out["activation offload"] = activation_copies(offloaded, hw)
+    return out
+
+
+def activation_copies(offloaded: float, hw) -> float:
+    """Seconds of one GPU's PCIe copies of `offloaded` bytes of block inputs a step: to the host in
+    forward, back before backward (2 x the bytes at hw.pcie_gbps). They run on a side stream beside the
+    blocks' compute, so `combine` takes the larger of the two, not their sum."""
+    return 2 * offloaded / (hw.pcie_gbps * 1e9)
 
 
 # The process beside its offloaded states: CUDA context, libraries, the dataset (plain PyTorch's process
@@ -302,8 +333,10 @@ def combine(costs: dict, engine: str | None = None, accum: int = 1, device: str 
     to within 5%). Not under "delayed", where it made 10 of 17 rows 7-22 points slower than measured."""
     if device == "cpu":
         gpu = costs["compute"] + costs.get("host issue", 0.0) + costs["communication"]
+        gpu += costs.get("activation offload", 0.0)
         return gpu + costs["pcie"] + max(costs["cpu_optimizer"], costs["nvme"])
-    work = max(costs["compute"], costs.get("host issue", 0.0))
+    # --activations offload's copies run on a side stream under the blocks' compute (activation_copies)
+    work = max(costs["compute"], costs.get("host issue", 0.0), costs.get("activation offload", 0.0))
     gpu = max(work, costs["communication"])
     host = max(costs["cpu_optimizer"], costs["nvme"], costs["pcie"])
     if engine is None:

@@ -23,9 +23,13 @@ def pass_seconds(prof, hw, job, blocks: Iterable[int], outside: bool = True) -> 
     """Host seconds to issue one forward and backward of `blocks` (indices into the profile's blocks)
     for one micro-batch or chunk, and of the parts outside the blocks (embeddings, head, loss) when
     `outside`. A profile without operator counts (built by hand) issues in no time."""
-    counts = prof.block_ops or [0] * prof.n_blocks
+    counts, blocks = prof.block_ops or [0] * prof.n_blocks, list(blocks)
+    again = job.checkpointed(prof.stacks, prof.n_blocks)  # the checkpointed blocks' forward runs twice
     ops = sum(counts[g] for g in blocks) * (COMPILED if job.compile else 1.0)
-    ops *= RECOMPUTE if job.checkpointing else 1.0
+    if all(again[g] for g in blocks):
+        ops *= RECOMPUTE if job.checkpointing else 1.0
+    else:
+        ops += sum(counts[g] for g in blocks if again[g]) * (COMPILED if job.compile else 1.0) * (RECOMPUTE - 1)
     return (ops + (prof.other_ops if outside else 0)) * hw.host_op_us * 1e-6
 
 

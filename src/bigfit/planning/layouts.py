@@ -1,9 +1,11 @@
-"""Composed plans: every factorisation of the job's processes into (pp, dp_replicate, dp_shard, tp)
+"""Composed plans: every factorisation of the job's processes into (pp, dp_replicate, dp_shard, cp, tp)
 that ParallelPlan accepts for a data-parallel kind (ddp, zero1, zero2, zero3, and the offload ones
 where plan_for allows), rated by composed.py beside the named strategies, with why the others were
 rejected, grouped. tp divides the model's heads, KV heads and FFN width and stays within a node; pp is
-at most the blocks; the global batch divides over the data-parallel ranks. Layouts a named row
-already rates (dp_shard or dp_replicate over every GPU, a pipeline over every GPU) are not repeated.
+at most the blocks; the global batch divides over the data-parallel ranks; cp (where the job rates
+context parallelism, or --cp asks) splits a decoder-only model's sequence into two slices a rank.
+Layouts a named row already rates (dp_shard or dp_replicate over every GPU, a pipeline over every GPU)
+are not repeated.
 
 A composed plan is recommended only when it beats every named strategy that fits by LAYOUT_MARGIN:
 its tensor-parallel and pipeline x data-parallel times rest on assumptions no GPU run has checked."""
@@ -16,8 +18,8 @@ from ..errors import BigfitError
 from ..layout.cut import PipelineLayout, balance, check_depth
 from ..layout.plan import DIMS, ParallelPlan, plan_for
 from ..settings.config import pipeline_defaults
-from . import composed
-from .rows import Candidate, fit_problem, gb
+from . import composed, keeping
+from .rows import Candidate, fit_problem, gb, roomy
 from .tp_trace import valid_tp
 
 KINDS = ("ddp", "zero1", "zero2", "zero3", "zero3-offload", "zero2-offload", "zero2-offload-nvme")
@@ -48,11 +50,12 @@ class Rejected:
     detail: str  # the line that says it for this one
 
 
-def factorisations(world: int) -> list[tuple[int, int, int, int]]:
-    """Every (pp, dp_replicate, dp_shard, tp) whose product is `world`."""
+def factorisations(world: int, context: bool = False) -> list[tuple[int, int, int, int, int]]:
+    """Every (pp, dp_replicate, dp_shard, cp, tp) whose product is `world`; cp 1 unless `context`."""
     divs = [d for d in range(1, world + 1) if world % d == 0]
-    return [(pp, r, s, world // (pp * r * s)) for pp in divs for r in divs if (world // pp) % r == 0
-            for s in divs if (world // (pp * r)) % s == 0]
+    return [(pp, r, s, cp, world // (pp * r * s * cp)) for pp in divs for r in divs if (world // pp) % r == 0
+            for s in divs if (world // (pp * r)) % s == 0
+            for cp in (divs if context else (1,)) if (world // (pp * r * s)) % cp == 0]
 
 
 def dims_name(degrees: dict[str, int]) -> str:
@@ -74,9 +77,10 @@ def layout_rows(prof, hw, job, fixed: dict[str, int]) -> tuple[list[LayoutCandid
     world, rows, rejected = hw.world_size, [], []
     if hw.device == "cpu":
         return [], [Rejected("every layout", "a CPU-only machine", "composed layouts are rated for GPUs only")]
-    tokens = job.batch_size * (job.seq_len + job.target_len)
-    for pp, dpr, dps, tp in factorisations(world):
-        degrees = dict(zip(DIMS, (pp, dpr, dps, 1, tp)))  # context parallelism: not rated among composed layouts yet
+    # context parallelism where the job asks for it: the planner's own jobs (job/autoplan.py), or --cp
+    context = job.context_parallel or fixed.get("cp", 1) > 1
+    for pp, dpr, dps, cp, tp in factorisations(world, context):
+        degrees = dict(zip(DIMS, (pp, dpr, dps, cp, tp)))
         if any(degrees[d] != v for d, v in fixed.items()):
             continue
         micro = job.micro_batch or job.batch_size // (dpr * dps)
@@ -90,11 +94,18 @@ def layout_rows(prof, hw, job, fixed: dict[str, int]) -> tuple[list[LayoutCandid
         if len(refusals) == len(KINDS):
             rejected.append(Rejected(dims_name(degrees), "bigfit cannot run these degrees with any data-parallel kind",
                                      refusals.get("zero3") or next(iter(refusals.values()))))
-        for kind, p in plans:
-            e = composed.estimate(layout_name(p, kind), p, prof, hw, job, micro, pipe)
-            why = fit_problem(e, hw)
-            rows.append(LayoutCandidate(e, why is None, why, tokens / e.step_time_s, strategy=kind, plan=p))
+        rows += [rate_layout(p, kind, prof, hw, job, micro, pipe) for kind, p in plans]
     return sorted(rows, key=lambda c: (not c.fits, *order(c))), rejected
+
+
+def rate_layout(p: ParallelPlan, kind: str, prof, hw, job, micro: int, pipe=None) -> LayoutCandidate:
+    """One composed plan's row, its activations kept as --activations auto takes for it (keeping.choose_keeping;
+    offload is not rated over pipeline stages)."""
+    tokens = job.batch_size * (job.seq_len + job.target_len)
+    e = keeping.choose_keeping(lambda j: composed.estimate(layout_name(p, kind), p, prof, hw, j, micro, pipe),
+                                lambda e: roomy(e, hw), job, prof, offload=pipe is None)
+    why = fit_problem(e, hw)
+    return LayoutCandidate(e, why is None, why, tokens / e.step_time_s, strategy=kind, plan=p)
 
 
 def order(c: Candidate) -> tuple[float, float, int]:
@@ -128,10 +139,23 @@ def _check_model(degrees: dict, prof, hw, job) -> None:
                       f"{pp} stages for {prof.n_blocks} blocks")
     if pp > 1 and prof.pipeline_error:
         raise _Reject("the pipeline cannot cut this model", prof.pipeline_error)
+    _check_context(degrees["cp"], prof, job)
     if job.batch_size % dp or (job.micro_batch and (job.batch_size // dp) % job.micro_batch):
         micro = f" in micro-batches of {job.micro_batch}" if job.micro_batch else ""
         raise _Reject(f"the batch of {job.batch_size} does not divide over the data-parallel ranks{micro}",
                       f"{dp} data-parallel ranks")
+
+
+def _check_context(cp: int, prof, job) -> None:
+    """Context parallelism splits a decoder-only model's sequences, into two slices a rank."""
+    if cp == 1:
+        return
+    if job.target_len or len(prof.stacks) > 1:
+        raise _Reject("context parallelism splits decoder-only models' sequences",
+                      f"cp {cp} for a model of {len(prof.stacks)} stacks")
+    if job.seq_len % (2 * cp):
+        raise _Reject("the sequence does not split into two slices for each context-parallel rank",
+                      f"{job.seq_len} tokens over 2 x cp {cp}")
 
 
 def _pipe(pp: int, prof, job, micro: int) -> composed.Pipe:
@@ -168,7 +192,7 @@ def _plans(world: int, degrees: dict, pipe,
         if pipe:
             p = replace(p, schedule=pipe.layout.schedule, stages_per_rank=pipe.layout.stages_per_rank,
                         chunks=pipe.layout.chunks)
-        elif sequence and p.tp > 1:
+        elif sequence and p.tp > 1 and p.cp == 1:  # context parallelism splits the sequence already
             p = replace(p, sequence_parallel=True)
         out.append((kind, p))
     return out, refusals
@@ -199,7 +223,7 @@ def choose(named: list[Candidate], rows: list[LayoutCandidate]) -> tuple[LayoutC
 
 
 def check_degrees(fixed: dict[str, int], hw, counts: dict[str, int], tp_error: str | None) -> None:
-    """`bigfit plan --tp/--pp/--dp-shard/--dp-replicate`: BigfitError naming a value that cannot be a
+    """`bigfit plan --tp/--pp/--dp-shard/--dp-replicate/--cp`: BigfitError naming a value that cannot be a
     degree of this machine (and, for tp, of this model), before anything is traced."""
     world, g = hw.world_size, hw.gpus_per_node
     where = f"the {world} GPUs" + (f" ({hw.nodes} nodes of {g})" if hw.nodes > 1 else "")

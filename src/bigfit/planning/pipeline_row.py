@@ -124,8 +124,10 @@ def rank_bytes(prof, job, layout, runs) -> list[dict[str, int]]:
     for r, held in enumerate(ranks):
         stages = layout.stages_of(r)
         held["activations"] = sum(k * per_chunk[s] for k, s in zip(in_flight(layout, r), stages))
-        if job.checkpointing:  # one block's activations again while it is recomputed, for one chunk
-            held["activations"] += max(prof.block_saved[g] for s in stages for g in range(*runs[s])) / m
+        again = job.checkpointed(prof.stacks, prof.n_blocks)
+        if job.checkpointing:  # one checkpointed block's activations again while it is recomputed, for one chunk
+            held["activations"] += max((prof.block_saved[g] for s in stages for g in range(*runs[s]) if again[g]),
+                                       default=0) / m
         if job.load_in_4bit:  # one layer dequantized at a time (bitsandbytes: a rank holds whole layers)
             held["buffers"] += transient(prof)
     logits32 = 4 * (prof.logits_numel or prof.logits_bytes // c)

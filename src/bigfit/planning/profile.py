@@ -90,6 +90,10 @@ class ModelProfile:
     unit_quantized: int = 0  # those in the largest block: FSDP2 gathers them in 4 bits with that unit
     block_quantized: list[float] = field(default_factory=list)  # those in each block (device maps, stages)
     nf4_ranks: int = 0  # torchao's NF4 splits every base layer into whole blocks over its divisors (0: none)
+    vocab: int = 0  # the logits' last dimension: the chunked loss's rule (layout/activations.py) reads it
+    kv_width: int = 0  # key/value heads x head dim: what context parallelism gathers per token (planning/keeping.py)
+    # the chunked loss (keeping.chunk_loss): the head's matmul again in backward, FLOPs per output token
+    head_flops_again: float = 0.0
 
     @property
     def trainable_params(self) -> float:
@@ -122,13 +126,34 @@ class ModelProfile:
         """Model FLOPs a token of the non-embedding parameters outside the blocks (an untied head,
         norms); frozen ones (LoRA's) skip their weight gradient."""
         outside = max(0, self.root_params - self.embedding_params)
-        return flop_weight(outside, min(outside, self.root_frozen))
+        return flop_weight(outside, min(outside, self.root_frozen)) + self.head_flops_again
 
-    def activations(self, checkpointing: bool) -> int:
+    def activations(self, checkpointing: bool, checkpointed: list[bool] | None = None, offload: bool = False) -> int:
+        """Saved bytes of a micro-batch at the end of forward. Checkpointed blocks (`checkpointed`, each
+        block's flag; None: all) keep their inputs, and one block's activations exist again while it is
+        recomputed; the others keep theirs, and backward reaches them first (the checkpointed blocks are
+        the first of each stack), so the recompute comes after they are freed: the larger of the two
+        counts. `offload`: the checkpointed inputs wait in host RAM but for OFFLOAD_IN_FLIGHT of them
+        (`offloaded` is what the host holds)."""
         if not checkpointing:
             return sum(self.block_saved) + self.other_saved
-        # checkpointed: block inputs stay; one block's activations exist again while it is recomputed
-        return sum(self.block_inputs) + self.other_saved + max(self.block_saved, default=0)
+        flags = checkpointed or [True] * max(len(self.block_inputs), len(self.block_saved))
+        inputs = [x for x, on in zip(self.block_inputs, flags) if on]
+        kept = sum(b for b, on in zip(self.block_saved, flags) if not on)
+        recompute = max((b for b, on in zip(self.block_saved, flags) if on), default=0)
+        held = OFFLOAD_IN_FLIGHT * max(inputs, default=0) if offload else sum(inputs)
+        return held + self.other_saved + max(kept, recompute)
+
+    def offloaded(self, checkpointed: list[bool] | None = None) -> int:
+        """Bytes of a micro-batch's checkpointed block inputs: what --activations offload copies to host
+        RAM in forward and back before each block's backward."""
+        flags = checkpointed or [True] * len(self.block_inputs)
+        return sum(x for x, on in zip(self.block_inputs, flags) if on)
+
+
+# --activations offload: block inputs on the device at once, one being copied to the host (forward) or
+# back (backward) while its neighbour is used (engine side stream, one block ahead)
+OFFLOAD_IN_FLIGHT = 2
 
 
 # What inductor's partitioner keeps of a compiled block's saved bytes: it recomputes the cheap
@@ -311,6 +336,7 @@ def _trace(model, seq2seq: bool, b: int, t: int, tt: int, skip=None, mixed: bool
                         block_fp32_flops=block_fp32,
                         block_matmul_flops=matmul, block_attention_flops=attention,
                         attention_per_token=sum(attention) / (t + (tt if seq2seq else 0)),
+                        vocab=logits.shape[-1], kv_width=_kv_width(model.config),
                         **_tp_counts(model.config, split), **frozen, **base_counts(model))
 
 
@@ -337,6 +363,14 @@ def _block_flops(stacks, hidden: int, t: int, tt: int) -> tuple[list[float], lis
 
 def _hidden(cfg) -> int:
     return getattr(cfg, "d_model", None) or getattr(cfg, "hidden_size", None) or cfg.n_embd
+
+
+def _kv_width(cfg) -> int:
+    """Key/value heads x head dim (a GQA model's fewer key/value heads; T5's d_kv)."""
+    heads = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_head", None) or getattr(cfg, "num_heads", 1)
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    dim = getattr(cfg, "head_dim", None) or getattr(cfg, "d_kv", None) or _hidden(cfg) // heads
+    return int(kv * dim)
 
 
 def _tp_counts(config, split: TensorSplit) -> dict:

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from rich.table import Table
 
-from .estimate import KEYS, RESERVE
+from .estimate import CACHE_SLACK, KEYS, RESERVE
+from .keeping import keeping_text
 
 
 def _gb(n: float) -> str:
@@ -23,7 +24,11 @@ def _table(title: str, first: str) -> Table:
 def _add(t: Table, c, bold: bool) -> None:
     e = c.estimate
     mark = "[green]yes[/green]" if c.fits else "[red]no[/red]"
-    name = e.name + (f" ({e.states} states)" if e.states != "fp32" else "")  # --optimizer-states auto's choice
+    # --optimizer-states auto's choice, and how the row keeps its activations (--activations auto's choice)
+    said = [f"{e.states} states"] * (e.states != "fp32") + [keeping_text(e)] * bool(keeping_text(e))
+    # a composed plan's name ends in its kind's brackets: the words join them
+    name = e.name if not said else (f"{e.name[:-1]}, {', '.join(said)})" if e.name.endswith(")")
+                                     else f"{e.name} ({', '.join(said)})")
     t.add_row(f"[bold]{name}[/bold]" if bold else name, mark, *(_gb(e.per_gpu[k]) for k in KEYS),
               _gb(e.per_gpu["total"]), _gb(e.per_host["total"]), f"{e.step_time_s:.3f}", f"{c.tokens_per_s:,.0f}",
               e.bottleneck)
@@ -34,11 +39,44 @@ def plan_table(p) -> Table:
     for c in p.candidates:
         _add(t, c, c.estimate.name == p.recommended)
     t.caption = ("per-GPU memory in GB (10^9 bytes; device_map and pipeline: their fullest GPU, every device "
-                 "below); host: one node's RAM for offloaded state")
+                 "below); host: one node's RAM for offloaded state; beside a name: activations checkpointed "
+                 "(the first N blocks of each stack) or offloaded to host RAM where the row needs it")
     if p.job.lora:  # gradients and optimizer states are the adapters': say how many parameters those are
         t.caption += (f"; LoRA: {p.trainable_params / 1e6:,.2f}M of {p.params / 1e6:,.1f}M parameters train "
                       "(grads and optim are theirs)")
     return t
+
+
+def longest_table(named: list, composed: list, hardware: str, micro: int, shown: int) -> Table:
+    """`bigfit plan --max-seq-len`: each row's longest sequence (longest.py) with its bytes and time there,
+    the named rows, then the `shown` composed plans that reach furthest."""
+    t = Table(title=f"bigfit plan --max-seq-len: {hardware}", title_justify="left")
+    cols = ("strategy", "tokens", "activations", "GPU total", "host", "step s", "tok/s", "bound by", "longer: out of")
+    for col in cols:
+        t.add_column(col, justify="right" if col in ("tokens", "GPU total", "host", "step s", "tok/s") else "left")
+    for r in [*named, *[c for c in composed if c.tokens][:shown]]:
+        e = r.row.estimate if r.row else None
+        if r.tokens is None or e is None:  # why not even the shortest fits: under the table
+            t.add_row(r.name, "none", *[""] * 6, _limit(r.beyond))
+            continue
+        name = r.name + (f" ({e.states} states)" if e.states != "fp32" else "")  # --optimizer-states auto's choice
+        t.add_row(name, f"{r.tokens:,}", keeping_text(e) or "keep", _gb(e.per_gpu["total"]), _gb(e.per_host["total"]),
+                  f"{e.step_time_s:.3f}", f"{r.row.tokens_per_s:,.0f}", e.bottleneck, _limit(r.beyond))
+    t.caption = (f"the longest sequence a sample predicted to fit at micro-batch {micro} per process, with "
+                 f"{CACHE_SLACK:.0%} of each GPU left to the allocator's cache; memory in GB at that length (10^9 bytes)")
+    return t
+
+
+def _limit(beyond: str) -> str:
+    """What a row runs out of one step longer (longest.Longest.beyond), in a word or two."""
+    if not beyond or "longest searched" in beyond:
+        return beyond and "nothing (searched no further)"
+    return "host RAM" if "host RAM" in beyond else "NVMe" if "NVMe" in beyond else "GPU memory"
+
+
+def longest_notes(rows: list) -> list[str]:
+    """Why the rows that hold no length at all do not: one line each."""
+    return [f"  {r.name}: {r.beyond}" for r in rows if r.tokens is None]
 
 
 def layout_table(p, shown: int, restricted: str = "") -> Table | None:
@@ -49,7 +87,8 @@ def layout_table(p, shown: int, restricted: str = "") -> Table | None:
     t = _table(f"composed plans{restricted}: the {len(fit)} fastest that fit", "plan")
     for c in fit:
         _add(t, c, c is p.layout_pick)
-    t.caption = "per-GPU memory of the fullest rank in GB; degrees in mesh order: pp x dp_replicate x dp_shard x tp"
+    t.caption = ("per-GPU memory of the fullest rank in GB; degrees in mesh order: pp x dp_replicate x dp_shard x cp "
+                 "x tp")
     return t
 
 

@@ -13,10 +13,11 @@ from .automap import profile_for
 from .devicecost import parameter_seconds, step_traffic
 from .estimate import CACHE_SLACK, Estimate, combine, grad_bytes, memory, nvme_bytes, nvme_fill, step_time
 from .hostcost import step_seconds as issue_seconds
+from .keeping import choose_keeping, chunk_loss, recompute_share
 from .workload import Workload
 from .layouts import LayoutCandidate, Rejected, choose, layout_rows
 from .profile import as_compiled, profile_model
-from .rows import Candidate, fit_problem as _fit, gb as _gb, gpu_cap, host_problem as _host_fit
+from .rows import Candidate, fit_problem as _fit, gb as _gb, gpu_cap, host_problem as _host_fit, roomy
 from .device_map_row import device_map_row
 from .pipeline_row import pipeline_row
 
@@ -79,8 +80,7 @@ def plan(prof, hw, job: Workload, strategies=ALL, autocast_prof=None, split_prof
         if name == "single" and world > 1:
             continue
         if name in WHOLE:
-            # device maps and pipeline stages run autocast over fp32 weights, as single does
-            row = (device_map_row if name in SPLIT_STRATEGIES else pipeline_row)(split_prof or autocast_prof or prof, hw, job)
+            row = _whole_row(name, split_prof or autocast_prof or prof, hw, job)
             why, sections[name] = row.no_fit or _host_fit(row.estimate, hw), row.section
             why = why or (quantized.unrunnable(prof, name, hw) if job.load_in_4bit else None)
             out.append(Candidate(row.estimate, why is None, why or row.not_candidate, tokens / row.estimate.step_time_s))
@@ -122,26 +122,49 @@ def _formats(name: str, job: Workload) -> tuple[str, ...]:
     return (job.optimizer_states,) if job.optimizer_states else OPTIMIZER_STATES
 
 
+def _whole_row(name: str, prof, hw, job: Workload):
+    """device_map's or pipeline's row (device maps and pipeline stages run autocast over fp32 weights, as
+    single does; traced at one process's whole micro-batch), its activations kept or every block
+    checkpointed, the faster that fits, under --activations auto (a map fits by moving blocks to the
+    host: the first way that fits need not be the faster; offload is not rated for them)."""
+    prof = chunk_loss(prof, job, job.micro(1) * (job.target_len or job.seq_len))
+    row = device_map_row if name in SPLIT_STRATEGIES else pipeline_row
+    return choose_keeping(lambda j: row(prof, hw, j), lambda r: not (r.no_fit or _host_fit(r.estimate, hw)), job, prof,
+                          offload=False, spills=True)
+
+
 def _row(name: str, states: str, prof, autocast_prof, hw, job: Workload, c: int, accum: int, tokens: int) -> Estimate:
-    """A data-parallel row's bytes and time, its offload engine's moments in `states`."""
+    """A data-parallel row's bytes and time, its offload engine's moments in `states`, its activations
+    kept as the job says or, --activations auto, as keeping.choose_keeping takes for it; the loss chunked as
+    --loss-chunk says (keeping.chunk_loss, at each process's micro-batch)."""
+    out = job.micro(hw.world_size) * (job.target_len or job.seq_len)
+    prof, autocast_prof = (chunk_loss(p, job, out) if p is not None else None for p in (prof, autocast_prof))
+    return choose_keeping(lambda j: _rated(name, states, prof, autocast_prof, hw, j, c, accum, tokens),
+                          lambda e: roomy(e, hw), job, prof, offload=hw.device == "cuda")
+
+
+def _rated(name: str, states: str, prof, autocast_prof, hw, job: Workload, c: int, accum: int, tokens: int) -> Estimate:
+    """A data-parallel row's bytes and time with the activations kept as `job` says."""
     world = hw.world_size
     gb = grad_bytes(job.precision, hw.cpu_adam_kernel) if name.startswith("zero2-offload") else 4
     kept = (job.nvme_host_gb * 1e9 if job.nvme_host_gb is not None
             else nvme_fill(prof, hw, job.offload_grads == "device", gb, states))
     traced = autocast_prof if name in AUTOCAST and autocast_prof else prof
+    flags = job.checkpointed(prof.stacks, prof.n_blocks)
     gpu, host = memory(name, traced, hw, c, job.checkpointing, accum, grads_on_device=job.offload_grads == "device",
                        nvme_host=kept, grad_bytes=gb, four_bit=job.load_in_4bit, delayed=job.delayed_update,
-                       states=states)
+                       states=states, blocks=flags, offload=job.offload_activations)
+    offloaded = traced.offloaded(flags) * accum if job.checkpointing and job.offload_activations else 0.0
     # a 4-bit base's matmuls each dequantize their weight too: memory-bound, beside the trace's operators
     dequant = quantized.dequant_seconds(prof, hw, job, accum, quantized.store(name, hw)) if job.load_in_4bit else 0.0
     # the issue cost from the plain trace's operators: autocast's casts run inside the dispatcher,
     # cheaply (single measured faster than zero2 and zero3 in every host-bound H200 row); the GPU's
     # memory traffic from the trace as it runs (autocast's fp32 residual stream and casts move bytes)
-    costs = step_time(name, prof, hw, c, job.checkpointing, tokens, accum, nvme_host=kept, grad_bytes=gb,
+    costs = step_time(name, prof, hw, c, recompute_share(prof, job), tokens, accum, nvme_host=kept, grad_bytes=gb,
                       issue=issue_seconds(prof, hw, job, accum, fsdp=name in FSDP),
                       traffic=step_traffic(traced, hw, job, job.batch_size / world) + dequant
                       + _parameter_traffic(name, traced, hw, job, accum), states=states, four_bit=job.load_in_4bit,
-                      precision=job.precision)
+                      precision=job.precision, offloaded=offloaded)
     step_s = combine(costs, engine=_engine_mode(job) if name.startswith("zero2-offload") else None, accum=accum,
                      device=hw.device)
     return Estimate(name, gpu, host, step_s, costs,
@@ -217,7 +240,7 @@ def _advice(cands: list[Candidate], job: Workload, hw) -> str:
                 key=lambda c: c.estimate.per_gpu["total"])
     short = least.estimate.per_gpu["total"] - cap
     tips = []
-    if not job.checkpointing:
+    if not job.checkpointing and not job.choose_activations:  # auto: every row was rated checkpointed already
         tips.append("--activation-checkpointing")
     if job.micro(hw.world_size) > 1:
         tips.append("a smaller --micro-batch-size")
@@ -249,6 +272,24 @@ def _parameter_traffic(name: str, prof, hw, job: Workload, accum: int) -> float:
 def plan_for_config(model_config, hw, job: Workload, strategies=ALL, layouts: dict | None = None) -> Recommendation:
     if job.load_in_4bit:
         quantized.check(job.lora is not None, job.precision)
+    prof, autocast, split = traces(model_config, hw, job, strategies, layouts)
+    result = plan(prof, hw, job, strategies, autocast, split, layouts)
+    micro, whole = job.micro(hw.world_size), [s for s in strategies if s in WHOLE]
+    data_parallel = any(s not in WHOLE for s in strategies) or layouts is not None
+    traced = ([f"micro-batch {micro}"] * data_parallel
+              + [f"micro-batch {job.micro(1)} for {' and '.join(whole)} (whole micro-batch)"] * bool(split))
+    result.notes.append(f"model: {prof.params / 1e6:.1f}M parameters, {prof.n_blocks} blocks; activations traced at "
+                        + " and ".join(traced or [f"micro-batch {micro}"]))
+    if job.lora:
+        result.notes.append(describe_lora(job.lora, prof.params, prof.trainable_params))
+    if job.load_in_4bit:
+        result.notes.append(quantized.describe(prof))
+    return result
+
+
+def traces(model_config, hw, job: Workload, strategies=ALL, layouts: dict | None = None) -> tuple:
+    """(the data-parallel trace, the autocast one or None, device_map's and pipeline's or None) that
+    `plan` rates `strategies` (and the composed plans, `layouts` not None) on."""
     micro = job.micro(hw.world_size)
     lengths = (model_config, micro, job.seq_len, job.target_len or job.seq_len, job.precision, hw.device)
     # the data-parallel trace, at each process's micro-batch: the named data-parallel rows and the composed ones
@@ -262,13 +303,4 @@ def plan_for_config(model_config, hw, job: Workload, strategies=ALL, layouts: di
     prof = as_compiled(profile_model(*lengths, lora=job.lora), job.compile) if data_parallel else split
     mixed = job.precision != "fp32" and hw.device == "cuda" and any(s in AUTOCAST or s in WHOLE for s in strategies)
     autocast = as_compiled(profile_model(*lengths, autocast=True, lora=job.lora), job.compile) if mixed else None
-    result = plan(prof, hw, job, strategies, autocast, split, layouts)
-    traced = ([f"micro-batch {micro}"] * data_parallel
-              + [f"micro-batch {job.micro(1)} for {' and '.join(whole)} (whole micro-batch)"] * bool(split))
-    result.notes.append(f"model: {prof.params / 1e6:.1f}M parameters, {prof.n_blocks} blocks; activations traced at "
-                        + " and ".join(traced or [f"micro-batch {micro}"]))
-    if job.lora:
-        result.notes.append(describe_lora(job.lora, prof.params, prof.trainable_params))
-    if job.load_in_4bit:
-        result.notes.append(quantized.describe(prof))
-    return result
+    return prof, autocast, split

@@ -14,7 +14,14 @@ class Workload:
     target_len: int = 0  # decoder tokens per sample (encoder-decoders)
     micro_batch: int | None = None  # None: batch_size / world size
     precision: str = "bf16"
-    checkpointing: bool = False
+    checkpointing: bool = False  # activation checkpointing: every block, or the first `checkpoint_blocks` of each stack
+    checkpoint_blocks: int | None = None  # with checkpointing: how many blocks of each stack (None: all)
+    offload_activations: bool = False  # with checkpointing: the checkpointed blocks' inputs in pinned host RAM
+    # --activations auto: each rated row keeps its activations the fastest way that fits (planning/keeping.py);
+    # the fields above are then where the choice starts (keep)
+    choose_activations: bool = False
+    loss_chunk: int | None = 0  # tokens per chunk of the LM head and loss (layout/activations.py); 0: whole, None: auto
+    context_parallel: bool = False  # composed plans rate context-parallel degrees too (bigfit plan, --strategy auto)
     delayed_update: bool = False  # zero2-offload's host step overlaps the next step
     offload_grads: str = "host"  # zero2-offload: where gradients wait for the host step (host or device)
     nvme_host_gb: float | None = 0.0  # zero2-offload-nvme: GB of states per node kept in RAM; None: what RAM leaves
@@ -32,6 +39,23 @@ class Workload:
     def micro(self, world: int) -> int:
         """The micro-batch per process: given, or the whole per-process share (no accumulation)."""
         return self.micro_batch or max(1, self.batch_size // world)
+
+    def checkpointed(self, stacks: list[tuple[str, int]], n_blocks: int) -> list[bool]:
+        """Which blocks, in execution order, are checkpointed: none, every one, or the first
+        `checkpoint_blocks` of each stack (`stacks`: a profile's (path, blocks); a profile built by
+        hand without them: the first of all `n_blocks`)."""
+        if not self.checkpointing:
+            return [False] * n_blocks
+        k = n_blocks if self.checkpoint_blocks is None else self.checkpoint_blocks
+        return [i < k for _, n in (stacks or [("", n_blocks)]) for i in range(n)]
+
+    @property
+    def keeping(self) -> str:
+        """How the activations are kept, as --activations names it (with the blocks where not all)."""
+        if not self.checkpointing:
+            return "keep"
+        how = "offload" if self.offload_activations else "checkpoint"
+        return how + (f" {self.checkpoint_blocks} blocks" if self.checkpoint_blocks is not None else "")
 
 
 def planned_lengths(cfg, lengths: tuple[int, int] | None = None) -> tuple[int, int]:

@@ -41,6 +41,9 @@ class PlanOutput:
     """How `bigfit plan` shows the plan: the table and the job it rated, or JSON; a PNG beside."""
 
     json: bool = False  # print the plan, and the job it rated, as one JSON object
+    # for each strategy and composed layout, the longest sequence a sample predicted to fit (at the job's
+    # micro-batch, 1 unless given) and how its activations are kept there, in place of the plan
+    max_seq_len: bool = False
     plot: str | None = None  # write per-GPU memory bars to this PNG
 
 
