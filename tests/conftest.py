@@ -56,7 +56,7 @@ from tiny import FAMILIES, write_model_dirs, write_pairs  # noqa: E402
 LONGEST = ("test_parallel_apply.py", "test_launch.py", "test_bench.py", "test_commands_autobatch.py", "test_parity.py", "test_adapters_lora.py",
            "test_resume.py", "test_userloop.py", "test_loading.py", "test_planning.py", "test_plan_accuracy.py",
            "test_tensor_adapters.py", "test_outputs_ownership.py", "test_tensor.py", "test_qlora_strategies.py",
-           "test_userloop_hf.py", "test_launchers.py")
+           "test_userloop_hf.py", "test_launchers.py", "test_context_parallel.py")
 
 
 def pytest_collection_modifyitems(items) -> None:
