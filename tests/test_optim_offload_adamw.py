@@ -19,8 +19,11 @@ STEPS = 6
 # bigfit's fp32 kernel against torch.optim.AdamW (single-tensor path): each operation rounds as torch's
 # (-ffp-contract=off), but the kernel's coefficients are rounded to float once where torch keeps some in
 # double, so they part by an ulp or two a step. Measured: 1.2e-7 largest parameter difference after 6
-# steps at lr 1e-3 (weights ~0.02), with accumulation, groups and clipping alike.
-FP32_ATOL = 1e-6
+# steps at lr 1e-3 (weights ~0.02), with accumulation, groups and clipping alike; with transformers 5.25's
+# tiny Llama (2026-12-08) the groups under a scheduler with clipping part by 2.6e-6 (the same on the tree
+# before any change of that day): Adam divides by sqrt(v), so a parameter whose gradient is near zero turns
+# an ulp of it into a visible step.
+FP32_ATOL = 5e-6
 # bf16 moments (stochastic rounding) and int8 moments (block-scaled 8-bit codes) against fp32 AdamW after
 # 6 steps at lr 1e-3: measured 2.0e-5 (bf16) and 2.3e-4 (int8) largest difference; an update is ~1e-3.
 COMPACT_ATOL = {"bf16": 1e-4, "int8": 1e-3}

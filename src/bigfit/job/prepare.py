@@ -75,10 +75,7 @@ def load(job: Job) -> Prepared:
 
 def _load(job: Job, source: ModelSource, model_config) -> Prepared:
     cfg = job.cfg
-    tokenizer = load_tokenizer(source, model_config)
-    if cfg.chat_template:  # the user's template over the tokenizer's own (or its lack of one)
-        tokenizer.chat_template = read_text(cfg.chat_template, f"--chat-template {cfg.chat_template!r}",
-                                            "a Jinja chat template file")
+    tokenizer = _tokenizer(cfg, source, model_config)
     seq2seq = is_seq2seq(model_config)
     if cfg.pack and seq2seq:
         raise BigfitError(f"--pack lays samples end to end for decoder-only models; {cfg.model or 'the embedded T5'} is "
@@ -117,8 +114,16 @@ def data_lengths(cfg: TrainConfig) -> tuple[int, int]:
     `prepare` (_LAST): the starter tokenizes once."""
     source = locate(cfg.model)
     model_config = load_config(source)
-    dataset, _ = _dataset(cfg, load_tokenizer(source, model_config), is_seq2seq(model_config))
+    dataset, _ = _dataset(cfg, _tokenizer(cfg, source, model_config), is_seq2seq(model_config))
     return _lengths(cfg, dataset)
+
+
+def _tokenizer(cfg: TrainConfig, source: ModelSource, model_config):
+    tokenizer = load_tokenizer(source, model_config)
+    if cfg.chat_template:  # the user's template over the tokenizer's own (or its lack of one)
+        tokenizer.chat_template = read_text(cfg.chat_template, f"--chat-template {cfg.chat_template!r}",
+                                            "a Jinja chat template file")
+    return tokenizer
 
 
 # The last dataset tokenized in this process, by what it depends on: `--strategy auto` and micro-batch

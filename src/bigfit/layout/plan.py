@@ -74,7 +74,7 @@ class ParallelPlan:
     name: str = "zero3"  # the alias it was resolved from, for messages and the start-of-run table
 
     def __post_init__(self):
-        degrees = {d: getattr(self, d) for d in DIMS}
+        degrees = {d: getattr(self, d) for d in DIMS if d != "cp" or self.cp != 1}  # cp named where it is used
         if any(not isinstance(v, int) or v < 1 for v in degrees.values()):
             raise BigfitError(f"parallel degrees must be positive integers, got {_named(degrees)}")
         if self.product != self.world:
