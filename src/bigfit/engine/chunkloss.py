@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -31,7 +32,8 @@ class ChunkedHead:
 
     def __init__(self, head: torch.nn.Module, setting: int | None, vocab: int):
         self.head, self.setting, self.vocab = head, setting, vocab
-        self.targets, self.tokens = None, 0
+        self.now = threading.local()  # (targets, tokens) of the micro-batch under way on this thread: a
+        # device map's GPipe chunks run on threads of their own, at once
         self.forward, self.shadowed = head.forward, "forward" in head.__dict__  # another hook's (a device map's)
         head.forward = functools.partial(ChunkedHead._call, self)
 
@@ -43,17 +45,18 @@ class ChunkedHead:
     def computing(self, targets: torch.Tensor, tokens: int):
         """Inside, the head returns the summed loss of `targets` (each position's own target: labels
         shifted already) as its output, `tokens` at a time."""
-        self.targets, self.tokens = targets, tokens
+        self.now.batch = (targets, tokens)
         try:
             yield
         finally:
-            self.targets = None
+            self.now.batch = None
 
     def _call(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.targets is None:
+        targets, tokens = getattr(self.now, "batch", None) or (None, 0)
+        if targets is None:
             return self.forward(hidden)
-        width = max(1, self.tokens // hidden.size(0))  # sequence positions a chunk takes of every row
-        pieces = zip(hidden.split(width, dim=1), self.targets.split(width, dim=1))
+        width = max(1, tokens // hidden.size(0))  # sequence positions a chunk takes of every row
+        pieces = zip(hidden.split(width, dim=1), targets.split(width, dim=1))
         # (1, 1, 1): where a model slices its logits' last dimension (a padded vocabulary), it still can
         return sum(checkpoint(self._chunk_loss, h, t, use_reentrant=False) for h, t in pieces).reshape(1, 1, 1)
 
