@@ -3,7 +3,8 @@
 The mesh has every dimension of the plan (`pp`, `dp_replicate`, `dp_shard`, `cp`, `tp`, outermost first),
 degree 1 included, so that code asks for a dimension by name whatever the layout: FSDP2 shards over
 `dp_shard` (HSDP: `dp_replicate` x `dp_shard`; with context parallelism `dp_shard` x `cp`), DTensor
-splits over `tp`, pipeline stages talk over `pp`, attention gathers keys and values over `cp`. Neighbouring ranks share the innermost dimension: tensor parallelism, the most talkative,
+splits over `tp`, pipeline stages talk over `pp`, attention gathers keys and values over `cp`.
+Neighbouring ranks share the innermost dimension: tensor parallelism, the most talkative,
 stays inside a node. One process without a process group has no mesh: its data view is itself.
 """
 from __future__ import annotations
