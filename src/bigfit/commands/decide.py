@@ -9,6 +9,8 @@ import dataclasses
 import json
 import os
 
+import torch
+
 from ..common.distributed import launched_by_torchrun_env
 from ..errors import BigfitError
 from ..job import autoplan as planner
@@ -35,6 +37,10 @@ def decided(cfg: TrainConfig) -> tuple[TrainConfig, tuple[int, int] | None]:
     NVMe tier's share in RAM, a resumed run's batch and state format), and the data's longest sample
     where the planner rated it (the data read here is kept for `prepare`)."""
     lengths = None
+    if undecided_activations(cfg) and not torch.cuda.is_available():
+        # no GPU: activations live in the host RAM the run uses anyway, and the planner's choice is one of GPU
+        # memory; nor is its trace paid (about 1 s a command on the CPU machine, every test's bigfit train)
+        cfg = dataclasses.replace(cfg, activations="keep")
     if cfg.strategy == "auto" or "auto" in (cfg.batch_size, cfg.micro_batch_size) or undecided_activations(cfg):
         lengths = data_lengths(cfg)  # the planner rates the data's longest batch, not the length limits
     if cfg.strategy == "auto":

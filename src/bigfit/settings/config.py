@@ -114,8 +114,8 @@ class TrainConfig:
     activation_checkpointing: bool = False  # recompute each block's activations in backward instead of storing them
     # how each block's activations are kept: keep (stored for backward), checkpoint (only the block's input
     # stored, the rest recomputed in backward), offload (checkpoint, and each block's input copied to pinned host
-    # RAM during forward, back before its backward); auto: the planner's fastest that fits (keep where it cannot
-    # rate the job). --activation-checkpointing is checkpoint
+    # RAM during forward, back before its backward); auto: the planner's fastest that fits the GPUs (keep where
+    # it cannot rate the job, and on a machine without a GPU). --activation-checkpointing is checkpoint
     activations: str = "auto"
     checkpoint_blocks: int | None = None  # checkpoint / offload: how many blocks, the first of each stack; None: every block
     # tokens per chunk of the LM head and its loss: the logits of one chunk exist at a time, in forward and
