@@ -35,23 +35,22 @@ class GatherKeys(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group, order):
-        ctx.group, ctx.order, ctx.n = group, order, x.size(2)
+        ctx.group, ctx.order = group, order
         parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
         dist.all_gather(parts, x.contiguous(), group=group)
         return torch.cat(parts, dim=2).index_select(2, order)
 
     @staticmethod
     def backward(ctx, grad):
-        held = torch.empty_like(grad)
+        held = torch.empty_like(grad, memory_format=torch.contiguous_format)  # collectives read memory in order
         held.index_copy_(2, ctx.order, grad)  # back to rank after rank
         size, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
-        parts = list(held.contiguous().chunk(size, dim=2))
         if dist.get_backend(ctx.group) == "gloo":
-            out = held.contiguous()
-            dist.all_reduce(out, group=ctx.group)
-            return out.chunk(size, dim=2)[rank].contiguous(), None, None
+            dist.all_reduce(held, group=ctx.group)
+            return held.chunk(size, dim=2)[rank].contiguous(), None, None
+        parts = [p.contiguous() for p in held.chunk(size, dim=2)]
         out = torch.empty_like(parts[rank])
-        dist.reduce_scatter(out, [p.contiguous() for p in parts], group=ctx.group)
+        dist.reduce_scatter(out, parts, group=ctx.group)
         return out, None, None
 
 
