@@ -44,7 +44,7 @@ class ContextParallel:
     """The `cp` group's view of the model: its attention swapped in while installed."""
 
     def __init__(self, model: torch.nn.Module, group):
-        self.model, self.group = model, group
+        self.group = group
         self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.configs = _configs(model)
         self.before = [c._attn_implementation for c in self.configs]

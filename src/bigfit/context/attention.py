@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from .split import Slice, gathered_order
+from .split import Slice
 
 NAME = "bigfit_context_parallel"
 # the batch slice under way, (Slice, group): set by the forward of each micro-batch and read again by
@@ -80,8 +80,7 @@ def context_attention(module, query, key, value, attention_mask, scaling=None, d
     kv_heads, local, dim) of this rank's tokens. Each of the rank's two chunks attends to the keys
     up to its own end (a causal mask never reaches further), so the work is the chunk's share."""
     piece, group = _active[0]
-    order = gathered_order(piece.length, dist.get_world_size(group), key.device)
-    k, v = (GatherKeys.apply(t, group, order) for t in (key, value))
+    k, v = (GatherKeys.apply(t, group, piece.order) for t in (key, value))
     half = query.size(2) // 2
     out = []
     for part, q in zip(query.split(half, dim=2), piece.positions.split(half)):

@@ -43,6 +43,7 @@ class Slice:
     positions: torch.Tensor  # (length_local,) their indices in the whole sequence
     documents: torch.Tensor | None  # (batch, length) packed samples' document of every whole-sequence position
     length: int  # of the whole (padded) sequence
+    order: torch.Tensor  # gathered_order: the keys gathered from every rank back in the sequence's order
 
 
 def split_batch(batch: dict, cp: int, rank: int) -> Slice:
@@ -60,4 +61,4 @@ def split_batch(batch: dict, cp: int, rank: int) -> Slice:
     mine = local_positions(length, cp, rank, ids.device)
     documents = torch.cumsum(pos == 0, dim=1) if packed else None  # a packed sample starts at position 0
     return Slice(inputs={"input_ids": ids[:, mine], "position_ids": pos[:, mine]}, targets=targets[:, mine],
-                 positions=mine, documents=documents, length=length)
+                 positions=mine, documents=documents, length=length, order=gathered_order(length, cp, ids.device))

@@ -94,6 +94,8 @@ class Engine(Protocol):
     def attach_optimizer(self, cls: type, **kw) -> None:
         """Build the optimizer over the parameters, where the strategy keeps its states."""
 
+    context_ranks: int  # ranks that split each sequence (context parallelism): the loop scales the loss by them
+
     def set_loss(self, fn: Callable | None) -> None:
         """`run_batch` computes each micro-batch's loss with `fn(logits, labels)` (the user's loop)."""
 
@@ -162,7 +164,11 @@ class Applied:
     # long sequences (decoder-only): each sequence split over context-parallel ranks; the head's loss in chunks
     context: ContextParallel | None = None
     chunked: ChunkedHead | None = None
-    context_ranks: int = 1  # ranks that split each sequence: gradients are averaged over them too (step.py)
+
+    @property
+    def context_ranks(self) -> int:
+        """Ranks that split each sequence: gradients are averaged over them too (step.py)."""
+        return self.context.size if self.context is not None else 1
 
     def set_loss(self, fn: Callable | None) -> None:
         """Compute each micro-batch's loss with `fn` (the user's: engine.forward_backward, a pipeline's schedule)."""

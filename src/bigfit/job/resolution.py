@@ -111,7 +111,7 @@ def resolve(cfg: TrainConfig, world_size: int, undecided: tuple[str, ...] = ()) 
 def activation_plan(cfg: TrainConfig) -> dict:
     """The plan's fields for how activations are kept. --activation-checkpointing is checkpoint; an
     "auto" still undecided here (the planner decides it before resolving: commands/decide.py) keeps them."""
-    how = "checkpoint" if cfg.activation_checkpointing and cfg.activations in ("auto", "keep") else cfg.activations
+    how = "checkpoint" if cfg.activation_checkpointing and cfg.activations == "auto" else cfg.activations
     return dict(checkpointing=how in ("checkpoint", "offload"), offload_activations=how == "offload",
                 checkpoint_blocks=cfg.checkpoint_blocks if how in ("checkpoint", "offload") else None)
 

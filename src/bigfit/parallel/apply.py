@@ -81,7 +81,7 @@ def apply(model: torch.nn.Module, plan: ParallelPlan, cfg, rt: Runtime,
     engine = apply_offloading(engine, plan, cfg, rt, weights)
     engine.notes[:0] = notes + ([weights.describe()] if weights else []) + _described(quantized)
     engine.frozen_in_checkpoints = not cfg.lora  # a LoRA base is made again from its source on every start
-    engine.context, engine.context_ranks = context, plan.cp
+    engine.context = context
     # not where the head runs apart from the micro-batch that set its targets: a pipeline's last stage (the
     # schedule's loss function), a device map's GPipe chunks (their segments run on the scheduler's thread)
     if plan.pp == 1 and not (plan.split and plan.chunks > 1):
